@@ -1,0 +1,104 @@
+"""`streamsync bench`: the same model pushed with window 1 and window 4 in one run, ratio printed.
+
+CPU (default): a ~1 GB Qwen3-shaped bf16 model made locally, pushed over shared memory into a receiver
+process. Sender and receiver each get one intra-op thread, so on a 2-core machine the pipeline's
+overlap (pack of chunk i+1 while the receiver loads chunk i) is what the ratio measures.
+`--device cuda` runs the GPU benchmark (see streamsync.bench_cuda).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import torch
+
+from .engines.process import ReceiverProcess
+from .models import StateModule, perturb_, qwen3_specs, save_specs
+from .sync import MiB, WeightSync
+
+CPU_SHAPE = dict(vocab=32768, hidden=1024, layers=32, heads=16, kv_heads=8, head_dim=64, intermediate=3072)
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
+
+
+async def _bench_cpu(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    shape = dict(CPU_SHAPE, layers=args.layers)
+    specs = qwen3_specs(**shape)
+    work = Path(tempfile.mkdtemp(prefix="streamsync-bench-"))
+    print(f"building a Qwen3-shaped bf16 model ({args.layers} layers) ...", flush=True)
+    model = StateModule(specs, fill="random", seed=0)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    print(f"model: {nbytes / 1e9:.2f} GB, {len(specs)} tensors; starting receiver process ...", flush=True)
+    times: dict[int, list[float]] = {1: [], 4: []}
+    chunks = 0
+    with ReceiverProcess(str(save_specs(specs, work / "model.json")), threads=1) as rp:
+        engine = rp.engine(timeout=300)
+        sync = WeightSync([engine], chunk_bytes=args.chunk_mib * MiB, timeout=300)
+        await sync.connect()
+        for _ in range(args.warmup):
+            for w in (1, 4):
+                await sync.push(model, max_inflight=w)
+        for r in range(args.repeat):
+            perturb_(model, r)
+            order = (1, 4) if r % 2 == 0 else (4, 1)  # alternate so neither window always runs second
+            for w in order:
+                report = await sync.push(model, max_inflight=w)
+                times[w].append(report.seconds)
+                chunks = report.chunks
+                print(f"  repeat {r + 1}/{args.repeat} window {w}: {report.seconds * 1e3:.0f} ms", flush=True)
+        from .checksum import digests
+
+        exact = await engine.checksums() == digests(model.state_dict().items())
+        await engine.close()
+    t1, t4 = statistics.median(times[1]), statistics.median(times[4])
+    result = {
+        "device": "cpu", "model": f"qwen3-shaped bf16 {args.layers} layers", "bytes": nbytes, "chunks": chunks,
+        "chunk_bytes": args.chunk_mib * MiB, "repeat": args.repeat,
+        "push_s_window1": t1, "push_s_window4": t4, "speedup_window4_vs_1": t1 / t4,
+        "push_s_window1_all": times[1], "push_s_window4_all": times[4], "bit_exact": exact,
+        "gbps_window4": nbytes / t4 / 1e9,
+    }
+    print()
+    print(_table([
+        ("model", f"{nbytes / 1e9:.2f} GB in {chunks} chunks of {args.chunk_mib} MiB"),
+        ("push, window 1", f"{t1 * 1e3:.0f} ms (median of {args.repeat})"),
+        ("push, window 4", f"{t4 * 1e3:.0f} ms ({nbytes / t4 / 1e9:.2f} GB/s)"),
+        ("window 4 vs 1", f"{t1 / t4:.2f}x faster"),
+        ("receiver bit-exact", str(exact)),
+    ]))
+    return result
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--json", type=Path, help="write the results as JSON here")
+    ap.add_argument("--layers", type=int, default=32, help="decoder layers of the CPU model (32: ~1 GB)")
+    ap.add_argument("--chunk-mib", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.device == "cuda":
+        from .bench_cuda import run as run_cuda
+
+        result = run_cuda(args)
+    else:
+        t0 = time.perf_counter()
+        result = anyio.run(_bench_cpu, args)
+        result["wall_s"] = time.perf_counter() - t0
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.json}")
+    return result

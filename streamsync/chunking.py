@@ -1,0 +1,91 @@
+"""Group tensors into chunks by a byte budget.
+
+Order: embeddings first, decoder layers in index order, everything else (final norm, lm_head) last. A
+decoder layer stays in one chunk where it fits the budget; an *atomic* group (all MoE experts of one layer)
+is never split even when it exceeds the budget. A single tensor larger than the budget gets its own chunk.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EMBED = re.compile(r"embed|word_embeddings|wte\b")
+
+
+def layer_index(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def order_key(name: str) -> tuple[int, int]:
+    """Sort key: (0, 0) embeddings, (1, layer) decoder layers, (2, 0) the rest (norm, lm_head)."""
+    layer = layer_index(name)
+    if layer is not None:
+        return (1, layer)
+    if _EMBED.search(name):
+        return (0, 0)
+    return (2, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One unit to place: `unit` keeps items together where they fit; `atomic` keeps them together always."""
+
+    key: object
+    nbytes: int
+    unit: object
+    atomic: object | None = None
+
+
+def plan_chunks(items: Sequence[Item], budget: int) -> list[list[object]]:
+    """Split ordered items into chunks of keys. Items must already be in push order."""
+    if budget <= 0:
+        raise ValueError(f"chunk budget must be positive, got {budget}")
+    # Build units (consecutive items sharing `unit`), each a list of atomic groups.
+    units: list[list[list[Item]]] = []
+    last_unit = object()
+    for it in items:
+        if not units or it.unit != last_unit:
+            units.append([])
+            last_unit = it.unit
+        groups = units[-1]
+        if it.atomic is not None and groups and groups[-1][0].atomic == it.atomic:
+            groups[-1].append(it)
+        else:
+            groups.append([it])
+
+    chunks: list[list[object]] = []
+    cur: list[object] = []
+    cur_bytes = 0
+
+    def flush() -> None:
+        nonlocal cur, cur_bytes
+        if cur:
+            chunks.append(cur)
+        cur, cur_bytes = [], 0
+
+    for groups in units:
+        unit_bytes = sum(i.nbytes for g in groups for i in g)
+        if cur_bytes + unit_bytes <= budget:
+            cur += [i.key for g in groups for i in g]
+            cur_bytes += unit_bytes
+            continue
+        if unit_bytes <= budget:  # a whole layer fits an empty chunk: start one
+            flush()
+            cur = [i.key for g in groups for i in g]
+            cur_bytes = unit_bytes
+            continue
+        # The unit is larger than a chunk: fill by atomic groups.
+        for g in groups:
+            g_bytes = sum(i.nbytes for i in g)
+            if cur_bytes + g_bytes > budget:
+                flush()
+            cur += [i.key for i in g]
+            cur_bytes += g_bytes
+            if cur_bytes >= budget:
+                flush()
+    flush()
+    return chunks

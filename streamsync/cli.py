@@ -1,0 +1,57 @@
+"""Command line: `streamsync run PIPELINE.toml`, `streamsync bench`, `streamsync trace serve FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="streamsync", description="Stream trainer weights into inference engines.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    run_p = sub.add_parser("run", help="run a pipeline spec (TOML)")
+    run_p.add_argument("spec", type=Path)
+    run_p.add_argument("--json", type=Path, help="write the push reports as JSON here")
+
+    bench_p = sub.add_parser("bench", help="pipelined vs serial push, ratio printed")
+    from .bench import add_arguments
+
+    add_arguments(bench_p)
+
+    trace_p = sub.add_parser("trace", help="pipeline trace viewer")
+    trace_sub = trace_p.add_subparsers(dest="trace_cmd", required=True)
+    serve_p = trace_sub.add_parser("serve", help="serve the viewer for a trace file")
+    serve_p.add_argument("file", type=Path)
+    serve_p.add_argument("--host", default="127.0.0.1")
+    serve_p.add_argument("--port", type=int, default=8765)
+    summ_p = trace_sub.add_parser("summary", help="print a trace's per-stage summary")
+    summ_p.add_argument("file", type=Path)
+
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        from .runner import run_spec
+
+        return run_spec(args.spec, json_path=args.json)
+    if args.cmd == "bench":
+        from .bench import run
+
+        run(args)
+        return 0
+    if args.cmd == "trace":
+        from . import viewer
+
+        if not args.file.exists():
+            print(f"streamsync: no trace file {args.file}", file=sys.stderr)
+            return 2
+        if args.trace_cmd == "summary":
+            print(viewer.summary(args.file))
+            return 0
+        viewer.serve(args.file, args.host, args.port)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

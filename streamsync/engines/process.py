@@ -1,0 +1,249 @@
+"""A plain receiver in another process, speaking the four phases as JSON lines over TCP on loopback.
+
+It holds a `StateModule` (or any module a factory builds) and applies chunks with the same
+`WeightReceiver` the vLLM backend uses. Messages are plain JSON, never pickles. Useful for tests,
+benchmarks, and as the reference receiver for new transports.
+
+    python -m streamsync.engines.process --specs model.json [--host 127.0.0.1] [--port 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import anyio
+import torch
+
+from ..checksum import digests
+from ..errors import EngineError, StreamSyncError
+from ..receiver import ModuleLoader, WeightReceiver
+from .base import Engine
+
+_MAX_LINE = 64 << 20
+
+
+# --------------------------------------------------------------------------------------------- server
+
+
+class _Server:
+    def __init__(self, module: torch.nn.Module, device: str, delay_s: float = 0.0) -> None:
+        self.module = module
+        self.loader = ModuleLoader(module)
+        self.rx = WeightReceiver(device)
+        self.delay_s = delay_s
+        self.paused = False
+
+    def handle(self, msg: dict[str, Any]) -> Any:
+        op = msg.get("op")
+        if op == "init":
+            self.rx.init(msg["info"])
+        elif op == "start":
+            self.rx.start()
+        elif op == "update":
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            return self.rx.update(msg["info"], self.loader)
+        elif op == "finish":
+            self.rx.finish(msg["version"])
+        elif op == "version":
+            return self.rx.version
+        elif op == "status":
+            return {"version": self.rx.version, "updating": self.rx.updating, "dirty": self.rx.dirty,
+                    "paused": self.paused, "pid": os.getpid()}
+        elif op == "weight_info":
+            return {n: [d, list(s)] for n, (d, s) in self.loader.expected().items()}
+        elif op == "checksums":
+            return digests(self.module.state_dict().items())
+        elif op == "pause":
+            self.paused = True
+        elif op == "resume":
+            self.paused = False
+        elif op == "shutdown":
+            return None
+        elif op == "ping":
+            return "pong"
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        return None
+
+    def serve(self, sock: socket.socket) -> None:
+        while True:
+            conn, _ = sock.accept()
+            with conn, conn.makefile("rb") as rf, conn.makefile("wb") as wf:
+                for line in rf:
+                    try:
+                        msg = json.loads(line)
+                        reply = {"ok": True, "result": self.handle(msg)}
+                    except Exception as e:
+                        reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                    wf.write(json.dumps(reply).encode() + b"\n")
+                    wf.flush()
+                    if msg.get("op") == "shutdown":
+                        return
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--specs", required=True, help="JSON list of [name, dtype, shape]")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--delay", type=float, default=0.0, help="sleep per update (tests of slow receivers)")
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from ..models import StateModule, load_specs
+
+    module = StateModule(load_specs(args.specs), fill="zeros", device=args.device)
+    sock = socket.create_server((args.host, args.port))
+    print(f"LISTENING {sock.getsockname()[1]}", flush=True)
+    _Server(module, args.device, args.delay).serve(sock)
+
+
+# --------------------------------------------------------------------------------------------- client
+
+
+class ReceiverEngine(Engine):
+    """Client of a receiver process. One request at a time; every request has a timeout."""
+
+    def __init__(self, host: str, port: int, *, name: str | None = None, timeout: float = 60.0,
+                 device: str = "cpu") -> None:
+        self.host, self.port = host, port
+        self.name = name or f"receiver@{host}:{port}"
+        self.timeout = timeout
+        self.device = device
+        self._stream: anyio.abc.ByteStream | None = None
+        self._buffered: anyio.streams.buffered.BufferedByteReceiveStream | None = None
+        self._lock = anyio.Lock()
+
+    async def _connect(self) -> None:
+        from anyio.streams.buffered import BufferedByteReceiveStream
+
+        try:
+            self._stream = await anyio.connect_tcp(self.host, self.port)
+        except OSError as e:
+            raise EngineError(self.name, f"cannot connect: {e}") from e
+        self._buffered = BufferedByteReceiveStream(self._stream)
+
+    async def call(self, op: str, timeout: float | None = None, **kw: Any) -> Any:
+        async with self._lock:
+            try:
+                with anyio.fail_after(timeout or self.timeout):
+                    if self._stream is None:
+                        await self._connect()
+                    assert self._stream is not None and self._buffered is not None
+                    await self._stream.send(json.dumps({"op": op, **kw}).encode() + b"\n")
+                    line = await self._buffered.receive_until(b"\n", _MAX_LINE)
+            except TimeoutError:
+                await self._drop()
+                raise EngineError(self.name, f"{op} timed out after {timeout or self.timeout:.1f}s") from None
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as e:
+                await self._drop()
+                raise EngineError(self.name, f"{op} failed: connection lost ({type(e).__name__}); "
+                                  "receiver process died?") from None
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise EngineError(self.name, f"{op} refused: {reply.get('error')}")
+        return reply.get("result")
+
+    async def _drop(self) -> None:
+        if self._stream is not None:
+            with anyio.CancelScope(shield=True):
+                await self._stream.aclose()
+        self._stream = self._buffered = None
+
+    async def init_transfer(self, init_info: dict[str, Any]) -> None:
+        await self.call("init", info=init_info)
+
+    async def start_update(self) -> None:
+        await self.call("start")
+
+    async def update(self, update_info: dict[str, Any]) -> None:
+        await self.call("update", info=update_info)
+
+    async def finish_update(self, version: int) -> None:
+        await self.call("finish", version=version)
+
+    async def get_version(self) -> int | None:
+        return await self.call("version")
+
+    async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        info = await self.call("weight_info")
+        return {n: (d, tuple(s)) for n, (d, s) in info.items()}
+
+    async def checksums(self) -> dict[str, str]:
+        return await self.call("checksums")
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        await self.call("pause")
+
+    async def resume(self) -> None:
+        await self.call("resume")
+
+    async def close(self) -> None:
+        await self._drop()
+
+
+class ReceiverProcess:
+    """Start `python -m streamsync.engines.process` and wait for it to listen."""
+
+    def __init__(self, specs_path: str, *, delay: float = 0.0, threads: int = 0, start_timeout: float = 60.0,
+                 name: str = "receiver") -> None:
+        cmd = [sys.executable, "-m", "streamsync.engines.process", "--specs", str(specs_path),
+               "--delay", str(delay), "--threads", str(threads)]
+        self.name = name
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self.port = self._wait_port(start_timeout)
+
+    def _wait_port(self, timeout: float) -> int:
+        result: list[str] = []
+        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        line = result[0] if result else ""
+        if not line.startswith("LISTENING "):
+            self.kill()
+            raise StreamSyncError(f"receiver process did not start within {timeout}s (got {line!r})")
+        return int(line.split()[1])
+
+    def engine(self, timeout: float = 60.0) -> ReceiverEngine:
+        return ReceiverEngine("127.0.0.1", self.port, name=self.name, timeout=timeout)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
+                    s.sendall(b'{"op": "shutdown"}\n')
+                    s.recv(100)
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+    def __enter__(self) -> ReceiverProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    main()

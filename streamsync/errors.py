@@ -1,0 +1,52 @@
+"""Errors raised by streamsync. Each names what is wrong, so a failed push can be traced to its cause."""
+
+from __future__ import annotations
+
+
+class StreamSyncError(RuntimeError):
+    """Base class of every streamsync error."""
+
+
+class ValidationError(StreamSyncError, ValueError):
+    """Bad input found before any byte moved (names, shapes, dtypes, devices, configuration)."""
+
+
+class TransportError(StreamSyncError):
+    """A transport could not move or map a chunk."""
+
+
+class EngineError(StreamSyncError):
+    """An engine (receiver) refused a call, failed it, or did not answer in time."""
+
+    def __init__(self, engine: str, message: str) -> None:
+        super().__init__(f"engine {engine!r}: {message}")
+        self.engine = engine
+
+
+class PushError(StreamSyncError):
+    """A push failed. Names the stage, the chunk and (where one is involved) the receiver.
+
+    When a push raises, every buffer it held has been freed and no engine reports the new version.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str,
+        chunk: int | None = None,
+        receiver: str | None = None,
+        push_id: str | None = None,
+    ) -> None:
+        where = [f"stage={stage}"]
+        if chunk is not None:
+            where.append(f"chunk={chunk}")
+        if receiver is not None:
+            where.append(f"receiver={receiver}")
+        if push_id is not None:
+            where.append(f"push={push_id}")
+        super().__init__(f"push failed [{' '.join(where)}]: {message}")
+        self.stage = stage
+        self.chunk = chunk
+        self.receiver = receiver
+        self.push_id = push_id

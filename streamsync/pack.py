@@ -1,0 +1,175 @@
+"""Packed chunk layout: one contiguous uint8 buffer plus a table of (name, dtype, shape, offset).
+
+Every transport moves this one format. Offsets are aligned (256 bytes by default) so that each tensor's
+view has the alignment any dtype or CUDA copy kernel wants. The metadata is plain JSON-able data: it
+travels over HTTP and sockets and is validated on the receiving side, never unpickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ValidationError
+
+ALIGN = 256
+
+# Every dtype a model checkpoint uses; names are stable strings so metadata is plain data.
+_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+              "uint16", "uint32", "uint64", "complex64"):
+    if hasattr(torch, _name):
+        _DTYPES[_name] = getattr(torch, _name)
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValidationError(f"dtype {dtype} is not supported by the packed format") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValidationError(f"unknown dtype name {name!r} in chunk metadata") from None
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What a tensor will be once converted: its HF name, dtype and shape. Known before bytes move."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Where one tensor sits in a packed buffer."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> list:
+        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+
+    @classmethod
+    def from_json(cls, obj: Sequence) -> TensorMeta:
+        try:
+            name, dtype, shape, offset, nbytes = obj
+            meta = cls(str(name), str(dtype), tuple(int(d) for d in shape), int(offset), int(nbytes))
+        except (TypeError, ValueError) as e:
+            raise ValidationError(f"malformed tensor metadata {obj!r}: {e}") from None
+        dtype_from_name(meta.dtype)
+        return meta
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The full packed layout of one chunk: tensor table and total size."""
+
+    metas: tuple[TensorMeta, ...]
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"nbytes": self.nbytes, "tensors": [m.to_json() for m in self.metas]}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> Layout:
+        if not isinstance(obj, dict) or "tensors" not in obj or "nbytes" not in obj:
+            raise ValidationError(f"malformed chunk layout: expected {{'nbytes', 'tensors'}}, got {obj!r:.200}")
+        layout = cls(tuple(TensorMeta.from_json(t) for t in obj["tensors"]), int(obj["nbytes"]))
+        layout.check()
+        return layout
+
+    def check(self) -> None:
+        """Every tensor lies inside the buffer, aligned, with a byte count matching dtype and shape."""
+        for m in self.metas:
+            expect = TensorSpec(m.name, dtype_from_name(m.dtype), m.shape).nbytes
+            if m.nbytes != expect:
+                raise ValidationError(f"tensor {m.name!r}: {m.nbytes} bytes declared, {expect} expected")
+            if m.offset < 0 or m.offset + m.nbytes > self.nbytes:
+                raise ValidationError(f"tensor {m.name!r} lies outside the {self.nbytes}-byte buffer")
+            elem = dtype_from_name(m.dtype).itemsize
+            if m.offset % max(elem, 1):
+                raise ValidationError(f"tensor {m.name!r} offset {m.offset} misaligned for {m.dtype}")
+
+
+def plan_layout(specs: Iterable[TensorSpec], align: int = ALIGN) -> Layout:
+    """Assign aligned offsets to tensors in the given order."""
+    metas = []
+    offset = 0
+    for s in specs:
+        metas.append(TensorMeta(s.name, dtype_name(s.dtype), tuple(s.shape), offset, s.nbytes))
+        offset = align_up(offset + s.nbytes, align)
+    return Layout(tuple(metas), max(offset, align))
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (bit-exact for every dtype, fp8 and bool included)."""
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(torch.uint8).reshape(-1)
+
+
+def pack_into(buffer: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy tensors into `buffer` (uint8, at least layout.nbytes) at the layout's offsets.
+
+    Non-contiguous tensors are copied through their strides directly into place: no staging copy.
+    Runs on the buffer's device; for CUDA buffers the copies are queued on the current stream.
+    """
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValidationError("pack buffer must be a flat uint8 tensor")
+    if buffer.numel() < layout.nbytes:
+        raise ValidationError(f"pack buffer holds {buffer.numel()} bytes, layout needs {layout.nbytes}")
+    if len(tensors) != len(layout.metas):
+        raise ValidationError(f"{len(tensors)} tensors for a layout of {len(layout.metas)}")
+    for meta, t in zip(layout.metas, tensors, strict=True):
+        if dtype_name(t.dtype) != meta.dtype or tuple(t.shape) != meta.shape:
+            raise ValidationError(
+                f"tensor {meta.name!r} is {t.dtype}{tuple(t.shape)}, layout expects {meta.dtype}{meta.shape}"
+            )
+        dst = buffer[meta.offset : meta.offset + meta.nbytes]
+        if t.is_contiguous():
+            dst.copy_(_byte_view(t), non_blocking=True)
+        else:
+            # Strided source: view the destination bytes as the tensor and let copy_ walk the strides.
+            dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+
+
+def unpack(buffer: torch.Tensor, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) views into `buffer`. No copy: the views alias the buffer."""
+    for meta in layout.metas:
+        raw = buffer[meta.offset : meta.offset + meta.nbytes]
+        dtype = dtype_from_name(meta.dtype)
+        yield meta.name, raw.view(dtype).view(meta.shape)

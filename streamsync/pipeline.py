@@ -1,0 +1,223 @@
+"""The five-stage push pipeline: gather -> convert -> pack -> send -> release.
+
+Each stage is a short coroutine that takes a chunk from its inbox and hands it on; stages are joined by
+bounded anyio memory streams and run in one task group. A credit window bounds the chunks alive anywhere:
+gather takes a credit before it touches a chunk, release gives it back after every receiver acknowledged
+and the buffer is freed. So the sender's extra memory is at most `max_inflight` packed chunks.
+
+Any failure cancels the task group; the push raises one PushError naming stage, chunk and receiver, and
+every buffer still alive is freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from .engines.base import Engine
+from .errors import EngineError, PushError, ValidationError
+from .pack import dtype_name
+from .sources.base import ChunkPlan, Source
+from .trace import Trace
+from .transports.base import SendBuffer, Transport
+
+
+class InjectedFault(RuntimeError):
+    """Raised by `faults={stage: chunk}`: a failure on demand, for tests of the error paths."""
+
+
+@dataclass
+class Work:
+    plan: ChunkPlan
+    gathered: object = None
+    tensors: Sequence[torch.Tensor] | None = None
+    buf: SendBuffer | None = None
+
+
+@dataclass
+class Push:
+    """Everything one push needs; built by WeightSync."""
+
+    push_id: str
+    version: int
+    source: Source
+    transport: Transport | None
+    engines: Sequence[Engine]
+    plans: Sequence[ChunkPlan]
+    trace: Trace
+    max_inflight: int = 4
+    timeout: float = 120.0
+    faults: dict[str, int] = field(default_factory=dict)
+    on_chunk: Callable[[int, int], None] | None = None
+    live: dict[int, SendBuffer] = field(default_factory=dict)
+    bytes_alive: int = 0
+    peak_bytes: int = 0
+    chunks_alive: int = 0
+
+
+async def run(push: Push) -> None:
+    """Run the pipeline to completion, or raise PushError having freed every buffer."""
+    if not push.source.is_sender:
+        await _gather_only(push)
+        return
+    n = push.max_inflight
+    credits = anyio.Semaphore(n)
+    g_tx, g_rx = anyio.create_memory_object_stream[Work](n)
+    c_tx, c_rx = anyio.create_memory_object_stream[Work](n)
+    p_tx, p_rx = anyio.create_memory_object_stream[Work](n)
+    s_tx, s_rx = anyio.create_memory_object_stream[Work](n)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_gather, push, credits, g_tx)
+            tg.start_soon(_stage, push, "convert", _convert, g_rx, c_tx)
+            tg.start_soon(_stage, push, "pack", _pack, c_rx, p_tx)
+            tg.start_soon(_stage, push, "send", _send, p_rx, s_tx)
+            tg.start_soon(_release, push, credits, s_rx)
+    except BaseExceptionGroup as eg:
+        raise _first_push_error(eg) from None
+    finally:
+        for buf in list(push.live.values()):
+            _free(push, buf)
+
+
+def _first_push_error(eg: BaseExceptionGroup) -> BaseException:
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for x in e.exceptions:
+                walk(x)
+        else:
+            leaves.append(e)
+
+    walk(eg)
+    for e in leaves:
+        if isinstance(e, PushError):
+            return e
+    return leaves[0] if leaves else eg
+
+
+def _wrap(push: Push, stage: str, chunk: int | None, e: Exception) -> PushError:
+    if isinstance(e, PushError):
+        return e
+    receiver = e.engine if isinstance(e, EngineError) else None
+    msg = f"{type(e).__name__}: {e}" if not isinstance(e, EngineError) else str(e)
+    if isinstance(e, TimeoutError):
+        msg = f"timed out after {push.timeout:.1f}s"
+    err = PushError(msg, stage=stage, chunk=chunk, receiver=receiver, push_id=push.push_id)
+    err.__cause__ = e
+    return err
+
+
+def _maybe_fault(push: Push, stage: str, chunk: int) -> None:
+    if push.faults.get(stage) == chunk:
+        raise InjectedFault(f"fault injected in {stage} of chunk {chunk}")
+
+
+async def _gather_only(push: Push) -> None:
+    for plan in push.plans:
+        try:
+            with anyio.fail_after(push.timeout), push.trace.span("gather", plan.index, plan.nbytes):
+                _maybe_fault(push, "gather", plan.index)
+                await push.source.gather(plan)
+        except Exception as e:
+            raise _wrap(push, "gather", plan.index, e) from None
+
+
+async def _gather(push: Push, credits: anyio.Semaphore, out: ObjectSendStream[Work]) -> None:
+    async with out:
+        for plan in push.plans:
+            try:
+                with anyio.fail_after(push.timeout):
+                    await credits.acquire()
+                push.chunks_alive += 1
+                push.trace.sample("chunks_alive", push.chunks_alive)
+                with anyio.fail_after(push.timeout), push.trace.span("gather", plan.index, plan.nbytes):
+                    _maybe_fault(push, "gather", plan.index)
+                    gathered = await push.source.gather(plan)
+            except Exception as e:
+                raise _wrap(push, "gather", plan.index, e) from None
+            await out.send(Work(plan, gathered))
+            push.trace.sample("queue gather→convert", out.statistics().current_buffer_used)
+
+
+async def _stage(push: Push, name: str, fn: Callable[[Push, Work], Awaitable[None]],
+                 inbox: ObjectReceiveStream[Work], out: ObjectSendStream[Work]) -> None:
+    async with inbox, out:
+        async for w in inbox:
+            try:
+                with anyio.fail_after(push.timeout), push.trace.span(name, w.plan.index, w.plan.nbytes):
+                    _maybe_fault(push, name, w.plan.index)
+                    await fn(push, w)
+            except Exception as e:
+                raise _wrap(push, name, w.plan.index, e) from None
+            await out.send(w)
+            push.trace.sample(f"queue {name}→next", out.statistics().current_buffer_used)
+
+
+async def _convert(push: Push, w: Work) -> None:
+    tensors = await push.source.convert(w.plan, w.gathered)
+    w.gathered = None
+    if len(tensors) != len(w.plan.specs):
+        raise ValidationError(f"converter returned {len(tensors)} tensors for {len(w.plan.specs)} specs")
+    for t, s in zip(tensors, w.plan.specs, strict=True):
+        if t.dtype != s.dtype or tuple(t.shape) != s.shape:
+            raise ValidationError(f"tensor {s.name!r}: converted to {dtype_name(t.dtype)}{tuple(t.shape)}, "
+                                  f"plan says {dtype_name(s.dtype)}{s.shape}")
+    w.tensors = tensors
+
+
+async def _pack(push: Push, w: Work) -> None:
+    assert push.transport is not None and w.tensors is not None
+    buf = push.transport.allocate(w.plan, push.push_id)
+    push.live[w.plan.index] = buf
+    push.bytes_alive += buf.nbytes
+    push.peak_bytes = max(push.peak_bytes, push.bytes_alive)
+    push.trace.sample("bytes_alive", push.bytes_alive)
+    w.buf = buf
+    await push.transport.pack(buf, w.plan.layout, w.tensors)
+    w.tensors = None
+
+
+async def _send(push: Push, w: Work) -> None:
+    assert push.transport is not None and w.buf is not None
+    info: dict[str, Any] = {
+        "push_id": push.push_id,
+        "version": push.version,
+        "chunk": w.plan.index,
+        "layout": w.plan.layout.to_json(),
+        "handle": w.buf.handle,
+    }
+    await push.transport.send(w.buf, info, push.engines)
+
+
+def _free(push: Push, buf: SendBuffer) -> None:
+    if push.live.pop(buf.chunk, None) is None:
+        return
+    assert push.transport is not None
+    push.transport.free(buf)
+    push.bytes_alive -= buf.nbytes
+    push.trace.sample("bytes_alive", push.bytes_alive)
+
+
+async def _release(push: Push, credits: anyio.Semaphore, inbox: ObjectReceiveStream[Work]) -> None:
+    async with inbox:
+        async for w in inbox:
+            try:
+                with push.trace.span("release", w.plan.index, w.plan.nbytes):
+                    _maybe_fault(push, "release", w.plan.index)
+                    if w.buf is not None:  # unmapping a large buffer blocks: keep it off the loop
+                        await anyio.to_thread.run_sync(_free, push, w.buf)
+                        w.buf = None
+            except Exception as e:
+                raise _wrap(push, "release", w.plan.index, e) from None
+            push.chunks_alive -= 1
+            push.trace.sample("chunks_alive", push.chunks_alive)
+            credits.release()
+            if push.on_chunk is not None:
+                push.on_chunk(w.plan.index, len(push.plans))

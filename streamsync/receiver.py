@@ -1,0 +1,107 @@
+"""The receiving side, shared by the vLLM backend and the plain receiver process.
+
+`WeightReceiver` turns an `update_info` (plain data: layout + transport handle) into (name, tensor) views
+and feeds them to a loader: the vLLM model protocol `load_weights(iterable)` or `ModuleLoader`, which copies
+into a plain module's parameters. It closes the chunk's handle before returning, so returning from the
+update call is the acknowledgement the sender waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .errors import ValidationError
+from .pack import Layout, dtype_name, unpack
+from .transports.base import Receiver, make_receiver
+
+Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+
+
+class WeightReceiver:
+    """Four-phase receiving state machine: init -> (start -> update* -> finish)*.
+
+    `version` is the last version finished; it only moves in `finish`, so a receiver whose round failed
+    half-way keeps reporting the old version (and `dirty` says its weights are partly new).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.transport: Receiver | None = None
+        self.version: int | None = None
+        self.updating = False
+        self.dirty = False
+        self.chunks = 0
+        self.bytes = 0
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.transport = make_receiver(init_info, self.device)
+
+    def start(self) -> None:
+        self.updating = True
+        self.chunks = self.bytes = 0
+
+    def update(self, update_info: dict[str, Any], load: Loader) -> int:
+        if self.transport is None:
+            raise ValidationError("update before init: call init_transfer first")
+        if not self.updating:
+            raise ValidationError("update outside a round: call start_update first")
+        layout = Layout.from_json(update_info.get("layout"))  # type: ignore[arg-type]
+        with self.transport.open(update_info) as buf:
+            if buf.numel() < layout.nbytes:
+                raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
+            self.dirty = True
+            load(unpack(buf, layout))
+            del buf
+        self.chunks += 1
+        self.bytes += layout.nbytes
+        return layout.nbytes
+
+    def finish(self, version: int) -> None:
+        if not self.updating:
+            raise ValidationError("finish outside a round: call start_update first")
+        self.updating = False
+        self.dirty = False
+        self.version = int(version)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+
+class ModuleLoader:
+    """Copy received tensors into a plain module's parameters and buffers, by exact name.
+
+    Unknown names, shape or dtype mismatches raise before anything of the tensor is copied.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.targets = {n: t.detach() for n, t in module.state_dict(keep_vars=True).items()}
+
+    def expected(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in self.targets.items()}
+
+    def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        loaded = []
+        with torch.no_grad():
+            for name, src in _checked(weights, self.targets):
+                self.targets[name].copy_(src)
+                loaded.append(name)
+        return loaded
+
+
+def _checked(weights: Iterable[tuple[str, torch.Tensor]],
+             targets: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, src in weights:
+        dst = targets.get(name)
+        if dst is None:
+            raise ValidationError(f"receiver has no parameter {name!r}")
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValidationError(f"parameter {name!r}: received {src.dtype}{tuple(src.shape)}, "
+                                  f"receiver holds {dst.dtype}{tuple(dst.shape)}")
+        yield name, src

@@ -1,0 +1,64 @@
+"""Where weights come from. A source plans chunks up front, then gathers and converts them one by one."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..pack import Layout, TensorSpec, plan_layout
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One chunk: the HF tensors it will carry (in pack order), their packed layout and source keys."""
+
+    index: int
+    specs: tuple[TensorSpec, ...]
+    keys: tuple[object, ...]
+    layout: Layout = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", plan_layout(self.specs))
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+
+class Source(ABC):
+    """A model seen as a stream of HF-named tensors.
+
+    Contract: `plan` is pure (no collectives) and returns the same plan on every rank of a model-parallel
+    group; `gather` for the chunks is called in plan order on every rank (collectives line up); `convert`
+    returns one tensor per spec of the chunk, with exactly the spec's dtype and shape.
+    """
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abstractmethod
+    def plan(self, chunk_bytes: int) -> list[ChunkPlan]: ...
+
+    @abstractmethod
+    async def gather(self, chunk: ChunkPlan) -> object: ...
+
+    @abstractmethod
+    async def convert(self, chunk: ChunkPlan, gathered: object) -> Sequence[torch.Tensor]: ...
+
+    @property
+    def is_sender(self) -> bool:
+        """False on ranks that take part in gathers but send nothing (non-zero TP/PP/EP ranks)."""
+        return True
+
+    @property
+    def collectives(self) -> int:
+        """How many collectives the gathers issued so far (0 for a local model)."""
+        return 0

@@ -1,0 +1,72 @@
+"""A plain `torch.nn.Module` (e.g. a Hugging Face model) whose state-dict names are already HF names."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import torch
+
+from ..chunking import Item, layer_index, order_key, plan_chunks
+from ..errors import ValidationError
+from ..pack import TensorSpec, dtype_name
+from .base import ChunkPlan, Source
+
+
+class ModuleSource(Source):
+    """Streams `module.state_dict()`; tied tensors (one storage under two names) are sent once.
+
+    `dtype` casts floating-point tensors to the receiver's dtype in the convert stage; by default tensors
+    go as they are, so the receiver gets the trainer's bits.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, dtype: torch.dtype | None = None,
+                 include_tied: bool = False) -> None:
+        self.module = module
+        self.dtype = dtype
+        self._tensors: dict[str, torch.Tensor] = {}
+        seen: dict[tuple[int, int], str] = {}
+        for name, t in module.state_dict(keep_vars=True).items():
+            t = t.detach()
+            if t.device.type == "meta":
+                raise ValidationError(f"parameter {name!r} is on the meta device: it holds no data to send")
+            dtype_name(t.dtype)  # unsupported dtypes fail here, before any byte moves
+            key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (id(t), 0)
+            if key in seen and not include_tied:
+                continue  # tied weight (lm_head = embed_tokens): HF checkpoints keep one copy
+            seen[key] = name
+            self._tensors[name] = t
+        if not self._tensors:
+            raise ValidationError("the model has no parameters or buffers to push")
+        devices = {t.device for t in self._tensors.values()}
+        if len(devices) > 1:
+            raise ValidationError(f"model tensors span several devices {sorted(map(str, devices))}")
+        self._device = devices.pop()
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _spec(self, name: str) -> TensorSpec:
+        t = self._tensors[name]
+        dtype = self.dtype if (self.dtype is not None and t.is_floating_point()) else t.dtype
+        return TensorSpec(name, dtype, tuple(t.shape))
+
+    def plan(self, chunk_bytes: int) -> list[ChunkPlan]:
+        names = sorted(self._tensors, key=order_key)  # stable: keeps module order within a layer
+        items = [Item(n, self._spec(n).nbytes, layer_index(n) if layer_index(n) is not None else n)
+                 for n in names]
+        return [ChunkPlan(i, tuple(self._spec(n) for n in keys), tuple(keys))
+                for i, keys in enumerate(plan_chunks(items, chunk_bytes))]
+
+    async def gather(self, chunk: ChunkPlan) -> list[torch.Tensor]:
+        return [self._tensors[k] for k in chunk.keys]  # type: ignore[index]
+
+    async def convert(self, chunk: ChunkPlan, gathered: object) -> Sequence[torch.Tensor]:
+        tensors: list[torch.Tensor] = gathered  # type: ignore[assignment]
+        if all(t.dtype == s.dtype for t, s in zip(tensors, chunk.specs, strict=True)):
+            return tensors
+        if self._device.type == "cpu":  # casting a chunk on CPU takes a while: keep it off the loop
+            return await anyio.to_thread.run_sync(
+                lambda: [t.to(s.dtype) for t, s in zip(tensors, chunk.specs, strict=True)])
+        return [t.to(s.dtype) for t, s in zip(tensors, chunk.specs, strict=True)]

@@ -1,0 +1,290 @@
+"""`WeightSync`: the public entry point. Connect engines once, then `await sync.push(model)` every step."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from . import pipeline
+from .engines.base import Engine
+from .errors import EngineError, PushError, ValidationError
+from .log import get_logger
+from .pack import dtype_name
+from .sources import Source, as_source
+from .sources.base import ChunkPlan
+from .trace import Trace
+from .transports.base import Transport, transport_class
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass
+class PushReport:
+    """What one push did. `stage_seconds` is each stage's busy time (sum of its spans)."""
+
+    push_id: str
+    version: int
+    seconds: float
+    bytes: int
+    chunks: int
+    stage_seconds: dict[str, float]
+    peak_bytes_inflight: int
+    max_chunks_alive: int
+    collectives: int
+    engines: list[str]
+    trace_path: str | None = None
+    trace: Trace | None = field(default=None, repr=False)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("trace")
+        return d
+
+    def summary(self) -> str:
+        busy = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.stage_seconds.items())
+        return (f"push {self.push_id} v{self.version}: {self.bytes / MiB:.1f} MiB in {self.chunks} chunks, "
+                f"{self.seconds * 1e3:.0f} ms ({self.gbps:.2f} GB/s) to {len(self.engines)} engine(s); "
+                f"busy: {busy}; peak in flight {self.peak_bytes_inflight / MiB:.1f} MiB"
+                + (f"; trace {self.trace_path}" if self.trace_path else ""))
+
+
+class WeightSync:
+    """Streams a model's weights into inference engines.
+
+    engines:      where weights go (in-process vLLM, `vllm serve` over HTTP, receiver processes). Empty on
+                  trainer ranks that only take part in gathers (Megatron TP/PP/EP ranks other than the sender).
+    transport:    "auto" (shared memory for CPU engines, CUDA IPC for colocated GPU engines), "shm",
+                  "cuda_ipc", "collective", or a Transport instance.
+    chunk_bytes:  byte budget per chunk (default 1 GiB on GPU, 64 MiB on CPU).
+    max_inflight: credit window: chunks alive anywhere in the pipeline at once.
+    timeout:      seconds any one wait may take (a stage on one chunk, an engine call).
+    trace_dir:    where each push writes its Chrome-trace JSON (default: none written).
+    faults:       {stage: chunk} raises an InjectedFault there; for testing error paths only.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[Engine] = (),
+        transport: str | Transport = "auto",
+        *,
+        chunk_bytes: int | None = None,
+        max_inflight: int = 4,
+        timeout: float = 120.0,
+        trace_dir: str | os.PathLike | None = None,
+        faults: dict[str, int] | None = None,
+        source_options: dict[str, Any] | None = None,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValidationError(f"max_inflight must be >= 1, got {max_inflight}")
+        if chunk_bytes is not None and chunk_bytes <= 0:
+            raise ValidationError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names):
+            raise ValidationError(f"engine names must be unique, got {names}")
+        self.engines = list(engines)
+        self._transport_arg = transport
+        self.transport: Transport | None = transport if isinstance(transport, Transport) else None
+        self.chunk_bytes = chunk_bytes
+        self.max_inflight = max_inflight
+        self.timeout = timeout
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self.faults = dict(faults or {})
+        self.source_options = dict(source_options or {})
+        self.version = 0
+        self.connected = False
+        self._expected: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+        self._lock = anyio.Lock()
+        self.log = get_logger()
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Pick the transport, set up every engine's receiving half, learn what the engines expect."""
+        if self.connected:
+            return
+        if self.transport is None:
+            self.transport = transport_class(self._resolve_transport())()
+        if self.engines:
+            self.log.info("connecting", transport=self.transport.name, engines=[e.name for e in self.engines])
+            try:
+                await self.transport.connect(self.engines, self.timeout)
+                for e in self.engines:
+                    with anyio.fail_after(self.timeout):
+                        exp = await e.expected_weights()
+                    if exp is not None:
+                        self._expected[e.name] = exp
+                    with anyio.fail_after(self.timeout):
+                        v = await e.get_version()
+                    if v is not None:
+                        self.version = max(self.version, int(v))
+            except TimeoutError:
+                raise EngineError("?", f"connect timed out after {self.timeout}s") from None
+        self.connected = True
+
+    def _resolve_transport(self) -> str:
+        if isinstance(self._transport_arg, str) and self._transport_arg != "auto":
+            return self._transport_arg
+        kinds = {e.device.split(":")[0] for e in self.engines}
+        if kinds <= {"cpu"}:
+            return "shm"
+        if kinds <= {"cuda"}:
+            return "cuda_ipc"
+        raise ValidationError(f"cannot choose a transport for engines on {sorted(kinds)}: pass transport=")
+
+    async def close(self) -> None:
+        if self.transport is not None:
+            await self.transport.close()
+        for e in self.engines:
+            await e.close()
+        self.connected = False
+
+    async def __aenter__(self) -> WeightSync:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- push ------------------------------------------------------------------------------------------
+
+    def plan(self, model: object) -> tuple[Source, list[ChunkPlan]]:
+        """The source and chunk plan a push of `model` would use (no bytes move)."""
+        source = as_source(model, **self.source_options)
+        budget = self.chunk_bytes or (GiB if source.device.type == "cuda" else 64 * MiB)
+        plans = source.plan(budget)
+        self._validate(plans)
+        return source, plans
+
+    def _validate(self, plans: Sequence[ChunkPlan]) -> None:
+        if not plans:
+            raise ValidationError("nothing to push: the source planned no chunks")
+        seen: dict[str, int] = {}
+        for p in plans:
+            for s in p.specs:
+                if s.name in seen:
+                    raise ValidationError(f"tensor {s.name!r} appears in chunks {seen[s.name]} and {p.index}")
+                seen[s.name] = p.index
+        for engine, expected in self._expected.items():
+            problems = []
+            for p in plans:
+                for s in p.specs:
+                    exp = expected.get(s.name)
+                    if exp is None:
+                        problems.append(f"unknown parameter {s.name!r} (chunk {p.index})")
+                    elif exp != (dtype_name(s.dtype), s.shape):
+                        problems.append(f"parameter {s.name!r} (chunk {p.index}) is {dtype_name(s.dtype)}{s.shape}, "
+                                        f"engine holds {exp[0]}{exp[1]}")
+            missing = sorted(set(expected) - set(seen))
+            if missing:
+                problems.append(f"{len(missing)} parameter(s) missing from the push, e.g. {missing[:3]}")
+            if problems:
+                more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+                raise ValidationError(f"model does not match engine {engine!r}: " + "; ".join(problems[:5]) + more)
+
+    async def push(self, model: object, *, version: int | None = None,
+                   max_inflight: int | None = None) -> PushReport:
+        """Stream `model`'s weights into every engine; return when all acknowledged the last chunk.
+
+        On success every engine reports `version` (default: previous + 1). On failure raises PushError and
+        no engine reports the new version. `max_inflight` overrides the window for this push.
+        """
+        window = self.max_inflight if max_inflight is None else int(max_inflight)
+        if window < 1:
+            raise ValidationError(f"max_inflight must be >= 1, got {window}")
+        async with self._lock:  # one push at a time: rounds on an engine must not interleave
+            if not self.connected:
+                await self.connect()
+            version = self.version + 1 if version is None else int(version)
+            push_id = uuid.uuid4().hex[:8]
+            source, plans = self.plan(model)
+            trace = Trace(push_id)
+            trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
+                              transport=getattr(self.transport, "name", None))
+            total = sum(p.nbytes for p in plans)
+            log = self.log.bind(push=push_id, version=version)
+            log.info("push start", chunks=len(plans), mib=round(total / MiB, 1), window=window)
+            t0 = time.perf_counter()
+            job = pipeline.Push(
+                push_id=push_id, version=version, source=source, transport=self.transport,
+                engines=self.engines, plans=plans, trace=trace, max_inflight=window,
+                timeout=self.timeout, faults=self.faults,
+                on_chunk=lambda i, n: log.debug("chunk released", chunk=i, of=n),
+            )
+            sending = source.is_sender and bool(self.engines)
+            try:
+                if sending:
+                    await self._each_engine("start_update", stage="start")
+                await pipeline.run(job)
+                if sending:
+                    await self._each_engine("finish_update", version, stage="finish")
+            except PushError as e:
+                log.error("push failed", stage=e.stage, chunk=e.chunk, receiver=e.receiver, error=str(e))
+                self._write_trace(trace)
+                raise
+            seconds = time.perf_counter() - t0
+            self.version = version
+            report = PushReport(
+                push_id=push_id, version=version, seconds=seconds, bytes=total, chunks=len(plans),
+                stage_seconds=trace.busy_seconds(), peak_bytes_inflight=job.peak_bytes,
+                max_chunks_alive=trace.max_alive(), collectives=source.collectives,
+                engines=[e.name for e in self.engines], trace=trace,
+            )
+            trace.count("collectives", source.collectives)
+            report.trace_path = self._write_trace(trace)
+            log.info("push done", ms=round(seconds * 1e3, 1), gbps=round(report.gbps, 2))
+            return report
+
+    async def _each_engine(self, method: str, *args: Any, stage: str) -> None:
+        async def one(e: Engine) -> None:
+            try:
+                with anyio.fail_after(self.timeout):
+                    await getattr(e, method)(*args)
+            except TimeoutError:
+                raise PushError(f"{method} timed out after {self.timeout}s", stage=stage, receiver=e.name) from None
+            except Exception as err:
+                raise PushError(f"{method}: {err}", stage=stage, receiver=e.name) from err
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for e in self.engines:
+                    tg.start_soon(one, e)
+        except BaseExceptionGroup as eg:
+            raise pipeline._first_push_error(eg) from None
+
+    def _write_trace(self, trace: Trace) -> str | None:
+        if self.trace_dir is None:
+            return None
+        return str(trace.write(self.trace_dir / f"push-{trace.push_id}-v{trace.meta.get('version')}.trace.json"))
+
+    # -- partial rollout -------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def paused(self, mode: str = "keep", clear_cache: bool = False) -> AsyncIterator[None]:
+        """Pause generation on every engine for the body (e.g. a push), resume even if the body raised.
+
+        mode "keep" freezes in-flight requests (with clear_cache=False they keep their KV cache and continue
+        on the new weights), "wait" drains them, "abort" ends them.
+        """
+        if mode not in ("keep", "wait", "abort"):
+            raise ValidationError(f"pause mode must be keep, wait or abort, got {mode!r}")
+        await self._each_engine("pause", mode, clear_cache, stage="pause")
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._each_engine("resume", stage="resume")
+
+
