@@ -71,6 +71,8 @@ async def run(push: Push) -> None:
     c_tx, c_rx = anyio.create_memory_object_stream[Work](n)
     p_tx, p_rx = anyio.create_memory_object_stream[Work](n)
     s_tx, s_rx = anyio.create_memory_object_stream[Work](n)
+    assert push.transport is not None
+    push.transport.begin_push(push.plans, push.push_id)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_gather, push, credits, g_tx)
@@ -83,6 +85,7 @@ async def run(push: Push) -> None:
     finally:
         for buf in list(push.live.values()):
             _free(push, buf)
+        push.transport.end_push()
 
 
 def _first_push_error(eg: BaseExceptionGroup) -> BaseException:

@@ -42,6 +42,8 @@ class WeightReceiver:
         self.transport = make_receiver(init_info, self.device)
 
     def start(self) -> None:
+        if self.updating and self.transport is not None:
+            self.transport.end_round()  # the previous round failed half-way: drop what it mapped
         self.updating = True
         self.chunks = self.bytes = 0
 
@@ -67,6 +69,8 @@ class WeightReceiver:
         self.updating = False
         self.dirty = False
         self.version = int(version)
+        if self.transport is not None:
+            self.transport.end_round()
 
     def close(self) -> None:
         if self.transport is not None:

@@ -56,6 +56,12 @@ class Transport(ABC):
                 for i, e in enumerate(engines):
                     tg.start_soon(e.init_transfer, self.init_info(i, e))
 
+    def begin_push(self, plans: Sequence[ChunkPlan], push_id: str) -> None:  # noqa: B027 - optional hook
+        """Called before a push's first allocate (e.g. to size a buffer pool)."""
+
+    def end_push(self) -> None:  # noqa: B027 - optional hook
+        """Called when a push ended, successfully or not, after every buffer was freed."""
+
     @abstractmethod
     def allocate(self, chunk: ChunkPlan, push_id: str) -> SendBuffer:
         """A buffer of at least `chunk.nbytes` on the transport's device."""
@@ -113,6 +119,9 @@ class Receiver(ABC):
     @abstractmethod
     def open(self, update_info: dict[str, Any]) -> AbstractContextManager[torch.Tensor]:
         """Map the chunk named by `update_info` and yield its flat uint8 bytes; unmap on exit."""
+
+    def end_round(self) -> None:  # noqa: B027 - optional hook
+        """A round (start..finish, or a failed one) ended: drop per-round mappings."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release transport resources (process groups)."""
