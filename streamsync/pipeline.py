@@ -106,6 +106,9 @@ def _first_push_error(eg: BaseExceptionGroup) -> BaseException:
 
 
 def _wrap(push: Push, stage: str, chunk: int | None, e: Exception) -> PushError:
+    if isinstance(e, BaseExceptionGroup):  # fan-out task groups: report the first real failure
+        leaf = _first_push_error(e)
+        e = leaf if isinstance(leaf, Exception) else e
     if isinstance(e, PushError):
         return e
     receiver = e.engine if isinstance(e, EngineError) else None

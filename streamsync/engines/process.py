@@ -77,17 +77,27 @@ class _Server:
     def serve(self, sock: socket.socket) -> None:
         while True:
             conn, _ = sock.accept()
-            with conn, conn.makefile("rb") as rf, conn.makefile("wb") as wf:
-                for line in rf:
-                    try:
-                        msg = json.loads(line)
-                        reply = {"ok": True, "result": self.handle(msg)}
-                    except Exception as e:
-                        reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-                    wf.write(json.dumps(reply).encode() + b"\n")
-                    wf.flush()
-                    if msg.get("op") == "shutdown":
-                        return
+            try:
+                if self._serve_one(conn):
+                    return
+            except OSError:
+                pass  # the sender dropped the connection (e.g. a cancelled push): wait for the next one
+
+    def _serve_one(self, conn: socket.socket) -> bool:
+        """Answer one connection's requests; True when asked to shut down."""
+        with conn, conn.makefile("rb") as rf, conn.makefile("wb") as wf:
+            for line in rf:
+                msg: dict[str, Any] = {}
+                try:
+                    msg = json.loads(line)
+                    reply = {"ok": True, "result": self.handle(msg)}
+                except Exception as e:
+                    reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                wf.write(json.dumps(reply).encode() + b"\n")
+                wf.flush()
+                if msg.get("op") == "shutdown":
+                    return True
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamsync.engines.process import ReceiverProcess
+from streamsync.models import StateModule, mixed_specs, qwen3_specs, save_specs
+
+
+def _memfds() -> int:
+    """streamsync shared-memory segments this process holds open."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "streamsync-chunk" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.fixture
+def memfds():
+    return _memfds
+
+
+@pytest.fixture(scope="session")
+def mixed_model() -> StateModule:
+    return StateModule(mixed_specs(), fill="random", seed=7)
+
+
+@pytest.fixture(scope="session")
+def mixed_specs_path(tmp_path_factory) -> Path:
+    return save_specs(mixed_specs(), tmp_path_factory.mktemp("specs") / "mixed.json")
+
+
+@pytest.fixture(scope="session")
+def qwen_specs():
+    # ~17 MB in bf16: big enough for many chunks, small enough to push in well under a second.
+    return qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+
+
+@pytest.fixture(scope="session")
+def qwen_model(qwen_specs) -> StateModule:
+    return StateModule(qwen_specs, fill="random", seed=3)
+
+
+@pytest.fixture(scope="session")
+def qwen_specs_path(qwen_specs, tmp_path_factory) -> Path:
+    return save_specs(qwen_specs, tmp_path_factory.mktemp("specs") / "qwen.json")
+
+
+@pytest.fixture
+def receiver(mixed_specs_path):
+    with ReceiverProcess(str(mixed_specs_path), name="rx-mixed") as rp:
+        yield rp
+
+
+@pytest.fixture
+def qwen_receiver(qwen_specs_path):
+    with ReceiverProcess(str(qwen_specs_path), name="rx-qwen", threads=1) as rp:
+        yield rp
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)

@@ -1,0 +1,57 @@
+"""Chunk planning: order, whole layers, big tensors alone, MoE experts never split."""
+
+from __future__ import annotations
+
+import torch
+
+from streamsync.chunking import Item, plan_chunks
+from streamsync.models import StateModule, qwen3_specs
+from streamsync.sources import ModuleSource
+
+
+def _plan(budget: int, **shape):
+    model = StateModule(qwen3_specs(**shape))
+    return ModuleSource(model).plan(budget)
+
+
+def test_embeddings_first_layers_in_order_norm_and_head_last():
+    plans = _plan(1 << 30, layers=3)
+    names = [n for p in plans for n in p.names]
+    assert names[0] == "model.embed_tokens.weight"
+    assert names[-2:] == ["model.norm.weight", "lm_head.weight"]
+    layers = [int(n.split(".")[2]) for n in names if ".layers." in n]
+    assert layers == sorted(layers)
+
+
+def test_each_decoder_layer_stays_in_one_chunk_when_it_fits():
+    plans = _plan(3_000_000, layers=6, vocab=64)  # a layer is ~1.1 MB
+    where: dict[int, set[int]] = {}
+    for p in plans:
+        for n in p.names:
+            if ".layers." in n:
+                where.setdefault(int(n.split(".")[2]), set()).add(p.index)
+    assert all(len(chunks) == 1 for chunks in where.values())
+    assert len(plans) > 2
+
+
+def test_a_tensor_larger_than_the_budget_gets_a_chunk_of_its_own():
+    plans = _plan(100_000, layers=1, vocab=4096)  # embed is 2 MB
+    (embed_chunk,) = [p for p in plans if "model.embed_tokens.weight" in p.names]
+    assert embed_chunk.names == ["model.embed_tokens.weight"]
+
+
+def test_atomic_groups_are_never_split_even_past_the_budget():
+    items = [Item(f"e{i}", 100, unit="L0", atomic="experts") for i in range(10)]
+    items += [Item("router", 10, unit="L0"), Item("next", 10, unit="L1")]
+    chunks = plan_chunks(items, budget=250)
+    (experts_chunk,) = [c for c in chunks if "e0" in c]
+    assert all(f"e{i}" in experts_chunk for i in range(10))
+
+
+def test_tied_weights_are_sent_once():
+    m = torch.nn.Module()
+    m.embed = torch.nn.Embedding(10, 4)
+    m.lm_head = torch.nn.Linear(4, 10, bias=False)
+    m.lm_head.weight = m.embed.weight
+    names = [n for p in ModuleSource(m).plan(1 << 20) for n in p.names]
+    assert names == ["embed.weight"]

@@ -1,0 +1,196 @@
+"""WeightSync.push into a receiver in another process, over shared memory: the core contracts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamsync import EngineError, PushError, ValidationError, WeightSync
+from streamsync.checksum import digests
+from streamsync.engines.process import ReceiverProcess
+from streamsync.models import StateModule, perturb_
+from streamsync.trace import STAGES
+
+CHUNK = 1 << 20  # 1 MiB chunks: the ~17 MB test model becomes ~20 chunks
+
+
+async def test_mixed_dtypes_and_odd_shapes_arrive_bit_exact(receiver, mixed_model):
+    engine = receiver.engine()
+    sync = WeightSync([engine], chunk_bytes=2048)
+    report = await sync.push(mixed_model, version=7)
+    assert report.chunks > 1
+    assert await engine.checksums() == digests(mixed_model.state_dict().items())
+    assert await engine.get_version() == 7
+    assert report.bytes > 0 and set(report.stage_seconds) == set(STAGES)
+    await sync.close()
+
+
+async def test_a_second_push_carries_the_new_weights(qwen_receiver, qwen_model):
+    engine = qwen_receiver.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    await sync.push(qwen_model)
+    model = StateModule(qwen_model.specs(), fill="random", seed=3)
+    perturb_(model, 1)
+    report = await sync.push(model)
+    assert report.version == 2 and await engine.get_version() == 2
+    assert await engine.checksums() == digests(model.state_dict().items())
+    await sync.close()
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+async def test_spans_never_show_more_chunks_alive_than_the_window(qwen_receiver, qwen_model, window):
+    sync = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK, max_inflight=window)
+    report = await sync.push(qwen_model)
+    assert report.chunks > 2 * window
+    assert report.trace.max_alive() <= window
+    assert report.max_chunks_alive <= window
+    assert report.peak_bytes_inflight <= window * max(p.nbytes for p in sync.plan(qwen_model)[1])
+    await sync.close()
+
+
+def _cross_stage_overlaps(spans) -> int:
+    n = 0
+    for a in spans:
+        for b in spans:
+            if a.stage < b.stage and a.start < b.end and b.start < a.end:
+                n += 1
+    return n
+
+
+async def test_window_4_overlaps_stages_window_1_does_not(qwen_receiver, qwen_model):
+    sync = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK)
+    serial = await sync.push(qwen_model, max_inflight=1)
+    piped = await sync.push(qwen_model, max_inflight=4)
+    assert _cross_stage_overlaps(serial.trace.spans) == 0
+    assert _cross_stage_overlaps(piped.trace.spans) > 0
+    # the overlap that matters: packing a chunk while the receiver loads another
+    packs = [s for s in piped.trace.spans if s.stage == "pack"]
+    sends = [s for s in piped.trace.spans if s.stage == "send"]
+    assert any(p.start < s.end and s.start < p.end for p in packs for s in sends)
+    await sync.close()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+async def test_a_failure_in_any_stage_raises_push_error_naming_it_and_frees_everything(
+        qwen_receiver, qwen_model, stage, memfds):
+    shm_before = set(os.listdir("/dev/shm"))
+    engine = qwen_receiver.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK, faults={stage: 3})
+    with pytest.raises(PushError) as err:
+        await sync.push(qwen_model, version=5)
+    assert err.value.stage == stage and err.value.chunk == 3
+    assert f"stage={stage}" in str(err.value) and "chunk=3" in str(err.value)
+    assert sync.transport is not None and not sync.transport._busy  # no chunk buffer outlives the push
+    await sync.close()
+    assert memfds() == 0  # every segment closed
+    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert await engine.get_version() is None  # the failed round never claimed the version
+    await engine.close()
+
+
+async def test_receiver_error_names_the_receiver_and_chunk(qwen_specs, qwen_receiver, tmp_path):
+    # The trainer has a layer the receiver lacks: found up front, before any byte moves.
+    extra = StateModule([*qwen_specs, ("model.layers.0.extra.weight", "bfloat16", (4,))], fill="random")
+    sync = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK)
+    with pytest.raises(ValidationError, match=r"unknown parameter 'model\.layers\.0\.extra\.weight'"):
+        await sync.push(extra)
+    await sync.close()
+
+
+async def test_shape_dtype_and_missing_parameters_are_refused_before_bytes_move(qwen_specs, qwen_receiver):
+    engine = qwen_receiver.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    wrong = [(n, "float32" if n.endswith("q_norm.weight") else d, s) for n, d, s in qwen_specs]
+    with pytest.raises(ValidationError, match=r"q_norm.weight.*float32.*engine holds bfloat16"):
+        await sync.push(StateModule(wrong))
+    with pytest.raises(ValidationError, match="missing from the push"):
+        await sync.push(StateModule(qwen_specs[:-1]))
+    assert (await engine.call("status"))["dirty"] is False  # nothing was applied
+    await sync.close()
+
+
+async def test_a_receiver_killed_mid_push_ends_the_push_within_its_timeout(qwen_specs_path, qwen_model, memfds):
+    with ReceiverProcess(str(qwen_specs_path), delay=0.2, name="doomed") as rp:
+        sync = WeightSync([rp.engine(timeout=10)], chunk_bytes=CHUNK, timeout=10)
+        await sync.connect()
+
+        killer = threading.Timer(0.7, os.kill, (rp.pid, signal.SIGKILL))  # a real crash, mid-push
+        t0 = time.monotonic()
+        killer.start()
+        with pytest.raises(PushError) as err:
+            await sync.push(qwen_model)
+        killer.join()
+        assert time.monotonic() - t0 < 10
+        assert err.value.stage == "send" and err.value.receiver == "doomed"
+        assert "died" in str(err.value)
+        await sync.close()
+    assert memfds() == 0
+
+
+async def test_a_frozen_receiver_times_out_instead_of_hanging(qwen_specs_path, qwen_model):
+    with ReceiverProcess(str(qwen_specs_path), name="frozen") as rp:
+        sync = WeightSync([rp.engine(timeout=2)], chunk_bytes=CHUNK, timeout=2)
+        await sync.connect()
+        os.kill(rp.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(PushError, match="timed out") as err:
+                await sync.push(qwen_model)
+            assert time.monotonic() - t0 < 6
+            assert err.value.receiver == "frozen"
+        finally:
+            os.kill(rp.pid, signal.SIGCONT)
+        await sync.close()
+
+
+async def test_fan_out_to_two_receivers_packs_once(qwen_specs_path, qwen_model):
+    with ReceiverProcess(str(qwen_specs_path), name="a") as a, ReceiverProcess(str(qwen_specs_path), name="b") as b:
+        ea, eb = a.engine(), b.engine()
+        sync = WeightSync([ea, eb], chunk_bytes=CHUNK)
+        report = await sync.push(qwen_model)
+        want = digests(qwen_model.state_dict().items())
+        assert await ea.checksums() == want and await eb.checksums() == want
+        assert len([s for s in report.trace.spans if s.stage == "pack"]) == report.chunks
+        await sync.close()
+
+
+async def test_trace_file_is_chrome_trace_json(qwen_receiver, qwen_model, tmp_path):
+    import json
+
+    sync = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK, trace_dir=tmp_path)
+    report = await sync.push(qwen_model)
+    data = json.loads(Path(report.trace_path).read_text())
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == report.chunks * len(STAGES)
+    assert {e["args"]["stage"] for e in spans} == set(STAGES)
+    assert any(e["ph"] == "C" and e["name"] == "chunks_alive" for e in data["traceEvents"])
+    await sync.close()
+
+
+async def test_bad_configuration_is_refused_clearly():
+    with pytest.raises(ValidationError, match="max_inflight"):
+        WeightSync([], max_inflight=0)
+    with pytest.raises(ValidationError, match="unknown transport 'carrier-pigeon'"):
+        await WeightSync([], transport="carrier-pigeon").connect()
+    with pytest.raises(TypeError, match="cannot push a str"):
+        await WeightSync([]).push("model")
+
+
+async def test_unreachable_engine_is_an_engine_error():
+    from streamsync.engines.process import ReceiverEngine
+
+    with pytest.raises(EngineError, match="cannot connect"):
+        await ReceiverEngine("127.0.0.1", 1, name="nobody").get_version()
+
+
+def test_meta_tensors_are_refused_before_anything_moves():
+    from streamsync.sources import ModuleSource
+
+    with pytest.raises(ValidationError, match="meta device"):
+        ModuleSource(torch.nn.Linear(2, 2, device="meta"))
