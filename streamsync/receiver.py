@@ -63,12 +63,13 @@ class WeightReceiver:
         self.bytes += layout.nbytes
         return layout.nbytes
 
-    def finish(self, version: int) -> None:
+    def finish(self, version: int | None) -> None:
+        """End the round. `version` may be None where the engine keeps its own (vLLM does)."""
         if not self.updating:
             raise ValidationError("finish outside a round: call start_update first")
         self.updating = False
         self.dirty = False
-        self.version = int(version)
+        self.version = None if version is None else int(version)
         if self.transport is not None:
             self.transport.end_round()
 

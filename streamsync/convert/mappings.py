@@ -1,0 +1,228 @@
+"""Mapping objects: how one Megatron-core parameter becomes one or more HF tensors, and back.
+
+A mapping knows three things about its parameter and nothing about process groups:
+
+* names: a Megatron name pattern and the HF name template(s), with `{L}` for the global layer index and
+  `{E}` for the global expert index;
+* layout: `to_hf` turns the *full* (TP-gathered) Megatron tensor into HF tensors, `to_megatron` the reverse;
+* how the parameter is split over tensor parallelism (`tp`: dimension and stride), which `tp_split` and
+  `tp_merge` use. The Megatron source checks it against the parameter's own `partition_dim` /
+  `partition_stride` attributes, so a table that disagrees with megatron-core fails at construction.
+
+`to_hf` returns views of its input where the layout allows (renames, vocab row slices, gate/up halves); the
+pack stage copies those straight into the packed buffer, so they cost no extra copy. Only the QKV split,
+whose rows interleave per query group, has to copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Dims:
+    """The model dimensions mappings need. `vocab_size` is the HF (unpadded) vocabulary."""
+
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_query_groups:
+            raise ValueError(f"{self.num_heads} heads do not divide into {self.num_query_groups} query groups")
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_query_groups
+
+
+@dataclass(frozen=True, slots=True)
+class TPLayout:
+    """How a parameter is split over a tensor-parallel group: along `dim`, in `stride` interleaved blocks.
+
+    stride 1: rank r holds the r-th contiguous slice. stride s: the full tensor is cut into s * size blocks
+    and rank r holds blocks r, r + size, ... (megatron-core's `partition_stride`); the gated linear_fc1 has
+    stride 2, so each rank holds [gate_r; up_r].
+    """
+
+    dim: int
+    stride: int = 1
+
+
+COLUMN = TPLayout(0)
+ROW = TPLayout(1)
+GATED = TPLayout(0, 2)
+
+
+def tp_split(full: torch.Tensor, layout: TPLayout | None, size: int) -> list[torch.Tensor]:
+    """The shard each of `size` ranks holds (views). Replicated parameters (layout None): the whole tensor."""
+    if layout is None or size == 1:
+        return [full] * size
+    n = full.shape[layout.dim]
+    if n % (size * layout.stride):
+        raise ValueError(f"dimension {layout.dim} of size {n} does not split into {size} ranks x "
+                         f"{layout.stride} strides")
+    blocks = full.chunk(size * layout.stride, dim=layout.dim)
+    return [blocks[r] if layout.stride == 1 else torch.cat(blocks[r::size], dim=layout.dim)
+            for r in range(size)]
+
+
+def tp_merge(shards: Sequence[torch.Tensor], layout: TPLayout | None) -> torch.Tensor:
+    """Inverse of `tp_split`: the full tensor from every rank's shard, in group-rank order."""
+    if layout is None or len(shards) == 1:
+        return shards[0]
+    if layout.stride == 1:
+        return torch.cat(list(shards), dim=layout.dim)
+    pieces = [s.chunk(layout.stride, dim=layout.dim) for s in shards]
+    return torch.cat([pieces[r][j] for j in range(layout.stride) for r in range(len(shards))], dim=layout.dim)
+
+
+class Mapping:
+    """One Megatron parameter <-> `len(hf)` HF tensors. This base class is the 1:1 rename.
+
+    `send=False` marks a mapping that only exists for the reverse direction: the tied output layer that
+    megatron keeps on the last pipeline stage is filled from the embedding, and never sent (HF checkpoints
+    with tied embeddings hold one copy).
+    """
+
+    tp_default: TPLayout | None = None
+
+    def __init__(self, megatron: str, *hf: str, tp: TPLayout | None | str = "default", send: bool = True) -> None:
+        if len(hf) != self.arity():
+            raise ValueError(f"{type(self).__name__} maps to {self.arity()} HF tensor(s), got {len(hf)}: {hf}")
+        self.megatron = megatron
+        self.hf = tuple(hf)
+        self.tp: TPLayout | None = self.tp_default if tp == "default" else tp  # type: ignore[assignment]
+        self.send = send
+
+    def arity(self) -> int:
+        return 1
+
+    def hf_shapes(self, shape: Shape, dims: Dims) -> list[Shape]:
+        """HF shapes for a full Megatron tensor of `shape` (no data needed: plans are made from this)."""
+        return [tuple(shape)]
+
+    def to_hf(self, t: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
+        """Full Megatron tensor -> HF tensors (dtype unchanged; the caller casts to the receiver's dtype)."""
+        return [t]
+
+    def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
+        """HF tensors -> the full Megatron tensor (`shape`: the Megatron shape, where it is not implied)."""
+        return hf[0]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.megatron!r} -> {', '.join(map(repr, self.hf))}, tp={self.tp})"
+
+
+class Rename(Mapping):
+    """Same tensor, another name. Pass tp=COLUMN / ROW for tensor-parallel weights, None if replicated."""
+
+
+Auto = Rename
+
+
+class Cast(Rename):
+    """A replicated parameter megatron-core keeps in another dtype (layer norms: float32).
+
+    Forward the caller casts to the receiver's dtype like everything else; the reverse gives back
+    megatron's dtype, so an HF bf16 norm round-trips exactly (bf16 -> fp32 -> bf16 is lossless).
+    """
+
+    def __init__(self, megatron: str, hf: str, *, dtype: torch.dtype = torch.float32, send: bool = True) -> None:
+        super().__init__(megatron, hf, tp=None, send=send)
+        self.dtype = dtype
+
+    def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
+        return hf[0].to(self.dtype)
+
+
+class Vocab(Rename):
+    """Embedding / output layer: megatron pads the vocabulary to a multiple of TP (x make_vocab_size_divisible_by);
+    HF holds exactly `dims.vocab_size` rows. Forward drops the padding rows, reverse pads with zeros."""
+
+    tp_default = COLUMN
+
+    def hf_shapes(self, shape: Shape, dims: Dims) -> list[Shape]:
+        if shape[0] < dims.vocab_size:
+            raise ValueError(f"{self.megatron}: {shape[0]} rows, fewer than the vocabulary ({dims.vocab_size})")
+        return [(dims.vocab_size, *shape[1:])]
+
+    def to_hf(self, t: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
+        return [t[: dims.vocab_size]]
+
+    def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
+        t = hf[0]
+        rows = t.shape[0] if shape is None else shape[0]
+        if rows == t.shape[0]:
+            return t
+        pad = t.new_zeros((rows - t.shape[0], *t.shape[1:]))
+        return torch.cat([t, pad], dim=0)
+
+
+class QKV(Mapping):
+    """Megatron's fused linear_qkv (weight or bias) <-> HF q_proj, k_proj, v_proj.
+
+    Megatron groups rows per query group g: [q heads of g (heads/groups x head_dim rows); k_g; v_g], for
+    g = 0..groups-1. TP splits whole groups (stride 1), so each rank's shard has the same grouped layout.
+    """
+
+    tp_default = COLUMN
+
+    def arity(self) -> int:
+        return 3
+
+    def hf_shapes(self, shape: Shape, dims: Dims) -> list[Shape]:
+        rest = tuple(shape[1:])
+        hd, g = dims.head_dim, dims.num_query_groups
+        if shape[0] != (dims.num_heads + 2 * g) * hd:
+            raise ValueError(f"{self.megatron}: {shape[0]} rows, expected (heads {dims.num_heads} + 2 x groups {g})"
+                             f" x head_dim {hd}")
+        return [(dims.num_heads * hd, *rest), (g * hd, *rest), (g * hd, *rest)]
+
+    def to_hf(self, t: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
+        rest = tuple(t.shape[1:])
+        hd, g, hpg = dims.head_dim, dims.num_query_groups, dims.heads_per_group
+        q, k, v = t.reshape(g, (hpg + 2) * hd, *rest).split([hpg * hd, hd, hd], dim=1)
+        return [q.reshape(g * hpg * hd, *rest), k.reshape(g * hd, *rest), v.reshape(g * hd, *rest)]
+
+    def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
+        q, k, v = hf
+        rest = tuple(q.shape[1:])
+        hd, g, hpg = dims.head_dim, dims.num_query_groups, dims.heads_per_group
+        fused = torch.cat([q.reshape(g, hpg * hd, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)], dim=1)
+        return fused.reshape(g * (hpg + 2) * hd, *rest)
+
+
+class GatedMLP(Mapping):
+    """Megatron's linear_fc1 of a gated MLP (SwiGLU) <-> HF gate_proj, up_proj.
+
+    The full tensor is [gate; up]; TP splits it with stride 2 so each rank holds [gate_r; up_r].
+    """
+
+    tp_default = GATED
+
+    def arity(self) -> int:
+        return 2
+
+    def hf_shapes(self, shape: Shape, dims: Dims) -> list[Shape]:
+        if shape[0] % 2:
+            raise ValueError(f"{self.megatron}: {shape[0]} rows cannot hold gate and up halves")
+        half = (shape[0] // 2, *shape[1:])
+        return [half, half]
+
+    def to_hf(self, t: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
+        gate, up = t.chunk(2, dim=0)
+        return [gate, up]
+
+    def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
+        return torch.cat(list(hf), dim=0)
+
+
+__all__ = ["COLUMN", "GATED", "QKV", "ROW", "Auto", "Cast", "Dims", "GatedMLP", "Mapping", "Rename", "TPLayout",
+           "Vocab", "tp_merge", "tp_split"]

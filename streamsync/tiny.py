@@ -1,0 +1,130 @@
+"""A tiny Qwen3 made locally (no hub downloads): config, random bf16 weights and a word-level tokenizer.
+
+Cached by its config: a second call returns the same directory without rebuilding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+TINY_QWEN3 = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=512,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+
+WORDS = [
+    "the",
+    "a",
+    "an",
+    "of",
+    "to",
+    "in",
+    "on",
+    "and",
+    "or",
+    "but",
+    "is",
+    "was",
+    "are",
+    "were",
+    "be",
+    "been",
+    "have",
+    "has",
+    "had",
+    "do",
+    "does",
+    "did",
+    "will",
+    "would",
+    "can",
+    "could",
+    "should",
+    "may",
+    "might",
+    "must",
+    "shall",
+    "model",
+    "weight",
+    "train",
+    "step",
+    "sync",
+    "push",
+    "chunk",
+    "layer",
+    "token",
+    "engine",
+    "fast",
+    "slow",
+    "big",
+    "small",
+    "red",
+    "green",
+    "blue",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+]
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("STREAMSYNC_CACHE", Path.home() / ".cache" / "streamsync"))
+
+
+def make_tiny_qwen3(cache: str | os.PathLike | None = None, seed: int = 0, **overrides: object) -> Path:
+    """Build (or reuse) a tiny Qwen3 checkpoint directory that vLLM and transformers both load."""
+    cfg = {**TINY_QWEN3, **overrides}
+    key = hashlib.sha1(json.dumps([cfg, seed], sort_keys=True).encode()).hexdigest()[:10]
+    out = Path(cache or default_cache()) / f"tiny-qwen3-{key}"
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        return out
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = Qwen3Config(**cfg, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # larger init than HF's default, so greedy decoding has clear winners
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+    model.save_pretrained(tmp, safe_serialization=True)
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    for i in range(len(vocab), cfg["vocab_size"]):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    from tokenizers import decoders
+
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.save_pretrained(tmp)
+    tmp.replace(out) if not out.exists() else None
+    return out

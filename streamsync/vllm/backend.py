@@ -1,0 +1,103 @@
+"""The `streamsync` vLLM WeightTransferEngine: receives packed chunks over streamsync's transports.
+
+Each round: `start_weight_update` arms vLLM's layerwise reload (needed on CPU, where Linear weights are
+repacked into oneDNN copies and the parameters emptied; a plain load_weights would not reach the kernels);
+`update_weights` maps one chunk (shared memory, CUDA IPC or a collective broadcast, chosen by init_info),
+feeds zero-copy views to `model.load_weights`, and closes the chunk before returning, so the return is the
+sender's acknowledgement; `finish_weight_update` finalizes the reload (kernels rebuilt from new weights).
+
+init_info and update_info are plain dicts wrapped as {"streamsync": {...}} so they cross vLLM's HTTP and
+msgpack layers unchanged; streamsync validates them itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ..checksum import tensor_digest
+from ..receiver import WeightReceiver
+
+
+@dataclass
+class StreamSyncInitInfo(WeightTransferInitInfo):
+    streamsync: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.streamsync.get("transport"), str):
+            raise ValueError(f"streamsync init_info needs a 'transport' name, got {self.streamsync!r:.200}")
+
+
+@dataclass
+class StreamSyncUpdateInfo(WeightTransferUpdateInfo):
+    streamsync: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.streamsync.get("layout"), dict) or "handle" not in self.streamsync:
+            raise ValueError("streamsync update_info needs 'layout' and 'handle'")
+
+
+class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, StreamSyncUpdateInfo]):
+    init_info_cls = StreamSyncInitInfo
+    update_info_cls = StreamSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.rx = WeightReceiver(device)
+        self.record_digests = False
+        self.received_digests: dict[str, str] = {}
+        self._reloading = False
+
+    def init_transfer_engine(self, init_info: StreamSyncInitInfo) -> None:
+        info = dict(init_info.streamsync)
+        self.record_digests = bool(info.pop("record_digests", False))
+        self.rx.init(info)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self._reloading:  # a previous round failed half-way; its buffered layers are dropped
+            self._finalize()
+        self.rx.start()
+        self.received_digests = {}
+        initialize_layerwise_reload(self.model)
+        self._reloading = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes the accelerator unconditionally, which raises on a CPU-only host.
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: StreamSyncUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        def load(weights: Any) -> None:
+            if self.record_digests:
+                weights = list(weights)
+                self.received_digests.update((n, tensor_digest(t)) for n, t in weights)
+            with disable_mtp_completeness_check():
+                self.model.load_weights(weights)
+
+        self.rx.update(update_info.streamsync, load)
+
+    def finish_weight_update(self) -> None:
+        self._finalize()
+        self.rx.finish(None)
+
+    def _finalize(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        self._reloading = False
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        self.rx.close()
