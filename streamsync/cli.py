@@ -30,6 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     summ_p.add_argument("file", type=Path)
 
     args = ap.parse_args(argv)
+    from .errors import StreamSyncError
+
+    try:
+        return _dispatch(args)
+    except StreamSyncError as e:  # a clear one-line error, not a traceback, for bad specs and failed pushes
+        print(f"streamsync: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "run":
         from .runner import run_spec
 

@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +49,7 @@ class PushReport:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("trace")
-        return d
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
 
     def summary(self) -> str:
         busy = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.stage_seconds.items())
