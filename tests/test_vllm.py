@@ -181,3 +181,16 @@ async def test_partial_rollout_pause_keep_push_resume(async_llm, model_dir):
     versions = [span.version for span in (final.weight_versions or [])]
     assert versions[0] == "50" and versions[-1] == "51", versions
     await sync.close()
+
+
+async def test_http_pause_push_resume(server, model_dir):
+    engine = VllmHttpEngine(server.url, name="serve")
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    trainer = trainer_from(model_dir, step=10)
+    async with sync.paused(mode="wait"):
+        assert await engine.is_paused()
+        await sync.push(trainer, version=60)
+    assert not await engine.is_paused()
+    assert await engine.get_version() == 60
+    await _assert_bit_exact(engine, trainer)
+    await sync.close()
