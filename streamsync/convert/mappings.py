@@ -93,7 +93,7 @@ class Mapping:
 
     tp_default: TPLayout | None = None
 
-    def __init__(self, megatron: str, *hf: str, tp: TPLayout | None | str = "default", send: bool = True) -> None:
+    def __init__(self, megatron: str, *hf: str, tp: TPLayout | str | None = "default", send: bool = True) -> None:
         if len(hf) != self.arity():
             raise ValueError(f"{type(self).__name__} maps to {self.arity()} HF tensor(s), got {len(hf)}: {hf}")
         self.megatron = megatron

@@ -13,7 +13,7 @@ the one the HF -> Megatron direction produces when it has no model to ask.
 
 from __future__ import annotations
 
-from .mappings import COLUMN, GATED, QKV, ROW, Cast, GatedMLP, Mapping, Rename, Vocab
+from .mappings import QKV, ROW, Cast, GatedMLP, Mapping, Rename, Vocab
 
 _M = "decoder.layers.{L}."
 _H = "model.layers.{L}."
@@ -83,4 +83,4 @@ def table(arch: str, *, tied: bool = False) -> list[Mapping]:
     raise KeyError(arch)
 
 
-__all__ = ["COLUMN", "GATED", "ROW", "table"]
+__all__ = ["table"]

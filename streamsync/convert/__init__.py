@@ -1,0 +1,165 @@
+"""Megatron-core <-> HF conversion: one registry of declarative per-architecture tables.
+
+    conv = get_converter("qwen3")                       # or detect_arch(megatron_config)
+    r = conv.resolve("decoder.layers.3.self_attention.linear_qkv.weight")
+    r.hf                                                # ('model.layers.3.self_attn.q_proj.weight', ...)
+    q, k, v = r.mapping.to_hf(full_qkv, dims)
+    full_qkv = conv.to_megatron(r.megatron, hf_state, dims)
+
+Names on the Megatron side are global (layer and expert indices of the whole model); tensors are full
+(tensor-parallel shards merged: see `mappings.tp_merge`). Process groups are the source's business.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from collections.abc import Mapping as MappingABC
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ValidationError
+from . import models
+from .mappings import Dims, Mapping, Vocab, tp_merge, tp_split
+
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3-moe")
+_ALIASES = {
+    "llama": "llama", "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3-moe": "qwen3-moe", "qwen3_moe": "qwen3-moe",
+}
+
+
+def canonical_arch(name: str) -> str:
+    """'Qwen3_MoE', 'qwen3-moe', 'mistral', ... -> a key of the registry; ValidationError if unknown."""
+    key = name.strip().lower()
+    if key not in _ALIASES:
+        raise ValidationError(f"unknown architecture {name!r}: known are {sorted(_ALIASES)}")
+    return _ALIASES[key]
+
+
+def detect_arch(config: object = None, hf_config: object = None) -> str:
+    """The architecture of a model, from its HF config's `model_type` where given, else from the megatron
+    TransformerConfig: MoE experts -> qwen3-moe, q/k layernorm -> qwen3, qkv bias -> qwen2, else llama."""
+    model_type = getattr(hf_config, "model_type", None) or (
+        hf_config.get("model_type") if isinstance(hf_config, dict) else None)
+    if model_type:
+        return canonical_arch(str(model_type))
+    if config is None:
+        raise ValidationError("cannot detect the architecture: pass arch= or hf_config=")
+    if getattr(config, "num_moe_experts", None):
+        return "qwen3-moe"
+    if getattr(config, "qk_layernorm", False):
+        return "qwen3"
+    if getattr(config, "add_qkv_bias", False):
+        return "qwen2"
+    return "llama"
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """A Megatron parameter matched against a table: its mapping and concrete names."""
+
+    mapping: Mapping
+    megatron: str
+    hf: tuple[str, ...]
+    layer: int | None
+    expert: int | None
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    rx = re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+    return re.compile(rx + r"\Z")
+
+
+class Converter:
+    """The table of one architecture, compiled. Stateless: safe to share."""
+
+    def __init__(self, arch: str, mappings: Iterable[Mapping]) -> None:
+        self.arch = arch
+        self.mappings = list(mappings)
+        self._fwd = [(_compile(m.megatron), m) for m in self.mappings]
+        self._rev = [(_compile(h), m) for m in self.mappings for h in m.hf]
+
+    @staticmethod
+    def _names(m: Mapping, groups: dict[str, str]) -> tuple[str, tuple[str, ...], int | None, int | None]:
+        layer = int(groups["L"]) if "L" in groups else None
+        expert = int(groups["E"]) if "E" in groups else None
+        fmt = {"L": layer, "E": expert}
+        return m.megatron.format(**fmt), tuple(h.format(**fmt) for h in m.hf), layer, expert
+
+    def find(self, megatron_name: str) -> Resolved | None:
+        for rx, m in self._fwd:
+            hit = rx.match(megatron_name)
+            if hit:
+                meg, hf, layer, expert = self._names(m, hit.groupdict())
+                return Resolved(m, meg, hf, layer, expert)
+        return None
+
+    def resolve(self, megatron_name: str) -> Resolved:
+        r = self.find(megatron_name)
+        if r is None:
+            raise ValidationError(f"{self.arch}: no mapping for Megatron parameter {megatron_name!r}")
+        return r
+
+    def find_hf(self, hf_name: str) -> Resolved | None:
+        """The first mapping (table order) that produces `hf_name`: HF -> Megatron without a model."""
+        for rx, m in self._rev:
+            hit = rx.match(hf_name)
+            if hit:
+                meg, hf, layer, expert = self._names(m, hit.groupdict())
+                return Resolved(m, meg, hf, layer, expert)
+        return None
+
+    # -- whole tensors -------------------------------------------------------------------------------------
+
+    def to_hf(self, megatron_name: str, full: torch.Tensor, dims: Dims) -> list[tuple[str, torch.Tensor]]:
+        r = self.resolve(megatron_name)
+        return list(zip(r.hf, r.mapping.to_hf(full, dims), strict=True))
+
+    def to_megatron(self, megatron_name: str, hf_state: MappingABC[str, torch.Tensor], dims: Dims,
+                    shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The full Megatron tensor `megatron_name` (global name) made from the HF tensors it maps from."""
+        r = self.resolve(megatron_name)
+        missing = [h for h in r.hf if h not in hf_state]
+        if missing:
+            raise ValidationError(f"{megatron_name!r} needs HF tensor(s) {missing}, absent from the HF state")
+        return r.mapping.to_megatron([hf_state[h] for h in r.hf], dims, shape)
+
+    def to_hf_state(self, megatron_state: MappingABC[str, torch.Tensor], dims: Dims) -> dict[str, torch.Tensor]:
+        """Full Megatron state (global names) -> HF state. Reverse-only entries (tied output layer) are dropped."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in megatron_state.items():
+            r = self.resolve(name)
+            if r.mapping.send:
+                out.update(zip(r.hf, r.mapping.to_hf(t, dims), strict=True))
+        return out
+
+    def to_megatron_state(self, hf_state: MappingABC[str, torch.Tensor], dims: Dims, *,
+                          padded_vocab: int | None = None) -> dict[str, torch.Tensor]:
+        """HF state -> full Megatron state (global names, local-spec naming), vocab padded to `padded_vocab`."""
+        out: dict[str, torch.Tensor] = {}
+        for h in hf_state:
+            r = self.find_hf(h)
+            if r is None:
+                raise ValidationError(f"{self.arch}: no mapping produces HF tensor {h!r}")
+            if r.megatron in out:
+                continue
+            shape = None
+            if padded_vocab is not None and isinstance(r.mapping, Vocab):
+                shape = (padded_vocab, *hf_state[h].shape[1:])
+            out[r.megatron] = self.to_megatron(r.megatron, hf_state, dims, shape)
+        return out
+
+
+def get_converter(arch: str, *, tied: bool = False) -> Converter:
+    """The converter of `arch` ('qwen3', 'qwen2', 'llama', 'mistral', 'qwen3-moe'); `tied`: the model shares
+    its embedding with the output layer (HF `tie_word_embeddings`)."""
+    key = canonical_arch(arch)
+    return Converter(key, models.table(key, tied=tied))
+
+
+__all__ = ["ARCHS", "Converter", "Dims", "Resolved", "canonical_arch", "detect_arch", "get_converter", "tp_merge",
+           "tp_split"]

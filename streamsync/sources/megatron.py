@@ -1,0 +1,606 @@
+"""A megatron-core GPTModel sharded over TP / PP / EP (and expert TP), streamed as full HF tensors.
+
+Who does what. Every rank of the default process group calls `push(model)` (ranks other than the sender
+with `WeightSync([])`, no engines), so the collectives line up:
+
+* sender: global rank 0 (tensor, pipeline, data, context, expert and expert-tensor parallel rank all 0). It
+  ends each gather holding every full Megatron tensor of the chunk, converts and sends.
+* stage leader: on pipeline stage s, the rank whose other coordinates are all 0 (rank 0 leads stage 0).
+  After the TP and EP rounds it holds the stage's full tensors and sends those of the chunk to the sender.
+* writer replica: dense tensors are gathered only by data(+context)-parallel rank 0, experts only by
+  expert-data-parallel rank 0; other replicas hold copies and issue nothing.
+
+A chunk's gather runs three rounds, each coalesced to one collective per (group, dtype) per chunk (or one
+per parameter with `coalesce=False`, for comparison), all async and awaited together:
+
+  1. TP:  all-gather the shards of the stage's dense tensors over the tensor-parallel group, and of its
+          local experts over the expert-tensor-parallel group; merged by `partition_dim` / `partition_stride`.
+  2. EP:  all-gather the (now full) local experts over the expert-parallel group: every expert of the layer.
+  3. PP:  each other stage's leader sends its part of the chunk to the sender, point-to-point inside the
+          pipeline group, with group-local ranks (`group_dst` / `group_src`: a global rank where a group
+          rank is wanted is the classic bug here).
+
+A group of size 1 issues nothing, so TP = PP = EP = 1 costs no collective at all. The whole gather of a chunk
+runs in a worker thread (`anyio.to_thread`), so the event loop keeps converting, packing and sending earlier
+chunks meanwhile. Every rank derives the same plan from one table of every parameter's full shape, dtype,
+owning stage and expert rank, built at construction with one `all_gather_object` (skipped when nothing is
+sharded; cached per model, so later pushes of the same model exchange nothing).
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+import torch.distributed as dist
+
+from ..chunking import Item, order_key, plan_chunks
+from ..convert import Dims, Resolved, canonical_arch, detect_arch, get_converter
+from ..convert.mappings import TPLayout, tp_merge
+from ..errors import ValidationError
+from ..pack import TensorSpec, dtype_from_name, dtype_name
+from .base import ChunkPlan, Source
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+# local expert index: SequentialMLP `experts.local_experts.<i>.`, TEGroupedMLP `experts.linear_fc1.weight<i>`
+_SEQ_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.linear_fc\d\.weight(\d+)$")
+
+
+def _expert_match(name: str) -> re.Match[str] | None:
+    return _SEQ_EXPERT.search(name) or _GROUPED_EXPERT.search(name)
+
+
+# all_gather_single is the new name (torch >= 2.12) of all_gather_into_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# ------------------------------------------------------------------------------------------ model walking
+
+
+def unwrap_chunks(model: object) -> list[torch.nn.Module]:
+    """The model chunks (one per virtual pipeline stage), with DDP / Float16Module wrappers removed."""
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    if not chunks:
+        raise ValidationError("empty list of model chunks")
+    out = []
+    for m in chunks:
+        while not hasattr(m, "decoder") and hasattr(m, "module"):
+            m = m.module
+        if not hasattr(m, "decoder") or not hasattr(m, "config"):
+            raise ValidationError(f"{type(m).__name__} is not a megatron-core GPTModel (no decoder/config)")
+        out.append(m)
+    return out
+
+
+def global_parameters(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter, bool]]:
+    """(global name, parameter, is_expert) for every parameter on this rank.
+
+    megatron-core numbers `decoder.layers.i` per pipeline stage (and per virtual stage) and local experts
+    per expert-parallel rank; global names use the layer's `layer_number` and the MoE layer's
+    `local_expert_indices`, so every rank names a tensor the same way.
+    """
+    for chunk in chunks:
+        layers = chunk.decoder.layers
+        for name, p in chunk.named_parameters():
+            expert = False
+            m = _LAYER.match(name)
+            if m:
+                layer = layers[int(m.group(1))]
+                name = f"decoder.layers.{layer.layer_number - 1}.{name[m.end():]}"
+                e = _expert_match(name)
+                if e:
+                    expert = True
+                    gid = layer.mlp.local_expert_indices[int(e.group(1))]
+                    name = f"{name[:e.start(1)]}{gid}{name[e.end(1):]}"
+            yield name, p, expert
+
+
+# ------------------------------------------------------------------------------------------ topology
+
+
+@dataclass(frozen=True, slots=True)
+class Coords:
+    """This rank's place in the dense (tp, pp, dp incl. cp) and expert (etp, ep, edp) decompositions."""
+
+    rank: int
+    tp: int = 0
+    pp: int = 0
+    dp: int = 0
+    ep: int = 0
+    etp: int = 0
+    edp: int = 0
+
+    @property
+    def dense_writer(self) -> bool:
+        return self.dp == 0
+
+    @property
+    def expert_writer(self) -> bool:
+        return self.edp == 0
+
+    def leads(self) -> bool:
+        """Rank whose non-pipeline coordinates are all 0: the one that hands its stage to the sender."""
+        return self.tp == self.dp == self.ep == self.etp == self.edp == 0
+
+
+@dataclass
+class Groups:
+    tp: Any = None
+    pp: Any = None
+    ep: Any = None
+    etp: Any = None
+    tp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    etp_size: int = 1
+
+    @property
+    def sharded(self) -> bool:
+        return max(self.tp_size, self.pp_size, self.ep_size, self.etp_size) > 1
+
+
+def topology(chunk: torch.nn.Module) -> tuple[Coords, Groups]:
+    """This rank's coordinates and the model's process groups (from its pg_collection, else parallel_state)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return Coords(0), Groups()
+    pgs = getattr(chunk, "pg_collection", None)
+
+    def group(field: str, getter: str) -> Any:
+        g = getattr(pgs, field, None) if pgs is not None else None
+        if g is None:
+            from megatron.core import parallel_state
+
+            try:
+                g = getattr(parallel_state, getter)(check_initialized=False)
+            except TypeError:
+                g = getattr(parallel_state, getter)()
+        return g
+
+    def rank(g: Any) -> int:
+        return 0 if g is None else dist.get_rank(g)
+
+    def size(g: Any) -> int:
+        return 1 if g is None else dist.get_world_size(g)
+
+    tp = group("tp", "get_tensor_model_parallel_group")
+    pp = group("pp", "get_pipeline_model_parallel_group")
+    ep = group("ep", "get_expert_model_parallel_group")
+    etp = group("expt_tp", "get_expert_tensor_parallel_group")
+    dp = group("dp_cp", "get_data_parallel_group")
+    edp = group("expt_dp", "get_expert_data_parallel_group")
+    coords = Coords(dist.get_rank(), rank(tp), rank(pp), rank(dp), rank(ep), rank(etp), rank(edp))
+    return coords, Groups(tp, pp, ep, etp, size(tp), size(pp), size(ep), size(etp))
+
+
+# ------------------------------------------------------------------------------------------ global table
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """One Megatron parameter as the whole model sees it (same on every rank)."""
+
+    name: str                 # global name
+    shape: tuple[int, ...]    # full shape, TP shards merged
+    dtype: torch.dtype        # megatron's dtype (norms: float32)
+    stage: int                # pipeline rank that holds it
+    expert: bool
+    ep: int                   # expert-parallel rank that holds it (0 for dense parameters)
+    tp: TPLayout | None       # split over the (expert-)tensor-parallel group; None: whole on every rank
+    local_shape: tuple[int, ...]
+
+
+_Record = tuple[tuple[int, ...], list[tuple[str, tuple[int, ...], str, int | None, int, bool]]]
+
+
+def _local_record(coords: Coords, params: dict[str, tuple[torch.nn.Parameter, bool]]) -> _Record:
+    rows = []
+    for name, (p, expert) in params.items():
+        dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else None
+        rows.append((name, tuple(p.shape), dtype_name(p.dtype), dim, int(getattr(p, "partition_stride", 1)), expert))
+    c = coords
+    return (c.rank, c.tp, c.pp, c.dp, c.ep, c.etp, c.edp), rows
+
+
+def _build_table(records: Sequence[_Record], groups: Groups) -> tuple[dict[str, ParamInfo], list[Coords]]:
+    """Merge every rank's parameters into the global table, sorted in push order: embeddings, layers (experts
+    by global index after the layer's other tensors), final norm and output layer. Only writer replicas'
+    rows count when the model is sharded; unsharded, the one record is this rank's whole model."""
+    table: dict[str, ParamInfo] = {}
+    first_seen: dict[str, int] = {}
+    all_coords = []
+    for rec_coords, rows in records:
+        c = Coords(*rec_coords)
+        all_coords.append(c)
+        for name, shape, dt, dim, stride, expert in rows:
+            if groups.sharded and not (c.expert_writer if expert else c.dense_writer):
+                continue
+            size = groups.etp_size if expert else groups.tp_size
+            layout = TPLayout(dim, stride) if dim is not None and dim >= 0 and size > 1 else None
+            full = list(shape)
+            if layout is not None:
+                full[layout.dim] *= size
+            info = ParamInfo(name, tuple(full), dtype_from_name(dt), c.pp, expert, c.ep if expert else 0, layout,
+                             tuple(shape))
+            old = table.get(name)
+            if old is None:
+                table[name] = info
+                first_seen[name] = len(first_seen)
+            elif (old.shape, old.dtype, old.stage, old.ep) != (info.shape, info.dtype, info.stage, info.ep):
+                raise ValidationError(f"parameter {name!r} differs between ranks: {old} vs {info}")
+
+    def key(n: str) -> tuple:
+        m = _expert_match(n) if table[n].expert else None
+        return (order_key(n), int(m.group(1)) if m else -1, first_seen[n])
+
+    return {n: table[n] for n in sorted(table, key=key)}, all_coords
+
+
+_TABLES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[dict[str, ParamInfo], list[Coords]]] = (
+    weakref.WeakKeyDictionary())
+
+
+# ------------------------------------------------------------------------------------------ source
+
+
+@dataclass
+class _Batch:
+    """Tensors moved by one collective: one (group, dtype) of a chunk, or one parameter (coalesce=False)."""
+
+    keys: list[str]
+    dtype: torch.dtype
+    numels: list[int]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    def slices(self) -> Iterator[tuple[str, int, int]]:
+        """(key, offset, numel) of each tensor in the flat buffer."""
+        off = 0
+        for k, n in zip(self.keys, self.numels, strict=True):
+            yield k, off, n
+            off += n
+
+
+class MegatronSource(Source):
+    """A megatron-core GPTModel (or the list of its virtual-pipeline chunks) as a stream of HF tensors.
+
+    arch:        'qwen3', 'qwen2', 'llama', 'mistral', 'qwen3-moe'; default: detected from `hf_config`'s
+                 model_type, else from the megatron config (experts -> qwen3-moe, qk_layernorm -> qwen3,
+                 add_qkv_bias -> qwen2, else llama).
+    dtype:       the receiver's dtype for floating tensors (norms that megatron keeps in float32 are cast);
+                 default: `hf_config`'s dtype, else the megatron `params_dtype`.
+    vocab_size:  the HF vocabulary; padding rows beyond it are dropped. Default: `hf_config.vocab_size`,
+                 else megatron's (padded) vocabulary, sent whole.
+    coalesce:    one collective per (group, dtype) per chunk (default), or one per parameter.
+    bucket_bytes: with coalesce, cap one collective's payload (per rank): a (group, dtype) of a chunk
+                 then takes one collective per bucket, all in flight together. Gloo runs concurrent
+                 collectives on several threads, so on CPU a few MiB buckets beat one large message;
+                 NCCL wants one large message (default None: no cap).
+
+    Construction is collective when the model is sharded: every rank of the default group must construct
+    it (as `push` does) at the same point. Raises ValidationError for parameters no table entry maps, or a
+    table whose TP layout disagrees with the parameter's `partition_dim` / `partition_stride`.
+    """
+
+    def __init__(self, model: object, *, arch: str | None = None, dtype: torch.dtype | str | None = None,
+                 coalesce: bool = True, bucket_bytes: int | None = None, hf_config: object = None,
+                 vocab_size: int | None = None) -> None:
+        self.chunks = unwrap_chunks(model)
+        first = self.chunks[0]
+        cfg = first.config
+        self.coalesce = coalesce
+        self.bucket_bytes = bucket_bytes
+        self.tied = bool(getattr(first, "share_embeddings_and_output_weights", False))
+        hf_tied = _hf_get(hf_config, "tie_word_embeddings")
+        if hf_tied is not None and bool(hf_tied) != self.tied:
+            raise ValidationError(f"hf_config.tie_word_embeddings={hf_tied} but the megatron model has "
+                                  f"share_embeddings_and_output_weights={self.tied}")
+        self.arch = canonical_arch(arch) if arch else detect_arch(cfg, hf_config)
+        self.converter = get_converter(self.arch, tied=self.tied)
+        vocab = vocab_size or _hf_get(hf_config, "vocab_size") or first.vocab_size
+        self.dims = Dims(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads,
+                         cfg.kv_channels, int(vocab))
+        dt = dtype or _hf_get(hf_config, "dtype") or _hf_get(hf_config, "torch_dtype") or cfg.params_dtype
+        self.dtype: torch.dtype = getattr(torch, dt) if isinstance(dt, str) else dt
+
+        self.coords, self.groups = topology(first)
+        self._local = {n: (p, e) for n, p, e in global_parameters(self.chunks)}
+        if not self._local:
+            raise ValidationError("the megatron model has no parameters on this rank")
+        devices = {p.device for p, _ in self._local.values()}
+        if len(devices) > 1:
+            raise ValidationError(f"model parameters span several devices {sorted(map(str, devices))}")
+        self._device = devices.pop()
+        #: collectives construction issued: 1 (the metadata exchange) on a sharded model's first push, else 0.
+        self.setup_collectives = 0
+        self.table, self.all_coords = self._global_table(first)
+        self._resolved: dict[str, Resolved] = {}
+        self._specs: dict[str, tuple[TensorSpec, ...]] = {}
+        for name, info in self.table.items():
+            r = self.converter.resolve(name)
+            _check_layout(name, r, info)
+            self._resolved[name] = r
+            shapes = r.mapping.hf_shapes(info.shape, self.dims)
+            out_dtype = self.dtype if info.dtype.is_floating_point else info.dtype
+            self._specs[name] = tuple(TensorSpec(h, out_dtype, s) for h, s in zip(r.hf, shapes, strict=True))
+        self._leaders = self._find_leaders()
+        if self.is_sender and self.coords.rank != 0:
+            raise ValidationError(f"rank {self.coords.rank} has all parallel ranks 0 but is not global rank 0: "
+                                  "unsupported rank order")
+        self._stream: Any = None
+        self._collectives = 0
+        #: (chunk, group, dtype) of every collective this rank issued since `plan`: the counter's detail.
+        self.events: list[tuple[int, str, str]] = []
+
+    # -- construction helpers --------------------------------------------------------------------------
+
+    def _global_table(self, first: torch.nn.Module) -> tuple[dict[str, ParamInfo], list[Coords]]:
+        cached = _TABLES.get(first)
+        if cached is not None:
+            return cached
+        mine = _local_record(self.coords, self._local)
+        if self.groups.sharded:
+            records: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(records, mine)
+            self.setup_collectives = 1
+        else:
+            records = [mine]  # nothing sharded: this rank (any data-parallel replica) holds the whole model
+        built = _build_table(records, self.groups)
+        _TABLES[first] = built
+        return built
+
+    def _find_leaders(self) -> dict[int, int]:
+        if not self.groups.sharded:
+            return {0: 0}  # every replica holds the whole model; rank 0's sends
+        leaders: dict[int, int] = {}
+        for c in self.all_coords:
+            if c.leads():
+                leaders.setdefault(c.pp, c.rank)
+        stages = {i.stage for i in self.table.values()}
+        missing = stages - set(leaders)
+        if missing:
+            raise ValidationError(f"no rank with all non-pipeline coordinates 0 on stage(s) {sorted(missing)}: "
+                                  "unsupported rank order")
+        return leaders
+
+    # -- Source ----------------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def collectives(self) -> int:
+        """Collectives this rank's gathers issued since `plan` (one push); `events` says which."""
+        return self._collectives
+
+    @property
+    def is_sender(self) -> bool:
+        return self.coords.pp == 0 and self.coords.leads()
+
+    @property
+    def sent(self) -> list[str]:
+        """Global names of the Megatron parameters a push sends, in push order (tied copies excluded)."""
+        return [n for n in self.table if self._resolved[n].mapping.send]
+
+    def hf_specs(self) -> list[TensorSpec]:
+        """Every HF tensor a push sends, in push order (what a receiver must hold)."""
+        return [s for p in self.plan(1 << 62) for s in p.specs]
+
+    def plan(self, chunk_bytes: int) -> list[ChunkPlan]:
+        """Chunks of Megatron parameters (keys: global names) with their HF specs; all experts of a layer stay
+        in one chunk. Pure and the same on every rank; resets `collectives` for the push it plans."""
+        self._collectives = 0
+        self.events = []
+        items = []
+        for name, info in self.table.items():
+            r = self._resolved[name]
+            if not r.mapping.send:
+                continue
+            nbytes = sum(s.nbytes for s in self._specs[name])
+            unit = r.layer if r.layer is not None else name
+            items.append(Item(name, nbytes, unit, ("experts", r.layer) if info.expert else None))
+        return [ChunkPlan(i, tuple(s for k in keys for s in self._specs[k]), tuple(keys))  # type: ignore[index]
+                for i, keys in enumerate(plan_chunks(items, chunk_bytes))]
+
+    async def gather(self, chunk: ChunkPlan) -> dict[str, torch.Tensor] | None:
+        """Run the chunk's TP, EP and PP rounds (see the module doc). Returns {global name: full tensor} on the
+        sender, None elsewhere. Must be called for every chunk, in plan order, on every rank."""
+        # abandon_on_cancel: a push that times out (a peer died) fails on time instead of waiting for the
+        # process group's own timeout; the group is then out of step and the trainer must not reuse it.
+        if not self.groups.sharded:  # nothing to collect: the sender's own parameters, no thread hop
+            return {k: self._local[k][0].detach() for k in chunk.keys} if self.is_sender else None  # type: ignore[index]
+        return await anyio.to_thread.run_sync(self._gather_sync, chunk, abandon_on_cancel=True)
+
+    async def convert(self, chunk: ChunkPlan, gathered: object) -> Sequence[torch.Tensor]:
+        full: dict[str, torch.Tensor] = gathered  # type: ignore[assignment]
+
+        def work() -> list[torch.Tensor]:
+            out: list[torch.Tensor] = []
+            for k in chunk.keys:
+                out += self._resolved[k].mapping.to_hf(full[k], self.dims)  # type: ignore[index]
+            return [t if t.dtype == s.dtype else t.to(s.dtype) for t, s in zip(out, chunk.specs, strict=True)]
+
+        if self._device.type == "cpu":  # QKV splits and casts copy: keep them off the loop
+            return await anyio.to_thread.run_sync(work)
+        return work()
+
+    # -- the three rounds ------------------------------------------------------------------------------
+
+    def _batches(self, keys: Sequence[str], numel: dict[str, int], wire: bool = False) -> list[_Batch]:
+        """Group tensors into collectives: by dtype (coalesced) or one each. `wire`: floating tensors travel
+        in the receiver's dtype (the sender casts to it anyway, so the bits are the same)."""
+        def dtype(k: str) -> torch.dtype:
+            t = self.table[k].dtype
+            return self.dtype if wire and t.is_floating_point else t
+
+        if not self.coalesce:
+            return [_Batch([k], dtype(k), [numel[k]]) for k in keys]
+        by_dtype: dict[torch.dtype, list[_Batch]] = {}
+        for k in keys:
+            dt = dtype(k)
+            batches = by_dtype.setdefault(dt, [_Batch([], dt, [])])
+            b = batches[-1]
+            if self.bucket_bytes and b.keys and (b.numel + numel[k]) * dt.itemsize > self.bucket_bytes:
+                b = _Batch([], dt, [])
+                batches.append(b)
+            b.keys.append(k)
+            b.numels.append(numel[k])
+        return [b for batches in by_dtype.values() for b in batches]
+
+    def _count(self, chunk: ChunkPlan, group: str, dtype: torch.dtype) -> None:
+        self._collectives += 1
+        self.events.append((chunk.index, group, dtype_name(dtype)))
+
+    def _flat(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """One flat send buffer (one copy); a single contiguous tensor of the right dtype goes as a view."""
+        if len(tensors) == 1 and tensors[0].dtype == dtype:
+            return tensors[0].detach().reshape(-1)
+        return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+
+    def _gather_sync(self, chunk: ChunkPlan) -> dict[str, torch.Tensor] | None:
+        c, g = self.coords, self.groups
+        stream = consumer = None
+        if self._device.type == "cuda":  # a side stream that first sees the trainer's last writes
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self._device)
+            stream, consumer = self._stream, torch.cuda.current_stream(self._device)
+            stream.wait_stream(consumer)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            have = self._gather_rounds(chunk, c, g, stream)
+        if not self.is_sender:
+            return None
+        if consumer is not None:  # buffers made on the side stream are used on the consumer's: keep them alive
+            for k, t in have.items():
+                own = self._local.get(k)
+                if own is None or t.data_ptr() != own[0].data_ptr():
+                    t.record_stream(consumer)
+        return have
+
+    def _gather_rounds(self, chunk: ChunkPlan, c: Coords, g: Groups, stream: Any) -> dict[str, torch.Tensor]:
+        infos = [self.table[k] for k in chunk.keys]  # type: ignore[index]
+        mine = [i for i in infos if i.stage == c.pp and (
+            (i.expert and i.ep == c.ep and c.expert_writer) or (not i.expert and c.dense_writer))]
+        have = {i.name: self._local[i.name][0].detach() for i in mine if i.tp is None}
+        self._round_tp(chunk, [i for i in mine if i.tp is not None], have, stream)
+        experts = [i for i in infos if i.expert and i.stage == c.pp]
+        if experts and g.ep_size > 1 and c.expert_writer and c.etp == 0:
+            self._round_ep(chunk, experts, have, stream)
+        if g.pp_size > 1 and c.leads():
+            self._round_pp(chunk, infos, have, stream)
+        return have
+
+    def _round_tp(self, chunk: ChunkPlan, split: list[ParamInfo], have: dict[str, torch.Tensor],
+                  stream: Any) -> None:
+        """Round 1: shards of this stage's dense tensors (TP group) and local experts (expert-TP group) ->
+        full tensors, on the ranks that use them: stage leaders, and the ranks of the EP round."""
+        c, g = self.coords, self.groups
+        merge = {False: c.leads(), True: c.leads() or (g.ep_size > 1 and c.etp == 0)}
+        pending = []
+        for expert, group, size, label in ((False, g.tp, g.tp_size, "tp"), (True, g.etp, g.etp_size, "etp")):
+            keys = [i.name for i in split if i.expert == expert]
+            for b in self._batches(keys, {k: _numel(self.table[k].local_shape) for k in keys}):
+                out = torch.empty(size * b.numel, dtype=b.dtype, device=self._device)
+                send = self._flat([self._local[k][0] for k in b.keys], b.dtype)
+                pending.append((_all_gather(out, send, group=group, async_op=True), b, out, size, merge[expert]))
+                self._count(chunk, label, b.dtype)
+        self._wait([p[0] for p in pending], stream)
+        for _, b, out, size, wanted in pending:
+            if not wanted:
+                continue
+            rows = out.view(size, b.numel)
+            for k, off, n in b.slices():
+                info = self.table[k]
+                have[k] = tp_merge([rows[r, off:off + n].view(info.local_shape) for r in range(size)], info.tp)
+
+    def _round_ep(self, chunk: ChunkPlan, experts: list[ParamInfo], have: dict[str, torch.Tensor],
+                  stream: Any) -> None:
+        """Round 2: every expert-parallel rank's full local experts of the chunk -> all experts of the stage.
+        Expert e's tensors sit in row e of the output, in the same order as on rank e (global expert ids)."""
+        c, g = self.coords, self.groups
+        numel = {i.name: _numel(i.shape) for i in experts}
+        per_rank = [self._batches([i.name for i in experts if i.ep == e], numel) for e in range(g.ep_size)]
+        mine = per_rank[c.ep]
+        if any([b.numels for b in rb] != [b.numels for b in mine] for rb in per_rank):
+            raise ValidationError(f"chunk {chunk.index}: expert-parallel ranks hold different expert shapes")
+        pending = []
+        for b in mine:
+            out = torch.empty(g.ep_size * b.numel, dtype=b.dtype, device=self._device)
+            send = self._flat([have[k] for k in b.keys], b.dtype)
+            pending.append((_all_gather(out, send, group=g.ep, async_op=True), out))
+            self._count(chunk, "ep", b.dtype)
+        self._wait([p[0] for p in pending], stream)
+        if not c.leads():
+            return
+        for j, (_, out) in enumerate(pending):
+            rows = out.view(g.ep_size, mine[j].numel)
+            for e in range(g.ep_size):
+                for k, off, n in per_rank[e][j].slices():
+                    have[k] = rows[e, off:off + n].view(self.table[k].shape)
+
+    def _round_pp(self, chunk: ChunkPlan, infos: list[ParamInfo], have: dict[str, torch.Tensor],
+                  stream: Any) -> None:
+        """Round 3: each other stage's leader sends its part of the chunk to the sender, point to point in the
+        pipeline group with group-local ranks. Floating tensors travel in the receiver's dtype, so float32
+        norms and bf16 weights share one message."""
+        c, g = self.coords, self.groups
+        sender = dist.get_group_rank(g.pp, self._leaders[0])
+        pending, recvs = [], []
+        for s in sorted({i.stage for i in infos} - {0}):
+            if c.pp not in (0, s):
+                continue
+            keys = [i.name for i in infos if i.stage == s]
+            for tag, b in enumerate(self._batches(keys, {k: _numel(self.table[k].shape) for k in keys}, wire=True)):
+                if c.pp == s:
+                    send = self._flat([have[k] for k in b.keys], b.dtype)
+                    pending.append(dist.isend(send, group=g.pp, group_dst=sender, tag=tag))
+                else:
+                    buf = torch.empty(b.numel, dtype=b.dtype, device=self._device)
+                    src = dist.get_group_rank(g.pp, self._leaders[s])
+                    pending.append(dist.irecv(buf, group=g.pp, group_src=src, tag=tag))
+                    recvs.append((b, buf))
+                self._count(chunk, f"pp{s}", b.dtype)
+        self._wait(pending, stream)
+        for b, buf in recvs:
+            for k, off, n in b.slices():
+                have[k] = buf[off:off + n].view(self.table[k].shape)
+
+    def _wait(self, works: Sequence[Any], stream: Any) -> None:
+        for w in works:
+            if w is not None:
+                w.wait()
+        if stream is not None:  # NCCL's wait only orders streams: block this worker thread until done
+            stream.synchronize()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _hf_get(hf_config: object, key: str) -> Any:
+    if hf_config is None:
+        return None
+    if isinstance(hf_config, dict):
+        return hf_config.get(key)
+    return getattr(hf_config, key, None)
+
+
+def _check_layout(name: str, r: Resolved, info: ParamInfo) -> None:
+    """The table's TP layout must be the parameter's: else merged tensors would be silently scrambled."""
+    if info.tp is not None and info.tp != r.mapping.tp:
+        raise ValidationError(f"{name!r}: megatron splits it as {info.tp}, the {type(r.mapping).__name__} mapping "
+                              f"expects {r.mapping.tp}")
+
+
+__all__ = ["Coords", "Groups", "MegatronSource", "ParamInfo", "global_parameters", "topology", "unwrap_chunks"]

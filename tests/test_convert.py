@@ -1,0 +1,189 @@
+"""Megatron <-> HF conversion as pure functions: no process groups, no megatron import, fast."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from streamsync.checksum import digests
+from streamsync.convert import Dims, canonical_arch, detect_arch, get_converter
+from streamsync.convert.mappings import COLUMN, GATED, QKV, ROW, GatedMLP, Vocab, tp_merge, tp_split
+from streamsync.errors import ValidationError
+from streamsync.megatron_utils import TinyModel
+
+MODELS = {
+    "qwen3": TinyModel("qwen3", vocab=101),
+    "qwen2": TinyModel("qwen2", vocab=101),
+    "llama": TinyModel("llama", vocab=128, heads=8, kv_heads=8, head_dim=8),
+    "qwen3-moe": TinyModel("qwen3-moe", vocab=101, experts=4),
+    "qwen2-tied": TinyModel("qwen2", vocab=99, tie=True),
+}
+
+
+def dims_of(m: TinyModel) -> Dims:
+    return Dims(m.heads, m.kv_heads, m.head_dim, m.vocab)
+
+
+def shard_all(conv, full: dict[str, torch.Tensor], tp: int) -> list[dict[str, torch.Tensor]]:
+    """What each of `tp` ranks holds (experts: expert-TP = TP here), by the table's TP layouts."""
+    ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for name, t in full.items():
+        for r, shard in enumerate(tp_split(t, conv.resolve(name).mapping.tp, tp)):
+            ranks[r][name] = shard.clone()
+    return ranks
+
+
+@pytest.mark.parametrize("key", sorted(MODELS))
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_hf_megatron_hf_round_trip_is_bit_exact(key: str, tp: int) -> None:
+    m = MODELS[key]
+    hf = m.hf_state(seed=tp)
+    conv = get_converter(m.arch, tied=m.tie)
+    dims = dims_of(m)
+    full = conv.to_megatron_state(hf, dims, padded_vocab=m.padded_vocab(tp))
+    shards = shard_all(conv, full, tp)
+    merged = {n: tp_merge([s[n] for s in shards], conv.resolve(n).mapping.tp) for n in full}
+    back = conv.to_hf_state(merged, dims)
+    # the source casts to the receiver's dtype (float32 norms -> bf16); bf16 -> fp32 -> bf16 is lossless
+    assert digests((n, t.to(hf[n].dtype)) for n, t in back.items()) == digests(hf.items())
+
+
+def test_megatron_names_are_those_of_the_local_layer_spec() -> None:
+    m = MODELS["qwen3-moe"]
+    full = get_converter(m.arch).to_megatron_state(m.hf_state(), dims_of(m))
+    layer0 = sorted(n for n in full if n.startswith("decoder.layers.0."))
+    assert layer0 == sorted(
+        ["decoder.layers.0." + s for s in (
+            "input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+            "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight",
+            "mlp.router.weight")]
+        + [f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc{i}.weight" for e in range(4) for i in (1, 2)])
+    assert {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"} <= set(full)
+
+
+def test_qkv_is_grouped_per_query_group() -> None:
+    heads, groups, hd, hidden = 8, 2, 4, 3
+    dims = Dims(heads, groups, hd, 10)
+    q = torch.arange(heads * hd * hidden, dtype=torch.float32).view(heads * hd, hidden)
+    k = -torch.arange(1, groups * hd * hidden + 1, dtype=torch.float32).view(groups * hd, hidden)
+    v = 1000 + torch.arange(groups * hd * hidden, dtype=torch.float32).view(groups * hd, hidden)
+    fused = QKV("x", "q", "k", "v").to_megatron([q, k, v], dims)
+    hpg = heads // groups
+    expect = torch.cat([torch.cat([q[g * hpg * hd:(g + 1) * hpg * hd], k[g * hd:(g + 1) * hd], v[g * hd:(g + 1) * hd]])
+                        for g in range(groups)])
+    assert torch.equal(fused, expect)
+    # TP=2 splits whole query groups: rank 1 holds group 1 = [q heads 4..7; k_1; v_1]
+    assert torch.equal(tp_split(fused, COLUMN, 2)[1], expect[(hpg + 2) * hd:])
+    assert all(torch.equal(a, b) for a, b in zip(QKV("x", "q", "k", "v").to_hf(fused, dims), [q, k, v], strict=True))
+
+
+def test_qkv_bias_round_trips() -> None:
+    dims = Dims(4, 2, 3, 10)
+    q, k, v = torch.randn(12), torch.randn(6), torch.randn(6)
+    m = QKV("b", "q", "k", "v")
+    assert m.hf_shapes((24,), dims) == [(12,), (6,), (6,)]
+    assert all(torch.equal(a, b) for a, b in zip(m.to_hf(m.to_megatron([q, k, v], dims), dims), [q, k, v],
+                                                   strict=True))
+
+
+def test_gated_fc1_shard_is_gate_then_up_of_that_rank() -> None:
+    gate, up = torch.arange(8.0).view(8, 1), 100 + torch.arange(8.0).view(8, 1)
+    full = GatedMLP("fc1", "gate", "up").to_megatron([gate, up], Dims(1, 1, 1, 1))
+    shards = tp_split(full, GATED, 2)
+    assert torch.equal(shards[0], torch.cat([gate[:4], up[:4]]))
+    assert torch.equal(shards[1], torch.cat([gate[4:], up[4:]]))
+    assert torch.equal(tp_merge(shards, GATED), full)
+
+
+def test_row_parallel_splits_columns() -> None:
+    t = torch.arange(24.0).view(4, 6)
+    shards = tp_split(t, ROW, 3)
+    assert [tuple(s.shape) for s in shards] == [(4, 2)] * 3
+    assert torch.equal(tp_merge(shards, ROW), t)
+
+
+def test_vocab_padding_is_zero_rows_and_dropped_again() -> None:
+    emb = torch.randn(101, 8, dtype=torch.bfloat16)
+    m = Vocab("embedding.word_embeddings.weight", "model.embed_tokens.weight")
+    dims = Dims(1, 1, 1, 101)
+    padded = m.to_megatron([emb], dims, (112, 8))
+    assert padded.shape == (112, 8) and not padded[101:].any()
+    assert m.hf_shapes((112, 8), dims) == [(101, 8)]
+    (back,) = m.to_hf(padded, dims)
+    assert torch.equal(back, emb) and back.data_ptr() == padded.data_ptr()  # a view: no copy
+
+
+def test_norms_become_float32_in_megatron_and_exact_back() -> None:
+    m = MODELS["qwen3"]
+    hf = m.hf_state()
+    conv = get_converter("qwen3")
+    full = conv.to_megatron_state(hf, dims_of(m))
+    assert full["decoder.layers.1.self_attention.q_layernorm.weight"].dtype == torch.float32
+    assert full["decoder.final_layernorm.weight"].dtype == torch.float32
+    assert full["decoder.layers.1.mlp.linear_fc2.weight"].dtype == torch.bfloat16
+    back = conv.to_hf_state(full, dims_of(m))
+    assert torch.equal(back["model.norm.weight"].to(torch.bfloat16), hf["model.norm.weight"])
+
+
+def test_tied_output_layer_is_filled_from_the_embedding_and_never_sent() -> None:
+    m = MODELS["qwen2-tied"]
+    hf = m.hf_state()
+    conv = get_converter("qwen2", tied=True)
+    dims = dims_of(m)
+    out = conv.to_megatron("output_layer.weight", hf, dims, (104, m.hidden))
+    assert torch.equal(out[: m.vocab], hf["model.embed_tokens.weight"])
+    assert conv.resolve("output_layer.weight").mapping.send is False
+    assert "lm_head.weight" not in conv.to_hf_state({"output_layer.weight": out}, dims)
+
+
+def test_te_fused_norm_names_map_to_the_hf_norms() -> None:
+    conv = get_converter("llama")
+    assert conv.resolve("decoder.layers.7.self_attention.linear_qkv.layer_norm_weight").hf == (
+        "model.layers.7.input_layernorm.weight",)
+    assert conv.resolve("decoder.layers.7.mlp.linear_fc1.layer_norm_weight").hf == (
+        "model.layers.7.post_attention_layernorm.weight",)
+
+
+def test_expert_names_carry_layer_and_global_expert_index() -> None:
+    conv = get_converter("qwen3-moe")
+    r = conv.resolve("decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight")
+    assert (r.layer, r.expert) == (3, 5)
+    assert r.hf == ("model.layers.3.mlp.experts.5.gate_proj.weight", "model.layers.3.mlp.experts.5.up_proj.weight")
+    assert conv.resolve("decoder.layers.3.mlp.experts.linear_fc2.weight5").hf == (
+        "model.layers.3.mlp.experts.5.down_proj.weight",)  # TE grouped-GEMM naming
+    assert conv.resolve("decoder.layers.3.mlp.router.weight").hf == ("model.layers.3.mlp.gate.weight",)
+
+
+def test_unknown_parameter_is_a_clear_error() -> None:
+    with pytest.raises(ValidationError, match=r"no mapping for Megatron parameter 'decoder\.layers\.0\.mlp\.weird'"):
+        get_converter("qwen3").resolve("decoder.layers.0.mlp.weird")
+    with pytest.raises(ValidationError, match="no mapping produces HF tensor"):
+        get_converter("llama").to_megatron_state({"model.layers.0.self_attn.q_norm.weight": torch.ones(2)},
+                                                 Dims(1, 1, 2, 4))
+
+
+def test_missing_hf_tensor_is_named() -> None:
+    with pytest.raises(ValidationError, match=r"model.layers.0.self_attn.v_proj.weight"):
+        get_converter("qwen3").to_megatron("decoder.layers.0.self_attention.linear_qkv.weight",
+                                           {"model.layers.0.self_attn.q_proj.weight": torch.ones(4, 2),
+                                            "model.layers.0.self_attn.k_proj.weight": torch.ones(2, 2)},
+                                           Dims(2, 1, 2, 4))
+
+
+@pytest.mark.parametrize(("config", "arch"), [
+    (SimpleNamespace(num_moe_experts=8, qk_layernorm=True), "qwen3-moe"),
+    (SimpleNamespace(num_moe_experts=None, qk_layernorm=True), "qwen3"),
+    (SimpleNamespace(num_moe_experts=None, qk_layernorm=False, add_qkv_bias=True), "qwen2"),
+    (SimpleNamespace(num_moe_experts=None, qk_layernorm=False, add_qkv_bias=False), "llama"),
+])
+def test_arch_is_detected_from_the_megatron_config(config: object, arch: str) -> None:
+    assert detect_arch(config) == arch
+
+
+def test_hf_model_type_wins_and_aliases_resolve() -> None:
+    assert detect_arch(SimpleNamespace(qk_layernorm=True), {"model_type": "mistral"}) == "llama"
+    assert canonical_arch("Qwen3_MoE") == "qwen3-moe"
+    with pytest.raises(ValidationError, match="unknown architecture"):
+        get_converter("gpt2")

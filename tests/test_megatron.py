@@ -1,0 +1,179 @@
+"""Real megatron-core GPTModels on CPU over gloo, pushed into a receiver process.
+
+Each case: HF weights (random, seeded) -> `load_hf_weights` into this rank's TP / PP / EP shards -> every rank
+pushes (rank 0 into a ReceiverProcess, the others with no engines) -> the receiver's checksums must equal the
+HF state's, bit for bit. Cases run in one launch per world size (2 and 4 processes) to pay megatron's import
+once; each test then checks one behaviour on the recorded results.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+from streamsync.engines.process import ReceiverProcess
+from streamsync.megatron_utils import Case, TinyModel, launch, run_cases
+from streamsync.models import save_specs
+
+pytestmark = pytest.mark.megatron
+
+QWEN3 = TinyModel("qwen3", vocab=101)                       # vocab not divisible by TP: padded to 112
+QWEN3_4L = TinyModel("qwen3", vocab=101, layers=4)
+QWEN2_TIED = TinyModel("qwen2", vocab=99, tie=True)         # qkv bias, tied embeddings
+LLAMA = TinyModel("llama", heads=8, kv_heads=8, head_dim=8)  # plain MHA: one head per query group
+LLAMA_TIED_4L = TinyModel("llama", vocab=99, layers=4, tie=True)
+MOE = TinyModel("qwen3-moe", vocab=101, experts=4)
+MOE_4L = TinyModel("qwen3-moe", vocab=101, experts=4, layers=4)
+
+TWO = [
+    Case("qwen3 tp2", QWEN3, tp=2, seed=1, pushes=2),
+    Case("qwen2 tp2 tied", QWEN2_TIED, tp=2, seed=2),
+    Case("llama tp2", LLAMA, tp=2, seed=3),
+    Case("qwen3 pp2", QWEN3_4L, pp=2, seed=4),
+    Case("qwen3-moe ep2", MOE, ep=2, seed=5),
+    Case("qwen3-moe tp2 (expert tp2)", MOE, tp=2, seed=6),
+    Case("qwen3 dp2 (unsharded)", QWEN3, seed=7),
+    Case("qwen3 tp2 1 MiB chunks", QWEN3, tp=2, seed=8, chunk_bytes=1 << 20),
+    Case("qwen3 tp2 1 MiB chunks per-parameter", QWEN3, tp=2, seed=9, chunk_bytes=1 << 20, coalesce=False),
+]
+FOUR = [
+    Case("qwen3 tp2 pp2", QWEN3_4L, tp=2, pp=2, seed=11),
+    Case("llama tp2 pp2 tied", LLAMA_TIED_4L, tp=2, pp=2, seed=12),
+    Case("qwen3-moe tp2 ep2 (expert tp2)", MOE, tp=2, ep=2, seed=13),
+    Case("qwen3-moe ep2 pp2", MOE_4L, ep=2, pp=2, seed=14),
+    Case("qwen3 tp2 pp2 vpp2", QWEN3_4L, tp=2, pp=2, vpp=2, seed=15),
+    Case("qwen3 tp2 dp2", QWEN3, tp=2, seed=16),
+]
+CASES = {c.name: c for c in TWO + FOUR}
+
+
+def _run(cases: list[Case], world: int) -> dict[str, list[dict]]:
+    """Launch `world` ranks over `cases`; results[case name][rank]."""
+    work = Path(tempfile.mkdtemp(prefix="streamsync-megatron-"))
+
+    def start(i: int, c: Case) -> ReceiverProcess:
+        return ReceiverProcess(str(save_specs(c.model.hf_specs(), work / f"case{i}.json")), name=c.name)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        receivers = list(pool.map(start, range(len(cases)), cases))
+    try:
+        per_rank = launch(run_cases, world, cases, {r.name: r.port for r in receivers}, timeout=150,
+                          collective_timeout=60)
+    finally:
+        for r in receivers:
+            r.stop()
+    return {c.name: [per_rank[rank][i] for rank in range(world)] for i, c in enumerate(cases)}
+
+
+@pytest.fixture(scope="module")
+def two() -> dict[str, list[dict]]:
+    return _run(TWO, 2)
+
+
+@pytest.fixture(scope="module")
+def four() -> dict[str, list[dict]]:
+    return _run(FOUR, 4)
+
+
+def _ranks(request: pytest.FixtureRequest, name: str) -> list[dict]:
+    return request.getfixturevalue("four" if any(c.name == name for c in FOUR) else "two")[name]
+
+
+def _expected_events(case: Case, plan: list[list]) -> Counter:
+    """The sender's collectives as the issue states them: one per (group, dtype) per chunk. Tensors of stage
+    0 split over TP / expert TP -> 'tp' / 'etp'; stage-0 experts with EP > 1 -> 'ep'; tensors of stage s > 0
+    -> one point-to-point 'pp<s>' per chunk, in the receiver's dtype (bf16 here)."""
+    want: Counter = Counter()
+    for i, keys in enumerate(plan):
+        groups = set()
+        for _name, dtype, stage, expert, split in keys:
+            if stage:
+                groups.add((f"pp{stage}", "bfloat16"))
+                continue
+            if split:
+                groups.add(("etp" if expert else "tp", dtype))
+            if expert and case.ep > 1:
+                groups.add(("ep", dtype))
+        want.update((i, g, d) for g, d in groups)
+    return want
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_receiver_holds_the_hf_weights_bit_for_bit(request: pytest.FixtureRequest, name: str) -> None:
+    sender = _ranks(request, name)[0]
+    assert sender["is_sender"]
+    assert sender["exact"], f"{len(sender['mismatched'])} tensors differ, e.g. {sender['mismatched'][:5]}"
+    assert sender["export_exact"]  # export_hf(model): the same gathers and conversions, without a receiver
+    assert all(not r["is_sender"] for r in _ranks(request, name)[1:])
+
+
+@pytest.mark.parametrize("name", [c.name for c in TWO + FOUR if c.coalesce and (c.tp, c.pp, c.ep) != (1, 1, 1)])
+def test_one_collective_per_group_dtype_and_chunk(request: pytest.FixtureRequest, name: str) -> None:
+    case = CASES[name]
+    ranks = _ranks(request, name)
+    sender = ranks[0]
+    assert Counter(map(tuple, sender["events"])) == _expected_events(case, sender["plan"])
+    for r in ranks:  # every rank: never two collectives for one (chunk, group, dtype)
+        assert max(Counter(map(tuple, r["events"])).values(), default=1) == 1
+    gathered = sum(1 for keys in sender["plan"] for k in keys if k[2] or k[4] or (k[3] and case.ep > 1))
+    assert sender["collectives"][0] < gathered  # fewer than one per gathered parameter
+
+
+def test_no_collective_when_nothing_is_sharded(two: dict[str, list[dict]]) -> None:
+    for r in two["qwen3 dp2 (unsharded)"]:
+        assert r["collectives"] == [0] and r["setup_collectives"] == [0] and r["events"] == []
+        assert r["trace_collectives"] == 0
+
+
+def test_coalescing_turns_one_gather_per_tensor_into_one_per_chunk(two: dict[str, list[dict]]) -> None:
+    per_param = two["qwen3 tp2 1 MiB chunks per-parameter"][0]
+    coalesced = two["qwen3 tp2 1 MiB chunks"][0]
+    assert per_param["chunks"] == coalesced["chunks"] == 1
+    assert per_param["collectives"] == [per_param["tp_params"]] == [10]  # embedding, output, 2 x (qkv, proj, fc1, fc2)
+    assert coalesced["collectives"] == [1]
+
+
+def test_report_and_trace_count_the_collectives(request: pytest.FixtureRequest) -> None:
+    for name in ("qwen3 tp2", "qwen3 tp2 pp2", "qwen3-moe tp2 ep2 (expert tp2)"):
+        for r in _ranks(request, name):
+            assert r["collectives"][0] == r["trace_collectives"] == len(r["events"])
+
+
+def test_ranks_of_a_group_issue_the_same_collectives_in_the_same_order(request: pytest.FixtureRequest) -> None:
+    tp2 = _ranks(request, "qwen3 tp2")
+    assert tp2[0]["events"] == tp2[1]["events"]
+    tp2pp2 = _ranks(request, "qwen3 tp2 pp2")  # ranks 0,1: stage 0; ranks 2,3: stage 1
+    tp_only = [[e for e in r["events"] if e[1] == "tp"] for r in tp2pp2]
+    assert tp_only[0] == tp_only[1] and tp_only[2] == tp_only[3]
+    assert [e for e in tp2pp2[0]["events"] if e[1] == "pp1"] == [e for e in tp2pp2[2]["events"] if e[1] == "pp1"]
+    assert not any(e[1] == "pp1" for e in tp2pp2[1]["events"] + tp2pp2[3]["events"])  # only stage leaders
+
+
+def test_metadata_is_exchanged_once_per_model(two: dict[str, list[dict]]) -> None:
+    for r in two["qwen3 tp2"]:
+        assert r["setup_collectives"] == [1, 0]
+        assert r["collectives"][0] == r["collectives"][1]
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe ep2", "qwen3-moe ep2 pp2", "qwen3-moe tp2 ep2 (expert tp2)"])
+def test_all_experts_of_a_layer_travel_in_one_chunk(request: pytest.FixtureRequest, name: str) -> None:
+    plan = _ranks(request, name)[0]["plan"]
+    chunks_of_layer: dict[str, set[int]] = {}
+    for i, keys in enumerate(plan):
+        for k in keys:
+            if k[3]:
+                chunks_of_layer.setdefault(k[0].split(".mlp.")[0], set()).add(i)
+    assert chunks_of_layer and all(len(c) == 1 for c in chunks_of_layer.values())
+    assert sum(1 for keys in plan for k in keys if k[3]) == CASES[name].model.layers * 4 * 2
+
+
+def test_data_parallel_replicas_issue_nothing(four: dict[str, list[dict]]) -> None:
+    ranks = four["qwen3 tp2 dp2"]
+    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["events"]
+    assert ranks[2]["events"] == ranks[3]["events"] == []
