@@ -6,6 +6,7 @@ one push, and the proof that the engine now holds the trainer's weights.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ def build_trainer(model_dir: Path, kind: str) -> tuple[torch.nn.Module, str]:
         try:
             from .megatron_hf import megatron_from_hf
 
-            return megatron_from_hf(model_dir), "megatron-core GPTModel (TP=1, gloo)"
+            return megatron_from_hf(model_dir), "megatron-core GPTModel (local layer spec, TP=1, gloo)"
         except ImportError as e:
             if kind == "megatron":
                 raise
@@ -37,24 +38,33 @@ def build_trainer(model_dir: Path, kind: str) -> tuple[torch.nn.Module, str]:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), "transformers Qwen3ForCausalLM"
 
 
-def training_step(trainer: torch.nn.Module, tokenizer: Any, text: str, lr: float) -> float:
-    """One real optimizer step (transformers trainer) or, for a megatron model whose forward needs CUDA,
-    an update of the same size drawn at random. Returns the mean absolute change."""
-    before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-    if hasattr(trainer, "generate"):  # a transformers model: forward + backward + AdamW on this CPU
-        trainer.train()
-        ids = torch.tensor([tokenizer.encode(text)])
-        opt = torch.optim.AdamW(trainer.parameters(), lr=lr)
-        loss = trainer(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        trainer.eval()
-    else:
-        from .models import perturb_
+def _named_parameters(trainer: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    chunks = trainer if isinstance(trainer, list) else [trainer]
+    return [(f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
 
-        perturb_(trainer, 1)
+
+def training_step(trainer: Any, model_dir: Path, tokenizer: Any, text: str, lr: float) -> float:
+    """One real AdamW step on `text`. A megatron-core forward needs CUDA, so on CPU the step is computed by
+    a transformers twin holding the same weights and imported into the megatron shards through the
+    HF -> Megatron converter. Returns the mean absolute weight change."""
+    from transformers import AutoModelForCausalLM
+
+    named = _named_parameters(trainer)
+    before = {n: p.detach().clone() for n, p in named}
+    hf = trainer if hasattr(trainer, "generate") else AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16)
+    hf.train()
+    ids = torch.tensor([tokenizer.encode(text)])
+    opt = torch.optim.AdamW(hf.parameters(), lr=lr)
+    hf(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    hf.eval()
+    if hf is not trainer:
+        from .megatron_utils import load_hf_weights
+
+        load_hf_weights(trainer, hf.state_dict())
     with torch.no_grad():
-        deltas = [(p.detach().float() - before[n].float()).abs().mean() for n, p in trainer.named_parameters()]
+        deltas = [(p.detach().float() - before[n].float()).abs().mean() for n, p in named]
     return float(torch.stack(deltas).mean())
 
 
@@ -96,20 +106,22 @@ async def run_demo(spec: dict[str, Any], work: Path) -> None:
 
     _say("4/7", "building the trainer and taking one training step")
     trainer, what = build_trainer(model_dir, mcfg.get("trainer", "auto"))
-    delta = training_step(trainer, tok, mcfg.get("train_text", "red green blue red green blue red green"),
+    delta = training_step(trainer, model_dir, tok, mcfg.get("train_text", "red green blue red green blue red green"),
                           float(mcfg.get("lr", 3e-2)))
     _say("4/7", f"trainer: {what}; mean |dW| = {delta:.4f}")
 
     _say("5/7", "pushing")
     engine = VllmEngine(llm, name="vllm-cpu")
-    sync = WeightSync([engine], chunk_bytes=int(float(scfg.get("chunk_mib", 1)) * MiB),
+    config = json.loads((model_dir / "config.json").read_text())
+    options = {} if hasattr(trainer, "generate") else {"dtype": torch.bfloat16, "hf_config": config}
+    sync = WeightSync([engine], chunk_bytes=int(float(scfg.get("chunk_mib", 1)) * MiB), source_options=options,
                       max_inflight=int(scfg.get("max_inflight", 4)), timeout=float(scfg.get("timeout", 120)),
                       trace_dir=scfg.get("trace_dir", str(work / "traces")))
     report = await sync.push(trainer)
     print(f"      {report.summary()}", flush=True)
 
     _say("6/7", "checking the engine against the trainer")
-    hf_state = _hf_state(trainer)
+    hf_state = await _hf_state(trainer)
     got = await engine.weight_digests()
     want = expected_digests(hf_state, await engine.packed_modules())
     exact = got == want
@@ -132,12 +144,14 @@ async def run_demo(spec: dict[str, Any], work: Path) -> None:
         raise SystemExit(1)
 
 
-def _hf_state(trainer: torch.nn.Module) -> dict[str, torch.Tensor]:
+async def _hf_state(trainer: Any) -> dict[str, torch.Tensor]:
     """The trainer's HF export (for a megatron trainer, through the converter)."""
     if hasattr(trainer, "generate"):
-        return {k: v for k, v in trainer.state_dict().items()}
-    from .megatron_hf import export_hf
+        return dict(trainer.state_dict())
+    from .megatron_hf import export_hf_async
 
-    return export_hf(trainer)
+    state = await export_hf_async(trainer, dtype=torch.bfloat16)
+    assert state is not None  # this process is rank 0
+    return state
 
 
