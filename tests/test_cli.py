@@ -86,3 +86,11 @@ async def test_viewer_serves_the_page_and_the_trace(tmp_path):
         assert sum(e["ph"] == "X" for e in data["traceEvents"]) == 15
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.slow
+def test_the_async_trainer_example_runs_as_written():
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "async_trainer.py")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert "receiver at version 3, bit-exact: True" in r.stdout
