@@ -34,9 +34,13 @@ _MAX_LINE = 64 << 20
 
 
 class _Server:
-    def __init__(self, module: torch.nn.Module, device: str, delay_s: float = 0.0) -> None:
+    def __init__(self, module: torch.nn.Module, device: str, delay_s: float = 0.0, gpu_delay_ms: float = 0.0) -> None:
         self.module = module
-        self.loader = ModuleLoader(module)
+        self.gpu_delay_ms = gpu_delay_ms
+        # A module with the vLLM model protocol (streamsync.fused.FusedModel) loads itself; else copy by name.
+        self._plain = ModuleLoader(module)
+        self.loader = getattr(module, "load_weights", None) or self._plain
+        self.expected = getattr(module, "expected", None) or self._plain.expected
         self.rx = WeightReceiver(device)
         self.delay_s = delay_s
         self.paused = False
@@ -50,6 +54,8 @@ class _Server:
         elif op == "update":
             if self.delay_s:
                 time.sleep(self.delay_s)
+            if self.gpu_delay_ms:  # a device busy before the copies: tests that the sender waits on the device
+                torch.cuda._sleep(int(self.gpu_delay_ms * 2e6))
             return self.rx.update(msg["info"], self.loader)
         elif op == "finish":
             self.rx.finish(msg["version"])
@@ -59,14 +65,22 @@ class _Server:
             return {"version": self.rx.version, "updating": self.rx.updating, "dirty": self.rx.dirty,
                     "paused": self.paused, "pid": os.getpid()}
         elif op == "weight_info":
-            return {n: [d, list(s)] for n, (d, s) in self.loader.expected().items()}
+            return {n: [d, list(s)] for n, (d, s) in self.expected().items()}
         elif op == "checksums":
-            return digests(self.module.state_dict().items())
+            # HF-named tensors (views into fused parameters where the module fuses them); "device": checksums
+            # computed on the device, for models too large to copy to the host and hash.
+            named = self.module.hf_tensors() if hasattr(self.module, "hf_tensors") else self.module.state_dict().items()
+            if msg.get("device"):
+                from ..fused import device_digests
+
+                return device_digests(named)
+            return digests(named)
         elif op == "pause":
             self.paused = True
         elif op == "resume":
             self.paused = False
         elif op == "shutdown":
+            self.rx.close()  # unmap chunks (CUDA IPC: the sender may free its buffers) before exiting
             return None
         elif op == "ping":
             return "pong"
@@ -108,15 +122,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--delay", type=float, default=0.0, help="sleep per update (tests of slow receivers)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--fused", action="store_true", help="hold vLLM-style fused parameters (streamsync.fused)")
+    ap.add_argument("--gpu-delay-ms", type=float, default=0.0, help="keep the GPU busy ~this long before each "
+                    "update's copies (tests that a sender waits for the receiver on the device)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from ..models import StateModule, load_specs
 
-    module = StateModule(load_specs(args.specs), fill="zeros", device=args.device)
+    if args.fused:
+        from ..fused import FusedModel
+
+        module: torch.nn.Module = FusedModel(load_specs(args.specs), fill="zeros", device=args.device)
+    else:
+        module = StateModule(load_specs(args.specs), fill="zeros", device=args.device)
     sock = socket.create_server((args.host, args.port))
     print(f"LISTENING {sock.getsockname()[1]}", flush=True)
-    _Server(module, args.device, args.delay).serve(sock)
+    _Server(module, args.device, args.delay, args.gpu_delay_ms).serve(sock)
 
 
 # --------------------------------------------------------------------------------------------- client
@@ -190,8 +212,9 @@ class ReceiverEngine(Engine):
         info = await self.call("weight_info")
         return {n: (d, tuple(s)) for n, (d, s) in info.items()}
 
-    async def checksums(self) -> dict[str, str]:
-        return await self.call("checksums")
+    async def checksums(self, device: bool = False) -> dict[str, str]:
+        """Per-tensor checksums of what the receiver holds (`device=True`: computed on its device)."""
+        return await self.call("checksums", device=device)
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         await self.call("pause")
@@ -207,10 +230,12 @@ class ReceiverProcess:
     """Start `python -m streamsync.engines.process` and wait for it to listen."""
 
     def __init__(self, specs_path: str, *, delay: float = 0.0, threads: int = 0, start_timeout: float = 60.0,
-                 name: str = "receiver") -> None:
+                 name: str = "receiver", device: str = "cpu", fused: bool = False, gpu_delay_ms: float = 0.0) -> None:
         cmd = [sys.executable, "-m", "streamsync.engines.process", "--specs", str(specs_path),
-               "--delay", str(delay), "--threads", str(threads)]
+               "--delay", str(delay), "--threads", str(threads), "--device", device,
+               "--gpu-delay-ms", str(gpu_delay_ms)] + (["--fused"] if fused else [])
         self.name = name
+        self.device = device
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         self.port = self._wait_port(start_timeout)
 
@@ -226,7 +251,7 @@ class ReceiverProcess:
         return int(line.split()[1])
 
     def engine(self, timeout: float = 60.0) -> ReceiverEngine:
-        return ReceiverEngine("127.0.0.1", self.port, name=self.name, timeout=timeout)
+        return ReceiverEngine("127.0.0.1", self.port, name=self.name, timeout=timeout, device=self.device)
 
     @property
     def pid(self) -> int:

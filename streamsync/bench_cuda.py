@@ -1,0 +1,520 @@
+"""`streamsync bench --device cuda`: a colocated GPU push measured against the copy floor, in one run.
+
+Trainer: a megatron-core GPTModel (TP=1, bf16) with Qwen3-8B shapes, pushed with `WeightSync.push(model)`
+(MegatronSource: Megatron -> HF conversion). Receiver: another process on the same GPU holding vLLM-style
+fused parameters (`streamsync.fused.FusedModel`: qkv_proj, gate_up_proj, stacked experts), loading through
+`WeightReceiver` + `load_weights`, the code path of the vLLM backend. Transport: CUDA IPC.
+
+Measured, for each model:
+  floor      one pack copy plus one unpack copy of the model's bytes at the device-to-device copy rate
+             measured in this run (bytes read + written): 2 x 2 x bytes / rate
+  push       `PushReport.seconds` (start_update .. finish_update) with window 1 and window 4: median of
+             `--repeat` pushes after `--warmup` pushes of each, alternating which window goes first
+  peak       the trainer's peak extra device memory in a push (max allocated minus allocated before the
+             first push: the send-buffer pool and conversion temporaries)
+  bit_exact  after changing every weight and pushing, the receiver's tensors (HF views of its fused
+             parameters) checksum equal to the trainer's HF export, on the device
+Also a Qwen3-MoE shape (Qwen3-30B-A3B's layer shapes, 12 of its 48 layers: ~16 GB).
+
+    python -m streamsync.bench_cuda --json OUT.json [--models 8b,moe] [--repeat 7] [--trace-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from .engines.process import ReceiverProcess
+from .fused import device_digests
+from .pack import dtype_name
+from .sync import GiB, MiB, WeightSync
+from .transports.cuda_ipc import CudaIpcTransport
+
+# Trainer shapes, described like megatron_utils.TinyModel (which also builds the megatron-core model).
+SHAPES: dict[str, dict[str, Any]] = {
+    "8b": dict(label="Qwen3-8B", arch="qwen3", vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8,
+               head_dim=128, ffn=12288),
+    "moe": dict(label="Qwen3-30B-A3B layers x12 (MoE, 128 experts)", arch="qwen3-moe", vocab=151936, hidden=2048,
+                layers=12, heads=32, kv_heads=4, head_dim=128, ffn=6144, experts=128, moe_ffn=768),
+    # Small shapes for a CPU smoke run of this script (`--smoke`: shared memory instead of CUDA IPC).
+    "tiny": dict(label="tiny Qwen3", arch="qwen3", vocab=1024, hidden=128, layers=4, heads=4, kv_heads=2,
+                 head_dim=32, ffn=256),
+    "tiny-moe": dict(label="tiny Qwen3-MoE", arch="qwen3-moe", vocab=1024, hidden=128, layers=2, heads=4,
+                     kv_heads=2, head_dim=32, ffn=256, experts=8, moe_ffn=64),
+}
+_DEV = torch.device("cuda")  # "cpu" in a smoke run
+
+
+def _cuda() -> bool:
+    return _DEV.type == "cuda"
+
+
+def _sync() -> None:
+    if _cuda():
+        torch.cuda.synchronize()
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if _cuda() else 0
+
+
+def _reset_peak() -> None:
+    if _cuda():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak() -> int:
+    return torch.cuda.max_memory_allocated() if _cuda() else 0
+
+
+def _free_cached() -> None:
+    if _cuda():
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+
+
+def _transport() -> Any:
+    if _cuda():
+        return CudaIpcTransport()
+    from .transports.shm import ShmTransport
+
+    return ShmTransport()
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------- the floor
+
+
+def copy_rate(nbytes: int = 4 * GiB, repeat: int = 10) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written (median of `repeat`)."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=_DEV)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(3 + repeat):
+        if _cuda():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            dt = a.elapsed_time(b) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            dt = time.perf_counter() - t0
+        if i >= 3:
+            times.append(dt)
+    assert torch.equal(dst[:1 << 20], src[:1 << 20])
+    del src, dst
+    _free_cached()
+    return 2 * nbytes / statistics.median(times)
+
+
+def measured_two_copies(tensors: list[torch.Tensor], repeat: int = 3) -> float:
+    """Seconds to copy every tensor into one flat buffer and back out (the floor, as plain copy_ calls)."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    flat = torch.empty(total, dtype=torch.uint8, device=_DEV)
+    views, off = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        views.append(flat[off:off + n].view(t.dtype).view(t.shape))
+        off += n
+    times = []
+    for i in range(1 + repeat):
+        _sync()
+        t0 = time.perf_counter()
+        for v, t in zip(views, tensors, strict=True):
+            v.copy_(t)
+        for v, t in zip(views, tensors, strict=True):
+            t.copy_(v)  # the same bytes go back: the model is unchanged
+        _sync()
+        if i:
+            times.append(time.perf_counter() - t0)
+    del views, flat
+    _free_cached()
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------------------------- trainers
+
+
+_dist_ready = False
+
+
+def _init_megatron() -> None:
+    global _dist_ready
+    if _dist_ready:
+        return
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from .megatron_utils import free_port, init_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if _cuda() else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+    init_parallel(1, 1, 1)
+    if _cuda():
+        model_parallel_cuda_manual_seed(1234)
+    _dist_ready = True
+
+
+def build_megatron(shape: dict[str, Any]) -> torch.nn.Module:
+    """A megatron-core GPTModel (local layer spec, TP=1, bf16) initialized on the GPU."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from .megatron_utils import TinyModel
+
+    _init_megatron()
+    tiny = TinyModel(**{k: v for k, v in shape.items() if k != "label"})
+    cfg = tiny.transformer_config(use_cpu_initialization=not _cuda(), perform_initialization=True)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+    model = GPTModel(cfg, spec, vocab_size=tiny.padded_vocab(1), max_sequence_length=4096, pre_process=True,
+                     post_process=True, share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    return model.to(_DEV)
+
+
+def build_module(shape: dict[str, Any]) -> torch.nn.Module:
+    """Fallback trainer: an HF-named module of the same shapes (ModuleSource, no conversion)."""
+    from .megatron_utils import TinyModel
+    from .models import StateModule
+
+    tiny = TinyModel(**{k: v for k, v in shape.items() if k != "label"})
+    model = StateModule(tiny.hf_specs(), fill="none", device=_DEV)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model
+
+
+def _perturb(model: torch.nn.Module, step: int) -> None:
+    """What a training step does: every floating parameter changes (on the device)."""
+    torch.manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.add_(torch.randn_like(p), alpha=1e-3)
+    _sync()
+
+
+async def _trainer_digests(sync: WeightSync, model: torch.nn.Module) -> dict[str, str]:
+    """Checksums of the HF export the trainer sends (its gather + convert, chunk by chunk)."""
+    source, plans = sync.plan(model)
+    out: dict[str, str] = {}
+    for plan in plans:
+        tensors = await source.convert(plan, await source.gather(plan))
+        out.update(device_digests(zip(plan.names, tensors, strict=True)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- latencies
+
+
+async def latency_probe(engine: Any) -> dict[str, float]:
+    """What one chunk's control path costs on this machine, in microseconds (medians)."""
+
+    async def med(fn: Any, n: int) -> float:
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e6
+
+    out = {"rpc_ping_us": await med(lambda: engine.call("ping"), 200),
+           "thread_hop_us": await med(lambda: anyio.to_thread.run_sync(lambda: None), 200)}
+    if _cuda():
+        def event_wait() -> Any:
+            e = torch.cuda.Event()
+            e.record()
+            return anyio.to_thread.run_sync(e.synchronize)
+
+        out["event_wait_us"] = await med(event_wait, 200)
+        x, y = torch.empty(4096, device=_DEV), torch.empty(4096, device=_DEV)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            y.copy_(x)
+        out["copy_launch_us"] = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+    return out
+
+
+# --------------------------------------------------------------------------------------------- one model
+
+
+async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: Path) -> dict[str, Any]:
+    key, _, mib = entry.partition(":")  # "8b:2048": the 8B shape with 2048 MiB chunks
+    shape = SHAPES[key]
+    chunk = int(float(mib or args.gpu_chunk_mib) * MiB)
+    trace_dir = args.trace_dir if entry == args.models[0] else None  # traces of the first entry only
+    log(f"{shape['label']}: building the trainer ({args.trainer}) ...")
+    t0 = time.perf_counter()
+    trainer = args.trainer
+    try:
+        model = build_megatron(shape) if trainer == "megatron" else build_module(shape)
+    except Exception:
+        if trainer != "megatron":
+            raise
+        log("megatron trainer failed; falling back to an HF-named module:\n" + traceback.format_exc())
+        trainer, model = "module (fallback)", build_module(shape)
+    _sync()
+    log(f"  built in {time.perf_counter() - t0:.1f}s")
+
+    probe = WeightSync([], chunk_bytes=chunk)
+    source, plans = probe.plan(model)
+    specs = [(s.name, dtype_name(s.dtype), list(s.shape)) for p in plans for s in p.specs]
+    nbytes = sum(s.nbytes for p in plans for s in p.specs)
+    max_chunk = max(p.nbytes for p in plans)
+    floor_s = 2 * 2 * nbytes / rate
+    log(f"  {type(source).__name__}: {len(specs)} HF tensors, {nbytes / 1e9:.2f} GB in {len(plans)} chunks "
+        f"(largest {max_chunk / 1e9:.2f} GB); copy floor {floor_s * 1e3:.2f} ms")
+    two_copies = measured_two_copies([p.detach() for p in model.parameters()])
+    log(f"  two plain copies of the trainer's parameters: {two_copies * 1e3:.2f} ms")
+
+    # The trainer alone: the pipeline with no engine (gather, convert, pack; nothing is sent).
+    alone = WeightSync([], transport=_transport(), chunk_bytes=chunk)
+    alone_times = []
+    for _ in range(1 + 3):
+        alone_times.append((await alone.push(model, max_inflight=4)).seconds)
+    await alone.close()
+    _free_cached()
+
+    specs_path = work / f"{key}.json"
+    specs_path.write_text(json.dumps(specs))
+    result: dict[str, Any] = {}
+    log("  starting the receiver process (fused parameters, same GPU) ...")
+    with ReceiverProcess(str(specs_path), device=_DEV.type, fused=True, start_timeout=600, name=f"rx-{key}") as rp:
+        engine = rp.engine(timeout=600)
+        transport = _transport()
+        sync = WeightSync([engine], transport=transport, chunk_bytes=chunk, timeout=600)
+        await sync.connect()
+        probe_us = await latency_probe(engine)
+        log(f"  latencies (us): {', '.join(f'{k} {v:.0f}' for k, v in probe_us.items())}")
+        _sync()
+        base = _allocated()
+
+        async def push(window: int) -> tuple[float, int, Any]:
+            _reset_peak()
+            report = await sync.push(model, max_inflight=window)
+            return report.seconds, _peak() - base, report
+
+        # First pushes: the pool grows to the window (1, then 4); their peaks are the memory figures.
+        _, peak1, _ = await push(1)
+        _, peak4_first, _ = await push(4)
+        log(f"  first pushes done; peak extra: window 1 {peak1 / 1e9:.2f} GB, window 4 {peak4_first / 1e9:.2f} GB")
+        for _ in range(args.warmup):
+            await push(1)
+            await push(4)
+        times: dict[int, list[float]] = {1: [], 4: []}
+        peaks4 = [peak4_first]
+        reports = {}
+        for r in range(args.repeat):
+            for w in ((1, 4) if r % 2 == 0 else (4, 1)):
+                s, peak, report = await push(w)
+                times[w].append(s)
+                reports.setdefault(w, []).append(report)
+                if w == 4:
+                    peaks4.append(peak)
+        if trace_dir:  # one traced push of each window, for the record
+            sync.trace_dir = Path(trace_dir)
+            await push(1)
+            sync.trace_dir = None
+        t1, t4 = statistics.median(times[1]), statistics.median(times[4])
+        log(f"  window 1: {t1 * 1e3:.2f} ms, window 4: {t4 * 1e3:.2f} ms (floor {floor_s * 1e3:.2f} ms)")
+
+        # Chunk-size sweep at window 4 (fresh pool per size).
+        sweep = []
+        for mib in args.sweep_mib:
+            sync.chunk_bytes = int(mib * MiB)
+            transport.release_pool()
+            await push(4)
+            await push(4)
+            ts = [(await push(4))[0] for _ in range(3)]
+            sweep.append({"chunk_bytes": sync.chunk_bytes, "push_ms_window4": statistics.median(ts) * 1e3,
+                          "chunks": len(sync.plan(model)[1])})
+            log(f"  sweep: chunk {mib} MiB -> {sweep[-1]['push_ms_window4']:.2f} ms")
+        sync.chunk_bytes = chunk
+        transport.release_pool()
+
+        # Bit-exactness: every weight changes, one more push, compare checksums on the device.
+        _perturb(model, 99)
+        if trace_dir:
+            sync.trace_dir = Path(trace_dir)
+        final = await sync.push(model, max_inflight=4)
+        sync.trace_dir = None
+        got = await engine.checksums(device=True)
+        want = await _trainer_digests(sync, model)
+        mismatched = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
+        exact = not mismatched and len(want) == len(specs)
+        log(f"  bit-exact: {exact} ({len(want)} tensors compared)")
+        await sync.close()
+
+        # The same pushes with the plain acknowledgement (the receiver waits for its copies before it
+        # returns), for comparison with the release events used above.
+        variant: dict[str, Any] = {}
+        if _cuda() and args.variants:
+            plain = WeightSync([engine], transport=CudaIpcTransport(release="sync"), chunk_bytes=chunk, timeout=600)
+            await plain.connect()
+            for _ in range(2):
+                await plain.push(model, max_inflight=4)
+                await plain.push(model, max_inflight=1)
+            for w in (1, 4):
+                ts = [(await plain.push(model, max_inflight=w)).seconds for _ in range(5)]
+                variant[f"push_ms_window{w}"] = statistics.median(ts) * 1e3
+            got = await engine.checksums(device=True)
+            variant["bit_exact"] = got == want
+            await plain.close()
+            log(f"  release=sync: window 1 {variant['push_ms_window1']:.2f} ms, window 4 "
+                f"{variant['push_ms_window4']:.2f} ms, bit-exact {variant['bit_exact']}")
+
+    med4 = reports[4][sorted(range(len(times[4])), key=lambda i: times[4][i])[len(times[4]) // 2]]
+    result = {
+        "model": f"{shape['label']} shape, bf16",
+        "trainer": "megatron-core GPTModel (TP=1, local spec) via MegatronSource" if trainer == "megatron"
+        else trainer,
+        "source": type(source).__name__,
+        "receiver": "FusedModel (qkv_proj, gate_up_proj, stacked experts) in another process, same GPU",
+        "transport": transport.name,
+        "bytes": nbytes,
+        "tensors": len(specs),
+        "chunks": len(plans),
+        "chunk_bytes": chunk,
+        "max_chunk_bytes": max_chunk,
+        "copy_rate_gbps": rate / 1e9,
+        "floor_ms": floor_s * 1e3,
+        "two_plain_copies_ms": two_copies * 1e3,
+        "trainer_alone_ms_window4": statistics.median(alone_times[1:]) * 1e3,
+        "push_ms_window1": t1 * 1e3,
+        "push_ms_window4": t4 * 1e3,
+        "push_ms_window1_all": [x * 1e3 for x in times[1]],
+        "push_ms_window4_all": [x * 1e3 for x in times[4]],
+        "window4_over_floor": t4 / floor_s,
+        "speedup_window4_vs_1": t1 / t4,
+        "stage_busy_ms_window4": {k: v * 1e3 for k, v in med4.stage_seconds.items()},
+        "peak_extra_bytes": max(peaks4),
+        "peak_extra_bytes_window1": peak1,
+        "peak_bound_bytes": int(4 * max(chunk, max_chunk) * 1.1),
+        "bit_exact": exact,
+        "mismatched": mismatched[:10],
+        "final_push_ms": final.seconds * 1e3,
+        "sweep_window4": sweep,
+        "release": getattr(transport, "release", None),
+        "variant_release_sync": variant,
+        "latency_us": probe_us,
+        "repeat": args.repeat,
+        "warmup": args.warmup,
+    }
+    result["checks"] = {
+        "window4_within_1.5x_floor": result["window4_over_floor"] <= 1.5,
+        "window4_at_least_1.6x_faster_than_window1": result["speedup_window4_vs_1"] >= 1.6,
+        "peak_within_window_x_chunk_plus_10pct": result["peak_extra_bytes"] <= result["peak_bound_bytes"],
+        "bit_exact": exact,
+    }
+    return result
+
+
+# --------------------------------------------------------------------------------------------- entry
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    rows = [("model", "GB", "chunk MiB", "chunks", "floor ms", "w1 ms", "w4 ms", "w4/floor", "w4 vs w1", "peak GB",
+             "exact")]
+    for r in results:
+        rows.append((r["model"][:40], f"{r['bytes'] / 1e9:.2f}", f"{r['chunk_bytes'] / MiB:g}", str(r["chunks"]),
+                     f"{r['floor_ms']:.2f}",
+                     f"{r['push_ms_window1']:.2f}", f"{r['push_ms_window4']:.2f}", f"{r['window4_over_floor']:.2f}x",
+                     f"{r['speedup_window4_vs_1']:.2f}x", f"{r['peak_extra_bytes'] / 1e9:.2f}", str(r["bit_exact"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    global _DEV
+    if args.smoke:
+        _DEV = torch.device("cpu")
+        name = "cpu (smoke run)"
+    elif not torch.cuda.is_available():
+        raise SystemExit("streamsync bench --device cuda: no CUDA device")
+    else:
+        props = torch.cuda.get_device_properties(0)
+        name = props.name
+        log(f"device {props.name}, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}")
+    rate = copy_rate(64 * MiB if args.smoke else 4 * GiB)
+    log(f"device-to-device copy: {rate / 1e12:.2f} TB/s (read + written)")
+    work = Path(tempfile.mkdtemp(prefix="streamsync-bench-cuda-"))
+    results = []
+    for key in args.models:
+        results.append(await _bench_model(key, args, rate, work))
+        _free_cached()  # the model just benchmarked is gone: give its memory back before the next
+    out = dict(results[0])
+    out["others"] = results[1:]
+    out["environment"] = {"gpu": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+                          "copy_rate_gbps": rate / 1e9, "date": time.strftime("%Y-%m-%d")}
+    print()
+    print(_table(results))
+    return out
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--json", type=Path, help="write the results as JSON here")
+    ap.add_argument("--models", type=lambda s: s.split(","), default=["8b", "8b:2048", "moe"],
+                    help="of: " + ",".join(SHAPES) + "; NAME:MIB sets that entry's chunk size")
+    ap.add_argument("--trainer", choices=["megatron", "module"], default="megatron")
+    ap.add_argument("--gpu-chunk-mib", type=float, default=1024)
+    ap.add_argument("--sweep-mib", type=lambda s: [float(x) for x in s.split(",") if x], default=[512, 2048, 4096])
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--trace-dir", type=Path)
+    ap.add_argument("--no-variants", dest="variants", action="store_false",
+                    help="skip the comparison pushes with release='sync'")
+    ap.add_argument("--smoke", action="store_true", help="CPU smoke run of this script (use --models tiny,tiny-moe)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Entry from `streamsync bench --device cuda` (its --json/--repeat/--warmup apply; the rest default)."""
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    ns = defaults.parse_args([])
+    for k, v in vars(args).items():
+        if k in ("json", "repeat", "warmup") or k in vars(ns):
+            setattr(ns, k, v)
+    t0 = time.perf_counter()
+    result = anyio.run(_main, ns)
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("STREAMSYNC_LOG", "warning")
+    t0 = time.perf_counter()
+    result = anyio.run(_main, args)
+    result["wall_s"] = time.perf_counter() - t0
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

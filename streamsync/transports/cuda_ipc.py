@@ -1,0 +1,482 @@
+"""Colocated GPU transport: the trainer and the engine share a GPU; chunks move by CUDA IPC handles.
+
+One handle per packed chunk, as plain JSON data, never a pickle: the sender takes the arguments that
+`torch.multiprocessing.reductions.reduce_tensor` produces for its buffer (handle bytes as base64, sizes
+and offsets as ints) and the receiver type-checks every field before it calls `rebuild_cuda_tensor`
+itself, with the tensor and storage classes and the dtype fixed on its side. Handles are routed by the
+GPU's UUID, so sender and receiver may number their devices differently (CUDA_VISIBLE_DEVICES).
+
+Buffers come from a pool (at most the credit window of them, see `pool.py`), so in steady state no handle
+is created or opened: the sender exports each buffer once per engine, the receiver opens each export once
+and keeps the mapping, keyed by the buffer's token. Every handle lists the sender's live tokens; a receiver
+drops mappings of buffers that are gone. That keeps torch's cross-process reference count exact (one
+rebuild per export, one release per rebuild), so the sender's `torch.cuda.ipc_collect()` can free a
+dropped buffer once no receiver maps it, and never earlier.
+
+Ordering on the device (release="event", the default). Each buffer carries two interprocess CUDA events,
+exported with its handle:
+* ready: the sender records it on its pack stream after the chunk's copies; the receiver's stream waits on
+  it before copying out. So the pack stage returns once the copies are queued, and the chunk's handle goes
+  out while they run.
+* release: the receiver records it on its stream after its copies out and returns from the update call
+  without waiting for them. The release stage gives the buffer back to the pool, and the sender's pack
+  stream waits on the release event before it packs into that buffer again.
+So a buffer is never read before it is packed nor overwritten before every receiver has copied it out, yet
+no host waits on a copy: packs, sends and the receivers' copies of different chunks overlap. The receiver's
+`finish` (end_round) waits for its last copies before the new version is reported; the sender waits for
+its last pack when the push ends. With release="sync", both sides wait on the host instead (the sender for
+each pack, the receiver for its copies before it returns): the plain protocol, one round trip slower.
+
+Limitation: the exact reference count assumes one receiver process per engine (`ReceiverProcess`, a vLLM
+engine with one worker). With several workers per engine sharing one export, the count may go below zero
+and a dropped buffer is then only freed when the trainer exits; correctness is unaffected.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import torch
+
+from ..errors import TransportError, ValidationError
+from ..fused import batched
+from ..pack import Layout, dtype_from_name
+from ..sources.base import ChunkPlan
+from .base import Receiver, SendBuffer, Transport
+from .pool import BufferPool, PoolBuffer
+
+if TYPE_CHECKING:
+    from ..engines.base import Engine
+
+_TOKEN = re.compile(r"^[0-9a-f]{8,64}$")
+_UUID = re.compile(r"^[0-9A-Za-z-]{1,80}$")
+_REF_COUNTER = re.compile(rb"^/[0-9A-Za-z_.-]{1,250}$")  # a shared-memory file name torch made
+_MAX_INT = 1 << 50
+
+
+def gpu_uuid(index: int) -> str:
+    """Physical identity of a local device: the same string in every process on the host."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_index(uuid: str) -> int:
+    """This process's index of the GPU with `uuid`."""
+    for i in range(torch.cuda.device_count()):
+        if gpu_uuid(i) == uuid:
+            return i
+    raise TransportError(f"GPU {uuid} is not visible in this process (CUDA IPC needs sender and receiver "
+                         "on the same GPU)")
+
+
+def export_handle(tensor: torch.Tensor) -> dict[str, Any]:
+    """The IPC arguments of a flat uint8 CUDA buffer, as plain data."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_cuda:
+        raise ValidationError("only flat uint8 CUDA buffers are exported")
+    fn, args = reduce_tensor(tensor)
+    if fn is not rebuild_cuda_tensor:
+        raise TransportError(f"reduce_tensor gave {fn!r}, expected rebuild_cuda_tensor")
+    (_cls, size, _stride, tensor_offset, _storage_cls, _dtype, device, handle, storage_size, storage_offset,
+     _requires_grad, ref_counter, ref_counter_offset, event, event_sync) = args
+    return {
+        "gpu": gpu_uuid(int(device)),
+        "size": int(size[0]),
+        "tensor_offset": int(tensor_offset),
+        "handle": base64.b64encode(handle).decode(),
+        "storage_size": int(storage_size),
+        "storage_offset": int(storage_offset),
+        "ref_counter": base64.b64encode(ref_counter).decode(),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event": base64.b64encode(event if event is not None else b"").decode(),
+        "event_sync": bool(event_sync),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ sender
+
+
+class CudaIpcTransport(Transport):
+    """device: where send buffers live (default: the current CUDA device when the first push starts; it
+    should be the model's device). keep_pool: keep up to `max_inflight` buffers between pushes."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, device: torch.device | str | None = None, keep_pool: bool = True,
+                 release: str = "event") -> None:
+        if release not in ("event", "sync"):
+            raise ValidationError(f"release must be 'event' or 'sync', got {release!r}")
+        self._device = torch.device(device) if device is not None else None
+        self.keep_pool = keep_pool
+        self.release = release
+        self._pool: BufferPool | None = None
+        # Exported release events stay alive until close: a receiver may hold one open after its buffer
+        # left the pool, and an exported event must outlive its importers' use.
+        self._events: list[torch.cuda.Event] = []
+
+    @property
+    def pool(self) -> BufferPool:
+        if self._pool is None:
+            if not torch.cuda.is_available():
+                raise TransportError("the cuda_ipc transport needs a CUDA device in the trainer")
+            dev = self._device or torch.device("cuda", torch.cuda.current_device())
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            self._pool = BufferPool(dev, keep=self.keep_pool, on_drop=torch.cuda.ipc_collect)
+        return self._pool
+
+    def begin_push(self, plans: Sequence[ChunkPlan], push_id: str) -> None:
+        torch.cuda.ipc_collect()  # free buffers dropped earlier whose receivers have let go since
+        self.pool.begin(max(p.nbytes for p in plans))
+
+    def allocate(self, chunk: ChunkPlan, push_id: str) -> SendBuffer:
+        pb = self.pool.take(chunk.nbytes)
+        return SendBuffer(chunk.index, pb.size, pb.tensor[: chunk.nbytes], {"token": pb.token}, {"pb": pb})
+
+    async def pack(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy the chunk's tensors into its buffer on a side stream, from a worker thread.
+
+        Why not the base class's pack: a chunk has tens (dense) to hundreds (MoE) of tensors, and launching
+        their copies from the event loop delays every other stage, the send stage's acknowledgements above
+        all. Here the launches and the wait both happen in a worker thread; destination views are made once
+        per (buffer, layout) and reused by later pushes; small tensors go in one batched copy.
+        """
+        pb: PoolBuffer = buf.state["pb"]
+        dsts = pb.extra.get(("views", layout))
+        if dsts is None:
+            if len(pb.extra) > 256:  # chunking changed many times: start the cache over (exports stay)
+                for k in [k for k in pb.extra if isinstance(k, tuple)]:
+                    del pb.extra[k]
+            dsts = pb.extra[("views", layout)] = [
+                pb.tensor[m.offset:m.offset + m.nbytes].view(dtype_from_name(m.dtype)).view(m.shape)
+                for m in layout.metas]
+        if len(tensors) != len(dsts):
+            raise ValidationError(f"{len(tensors)} tensors for a layout of {len(dsts)}")
+        for d, t in zip(dsts, tensors, strict=True):
+            if d.dtype != t.dtype or d.shape != t.shape:
+                raise ValidationError(f"tensor {t.dtype}{tuple(t.shape)} does not fit its layout slot "
+                                      f"{d.dtype}{tuple(d.shape)}")
+        device = pb.tensor.device
+        stream = self._side_stream(device)
+
+        released = list(pb.extra.get("release_events", ()))
+        ready = self._ready_event(pb)
+
+        def copy() -> None:
+            with torch.cuda.device(device):
+                stream.wait_stream(torch.cuda.current_stream(device))  # the producer's writes (convert) first
+                for ev in released:  # every receiver's copies out of this buffer's previous chunk
+                    stream.wait_event(ev)
+                with torch.cuda.stream(stream):
+                    small_d, small_s = [], []
+                    for d, t in zip(dsts, tensors, strict=True):
+                        if batched(t):
+                            small_d.append(d)
+                            small_s.append(t)
+                        else:
+                            d.copy_(t, non_blocking=True)
+                    if small_d:
+                        torch._foreach_copy_(small_d, small_s, non_blocking=True)
+                    if ready is not None:  # receivers wait for this on the device; nobody waits on the host
+                        ready.record(stream)
+                        for t in tensors:  # conversion temporaries are freed before these copies ran
+                            if t.is_cuda:
+                                t.record_stream(stream)
+                        return
+                    done = torch.cuda.Event()
+                    done.record(stream)
+            done.synchronize()
+
+        await anyio.to_thread.run_sync(copy)
+
+    def _ready_event(self, pb: PoolBuffer) -> torch.cuda.Event | None:
+        if self.release != "event":
+            return None
+        ev = pb.extra.get("ready")
+        if ev is None:
+            with torch.cuda.device(pb.tensor.device):
+                ev = torch.cuda.Event(interprocess=True)
+                ev.ipc_handle()  # creates the event on the buffer's device
+            self._events.append(ev)
+            pb.extra["ready"] = ev
+        return ev
+
+    def _wait_packs(self) -> None:
+        """Every queued pack has finished (before buffers are dropped, and before a push returns: the trainer
+        may change its weights right after)."""
+        streams = self.__dict__.get("_streams", {})
+        for stream in streams.values():
+            stream.synchronize()
+
+    def _handle(self, pb: PoolBuffer, engine: int, nbytes: int, live: list[str]) -> dict[str, Any]:
+        # One export per (buffer, engine): torch counts one release per export, so each receiver gets its own.
+        ipc = pb.extra.get(engine)
+        if ipc is None:
+            ipc = export_handle(pb.tensor)
+            if self.release == "event":
+                with torch.cuda.device(pb.tensor.device):
+                    ev = torch.cuda.Event(interprocess=True)
+                    ipc["release_event"] = base64.b64encode(ev.ipc_handle()).decode()
+                    ready = self._ready_event(pb)
+                    assert ready is not None
+                    ipc["ready_event"] = base64.b64encode(ready.ipc_handle()).decode()
+                self._events.append(ev)
+                pb.extra.setdefault("release_events", []).append(ev)
+            pb.extra[engine] = ipc
+        return {"token": pb.token, "nbytes": nbytes, "ipc": ipc, "live": live}
+
+    async def send(self, buf: SendBuffer, update_info: dict[str, Any], engines: Sequence[Engine]) -> None:
+        pb: PoolBuffer = buf.state["pb"]
+        live = self.pool.live_tokens
+        nbytes = buf.tensor.numel()
+        if len(engines) == 1:  # the common colocated case: no task group to set up per chunk
+            await engines[0].update({**update_info, "handle": self._handle(pb, 0, nbytes, live)})
+            return
+        async with anyio.create_task_group() as tg:
+            for i, e in enumerate(engines):
+                tg.start_soon(e.update, {**update_info, "handle": self._handle(pb, i, nbytes, live)})
+
+    def free(self, buf: SendBuffer) -> None:
+        pb = buf.state.pop("pb", None)
+        if pb is not None:
+            buf.tensor = torch.empty(0, dtype=torch.uint8)
+            self.pool.give(pb)
+
+    def end_push(self) -> None:
+        self._wait_packs()
+        self.pool.end()
+
+    def release_pool(self) -> None:
+        """Drop every pooled buffer. Memory comes back once receivers dropped their mappings (they do when
+        a later handle no longer lists the buffer, or when they close)."""
+        if self._pool is not None:
+            self._wait_packs()
+            self._pool.release()
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            self._wait_packs()
+            self._pool.end()
+            self._pool.release()
+        self._events.clear()
+
+
+# ---------------------------------------------------------------------------------------------- receiver
+
+
+@dataclass(frozen=True)
+class IpcHandle:
+    """A validated handle. Everything a remote peer sent has been type- and range-checked."""
+
+    token: str
+    nbytes: int
+    live: tuple[str, ...] | None
+    gpu: str
+    size: int
+    tensor_offset: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter: bytes
+    ref_counter_offset: int
+    event: bytes
+    event_sync: bool
+    release_event: bytes | None
+    ready_event: bytes | None
+
+
+def _int(d: dict[str, Any], key: str) -> int:
+    v = d.get(key)
+    if type(v) is not int or not 0 <= v < _MAX_INT:
+        raise ValidationError(f"cuda_ipc handle field {key!r} must be a non-negative int, got {v!r:.80}")
+    return v
+
+
+def _b64(d: dict[str, Any], key: str, max_len: int) -> bytes:
+    v = d.get(key)
+    if not isinstance(v, str) or len(v) > 4 * max_len:
+        raise ValidationError(f"cuda_ipc handle field {key!r} must be a base64 string, got {v!r:.80}")
+    try:
+        raw = base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValidationError(f"cuda_ipc handle field {key!r} is not valid base64") from None
+    if len(raw) > max_len:
+        raise ValidationError(f"cuda_ipc handle field {key!r} holds {len(raw)} bytes, at most {max_len}")
+    return raw
+
+
+def parse_handle(h: object) -> IpcHandle:
+    """Validate a handle received as plain data (JSON); raise ValidationError on anything unexpected."""
+    if not isinstance(h, dict) or not isinstance(h.get("ipc"), dict):
+        raise ValidationError(f"cuda_ipc handle must be {{token, nbytes, ipc, live}}, got {h!r:.200}")
+    ipc: dict[str, Any] = h["ipc"]
+    token = h.get("token")
+    if not isinstance(token, str) or not _TOKEN.match(token):
+        raise ValidationError(f"cuda_ipc handle token must be a hex string, got {token!r:.80}")
+    live = h.get("live")
+    if live is not None:
+        if not isinstance(live, list) or len(live) > 1024 or not all(
+                isinstance(t, str) and _TOKEN.match(t) for t in live):
+            raise ValidationError("cuda_ipc handle 'live' must be a list of hex tokens")
+        live = tuple(live)
+    gpu = ipc.get("gpu")
+    if not isinstance(gpu, str) or not _UUID.match(gpu):
+        raise ValidationError(f"cuda_ipc handle gpu must be a device UUID, got {gpu!r:.80}")
+    ref_counter = _b64(ipc, "ref_counter", 256)
+    if not _REF_COUNTER.match(ref_counter):
+        raise ValidationError("cuda_ipc handle ref_counter is not a shared-memory file name")
+    event_sync = ipc.get("event_sync")
+    if not isinstance(event_sync, bool):
+        raise ValidationError("cuda_ipc handle event_sync must be a bool")
+    events = {}
+    for key in ("release_event", "ready_event"):
+        events[key] = _b64(ipc, key, 512) if key in ipc else None
+        if events[key] is not None and len(events[key]) != 64:  # sizeof(cudaIpcEventHandle_t)
+            raise ValidationError(f"cuda_ipc handle {key} must be a 64-byte CUDA IPC event handle")
+    out = IpcHandle(
+        token=token, nbytes=_int(h, "nbytes"), live=live, gpu=gpu, size=_int(ipc, "size"),
+        tensor_offset=_int(ipc, "tensor_offset"), handle=_b64(ipc, "handle", 512),
+        storage_size=_int(ipc, "storage_size"), storage_offset=_int(ipc, "storage_offset"),
+        ref_counter=ref_counter, ref_counter_offset=_int(ipc, "ref_counter_offset"),
+        event=_b64(ipc, "event", 512), event_sync=event_sync, release_event=events["release_event"],
+        ready_event=events["ready_event"],
+    )
+    if not out.handle or out.size == 0:
+        raise ValidationError("cuda_ipc handle names an empty buffer")
+    if out.tensor_offset + out.size > out.storage_size:
+        raise ValidationError(f"cuda_ipc buffer [{out.tensor_offset}, +{out.size}) exceeds its storage of "
+                              f"{out.storage_size} bytes")
+    if out.nbytes > out.size:
+        raise ValidationError(f"cuda_ipc chunk of {out.nbytes} bytes exceeds its {out.size}-byte buffer")
+    if out.event_sync and not out.event:
+        raise ValidationError("cuda_ipc handle asks for an event sync but carries no event")
+    return out
+
+
+@dataclass
+class _Mapped:
+    """An opened export: the buffer, its release event (if the sender sent one), and the raw handle data
+    it was validated from (a later chunk with identical data skips the full validation)."""
+
+    tensor: torch.Tensor
+    release: torch.cuda.Event | None
+    ready: torch.cuda.Event | None
+    raw: dict[str, Any]
+
+
+def _live(h: dict[str, Any]) -> tuple[str, ...] | None:
+    live = h.get("live")
+    if live is None:
+        return None
+    if not isinstance(live, list) or len(live) > 1024 or not all(isinstance(t, str) and _TOKEN.match(t) for t in live):
+        raise ValidationError("cuda_ipc handle 'live' must be a list of hex tokens")
+    return tuple(live)
+
+
+class CudaIpcReceiver(Receiver):
+    name = "cuda_ipc"
+
+    def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cuda") -> None:
+        super().__init__(init_info, device)
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise TransportError(f"the cuda_ipc receiver needs a CUDA device, got {self.device}")
+        self._maps: dict[str, _Mapped] = {}
+
+    def _rebuild(self, h: IpcHandle) -> torch.Tensor:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        index = local_index(h.gpu)
+        with torch.cuda.device(index):
+            try:
+                t = rebuild_cuda_tensor(
+                    torch.Tensor, torch.Size([h.size]), (1,), h.tensor_offset, torch.UntypedStorage, torch.uint8,
+                    index, h.handle, h.storage_size, h.storage_offset, False, h.ref_counter, h.ref_counter_offset,
+                    h.event, h.event_sync)
+            except RuntimeError as e:
+                raise TransportError(f"cannot open CUDA IPC handle of buffer {h.token}: {e}") from e
+        if t.numel() != h.size or t.dtype != torch.uint8:
+            raise TransportError(f"CUDA IPC buffer {h.token} rebuilt as {t.dtype}[{t.numel()}], expected "
+                                 f"uint8[{h.size}]")
+        return t
+
+    def _map(self, raw: dict[str, Any]) -> tuple[_Mapped, int, tuple[str, ...] | None]:
+        """The mapping a handle names, opening it the first time; (mapping, chunk bytes, live tokens)."""
+        token = raw.get("token")
+        m = self._maps.get(token) if isinstance(token, str) else None
+        if m is not None and raw.get("ipc") == m.raw:  # an export validated before: check the per-chunk fields
+            nbytes = raw.get("nbytes")
+            if type(nbytes) is not int or not 0 <= nbytes <= m.tensor.numel():
+                raise ValidationError(f"cuda_ipc chunk size {nbytes!r:.40} does not fit buffer {token}")
+            return m, nbytes, _live(raw)
+        h = parse_handle(raw)
+        if m is not None:  # same token, different export data: never sent by a well-behaved sender
+            raise ValidationError(f"cuda_ipc buffer {h.token} changed its export data")
+        tensor = self._rebuild(h)
+        events: list[torch.cuda.Event | None] = []
+        for handle in (h.release_event, h.ready_event):
+            try:
+                events.append(None if handle is None else torch.cuda.Event.from_ipc_handle(tensor.device, handle))
+            except RuntimeError as e:
+                raise TransportError(f"cannot open an IPC event of buffer {h.token}: {e}") from e
+        m = self._maps[h.token] = _Mapped(tensor, events[0], events[1], dict(raw["ipc"]))
+        return m, h.nbytes, h.live
+
+    def _forget(self, live: tuple[str, ...] | None) -> None:
+        if live is None:
+            return
+        gone = [t for t in self._maps if t not in live]
+        if gone:
+            self._synchronize()  # copies out of those buffers may still be queued
+            for token in gone:
+                del self._maps[token]  # torch releases the mapping and its share of the sender's count
+
+    def _devices(self) -> set[torch.device]:
+        devs = {m.tensor.device for m in self._maps.values()}
+        if self.device.index is not None:
+            devs.add(self.device)
+        return devs
+
+    def _synchronize(self) -> None:
+        for d in self._devices():
+            torch.cuda.current_stream(d).synchronize()
+
+    @contextmanager
+    def open(self, update_info: dict[str, Any]) -> Iterator[torch.Tensor]:
+        raw = update_info.get("handle")
+        if not isinstance(raw, dict):
+            raise ValidationError(f"cuda_ipc handle must be {{token, nbytes, ipc, live}}, got {raw!r:.200}")
+        m, nbytes, live = self._map(raw)
+        self._forget(live)
+        buf = m.tensor
+        if m.ready is not None:  # the sender's copies into this chunk come first (on the device)
+            torch.cuda.current_stream(buf.device).wait_event(m.ready)
+        try:
+            yield buf[:nbytes]
+        finally:
+            # The ack. The loader's copies were queued on the current stream. With a release event the
+            # sender's next pack into this buffer waits for them on the device; without, wait here.
+            stream = torch.cuda.current_stream(buf.device)
+            if m.release is not None and self.device.index in (None, buf.device.index):
+                m.release.record(stream)
+            else:
+                self._synchronize()
+
+    def end_round(self) -> None:
+        """Before a round's end is acknowledged, every queued copy into the parameters has finished."""
+        self._synchronize()
+
+    @property
+    def mapped(self) -> int:
+        """Buffers this receiver holds open."""
+        return len(self._maps)
+
+    def close(self) -> None:
+        self._synchronize()
+        self._maps.clear()

@@ -1,0 +1,109 @@
+"""A pool of flat uint8 send buffers on one device, reused across chunks and pushes.
+
+Why a pool: on a GPU, a fresh 1 GiB buffer per chunk costs an allocation and, for CUDA IPC, a new handle
+that every receiver must open (cudaIpcOpenMemHandle takes milliseconds and maps the whole allocation).
+Reusing at most `max_inflight` buffers lets receivers open each handle once and keep it. All buffers
+have one size (the push's largest chunk), so any free buffer fits any chunk.
+
+A buffer is given back to the pool only by the release stage, i.e. after every receiver acknowledged
+the chunk in it, so a buffer is never overwritten while a receiver still reads it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PoolBuffer:
+    """`token` changes whenever the memory does: receivers key their cached mappings by it."""
+
+    tensor: torch.Tensor = field(repr=False)
+    size: int
+    token: str
+    extra: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+
+class BufferPool:
+    """keep: keep free buffers between pushes (fast steady state); False frees them at every push's end.
+
+    `on_drop` runs after buffers were dropped (CUDA IPC calls torch.cuda.ipc_collect there).
+    """
+
+    def __init__(self, device: torch.device, *, keep: bool = True, pin: bool = False,
+                 on_drop: Callable[[], None] | None = None) -> None:
+        self.device = device
+        self.keep = keep
+        self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self.on_drop = on_drop
+        self.size = 0
+        self._free: list[PoolBuffer] = []
+        self._busy: dict[str, PoolBuffer] = {}
+
+    def begin(self, size: int) -> None:
+        """A push starts whose largest chunk is `size` bytes: drop free buffers that are too small."""
+        self.size = size
+        small = [b for b in self._free if b.size < size]
+        if small:
+            self._free = [b for b in self._free if b.size >= size]
+            self._drop(small)
+
+    def take(self, nbytes: int) -> PoolBuffer:
+        for i, b in enumerate(self._free):
+            if b.size >= nbytes:
+                buf = self._free.pop(i)
+                break
+        else:
+            size = max(nbytes, self.size)
+            t = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+            buf = PoolBuffer(t, size, secrets.token_hex(8))
+        self._busy[buf.token] = buf
+        return buf
+
+    def give(self, buf: PoolBuffer) -> bool:
+        """Back to the free list; False if the buffer was not busy (a second free is a no-op)."""
+        if self._busy.pop(buf.token, None) is None:
+            return False
+        self._free.append(buf)
+        return True
+
+    def end(self) -> None:
+        """A push ended: buffers still busy (a failed push) are dropped, not reused."""
+        busy = list(self._busy.values())
+        self._busy.clear()
+        if not self.keep:
+            busy += self._free
+            self._free = []
+        self._drop(busy)
+
+    def release(self) -> None:
+        """Drop every buffer."""
+        bufs = self._free + list(self._busy.values())
+        self._free, self._busy = [], {}
+        self._drop(bufs)
+
+    @property
+    def live_tokens(self) -> list[str]:
+        return sorted([b.token for b in self._free] + list(self._busy))
+
+    @property
+    def buffers(self) -> int:
+        return len(self._free) + len(self._busy)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for b in self._free) + sum(b.size for b in self._busy.values())
+
+    def _drop(self, bufs: list[PoolBuffer]) -> None:
+        if not bufs:
+            return
+        for b in bufs:
+            b.extra.clear()
+            b.tensor = torch.empty(0, dtype=torch.uint8)
+        if self.on_drop is not None:
+            self.on_drop()

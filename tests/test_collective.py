@@ -1,0 +1,112 @@
+"""The collective transport over gloo on CPU: a real process group between this process (rank 0) and
+receiver processes (ranks 1..N), one broadcast per chunk. The same code runs NCCL on GPUs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from streamsync import PushError, WeightSync
+from streamsync.checksum import digests
+from streamsync.engines.base import Engine
+from streamsync.engines.process import ReceiverProcess
+from streamsync.errors import TransportError, ValidationError
+from streamsync.models import StateModule, perturb_
+from streamsync.transports.collective import CollectiveReceiver, CollectiveTransport
+
+CHUNK = 1 << 20
+
+
+def _gloo(**kw: Any) -> CollectiveTransport:
+    return CollectiveTransport("gloo", group_timeout=20, **kw)
+
+
+async def test_push_over_gloo_is_bit_exact_and_the_group_is_reused(qwen_receiver, qwen_model):
+    engine = qwen_receiver.engine()
+    transport = _gloo()
+    sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK, timeout=30)
+    report = await sync.push(qwen_model)
+    assert report.chunks > 4
+    assert await engine.checksums() == digests(qwen_model.state_dict().items())
+
+    model = StateModule(qwen_model.specs(), fill="random", seed=3)
+    perturb_(model, 1)
+    report = await sync.push(model, max_inflight=1)  # same group, sequence numbers carry on
+    assert report.version == 2 and await engine.get_version() == 2
+    assert await engine.checksums() == digests(model.state_dict().items())
+    assert transport.pool.buffers <= 4  # buffers came back to the pool and were reused
+    await sync.close()
+
+
+async def test_one_broadcast_reaches_every_engine(qwen_specs_path, qwen_model):
+    with ReceiverProcess(str(qwen_specs_path), name="a", threads=1) as a, \
+            ReceiverProcess(str(qwen_specs_path), name="b", threads=1) as b:
+        engines = [a.engine(), b.engine()]
+        sync = WeightSync(engines, transport=_gloo(), chunk_bytes=CHUNK, timeout=30)
+        await sync.push(qwen_model)
+        want = digests(qwen_model.state_dict().items())
+        for e in engines:
+            assert await e.checksums() == want
+        await sync.close()
+
+
+async def test_mixed_dtypes_survive_the_broadcast(receiver, mixed_model):
+    engine = receiver.engine()
+    sync = WeightSync([engine], transport=_gloo(), chunk_bytes=2048, timeout=30)
+    await sync.push(mixed_model)
+    assert await engine.checksums() == digests(mixed_model.state_dict().items())
+    await sync.close()
+
+
+class _Absent(Engine):
+    """An engine that accepts init but never joins the group."""
+
+    name = "absent"
+
+    async def init_transfer(self, init_info: dict[str, Any]) -> None:
+        pass
+
+    async def start_update(self) -> None: ...
+    async def update(self, update_info: dict[str, Any]) -> None: ...
+    async def finish_update(self, version: int) -> None: ...
+    async def get_version(self) -> int | None:
+        return None
+
+
+async def test_rendezvous_with_a_missing_worker_times_out_instead_of_hanging():
+    transport = CollectiveTransport("gloo", group_timeout=2)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="rendezvous"):
+        await transport.connect([_Absent()], timeout=2)
+    assert time.monotonic() - t0 < 10
+    await transport.close()
+
+
+async def test_a_receiver_dying_mid_push_fails_the_push_and_the_group(qwen_specs_path, qwen_model):
+    with ReceiverProcess(str(qwen_specs_path), name="slow", delay=0.3, threads=1) as rp:
+        sync = WeightSync([rp.engine(timeout=20)], transport=_gloo(), chunk_bytes=CHUNK, timeout=20)
+        await sync.connect()
+        killer = threading.Timer(0.5, rp.kill)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(PushError, match=r"broadcast|connection lost"):
+            await sync.push(qwen_model)
+        killer.join()
+        assert time.monotonic() - t0 < 20
+        with pytest.raises(PushError):  # the group lost a rank: later pushes refuse at once
+            await sync.push(qwen_model)
+        await sync.close()
+
+
+def test_receiver_refuses_malformed_init_info():
+    base = {"transport": "collective", "backend": "gloo", "group": "g", "master_addr": "127.0.0.1",
+            "master_port": 1, "world_size": 2, "rank_offset": 1, "workers": 1, "timeout_s": 1.0}
+    for bad in ({"backend": "mpi"}, {"world_size": "2"}, {"rank_offset": 0}, {"rank_offset": 2},
+                {"timeout_s": -1}, {"workers": 0}, {"group": ""}):
+        with pytest.raises(ValidationError):
+            CollectiveReceiver({**base, **bad})
+    with pytest.raises(ValidationError, match="CUDA"):
+        CollectiveReceiver({**base, "backend": "nccl"}, device="cpu")

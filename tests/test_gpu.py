@@ -1,0 +1,232 @@
+"""GPU transports: CUDA IPC into a receiver process on the same GPU, and the collective transport with CUDA
+tensors (gloo on one GPU; NCCL where two GPUs are visible). Marked `gpu`: skipped where CUDA is absent.
+The handle-validation tests at the top need no GPU and run everywhere."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from streamsync import PushError, WeightSync
+from streamsync.checksum import digests
+from streamsync.engines.process import ReceiverEngine, ReceiverProcess
+from streamsync.errors import ValidationError
+from streamsync.fused import FusedModel, device_digests
+from streamsync.models import StateModule, mixed_specs, qwen3_specs, save_specs
+from streamsync.transports.collective import CollectiveTransport
+from streamsync.transports.cuda_ipc import CudaIpcTransport, parse_handle
+
+CHUNK = 1 << 20
+
+
+def gpu(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """Mark a test `gpu` and run its coroutine with anyio.run: the GPU machine has no pytest-asyncio."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        anyio.run(functools.partial(fn, *args, **kwargs))
+
+    return pytest.mark.gpu(run)
+
+
+# ------------------------------------------------------------------------------- handle validation (CPU)
+
+
+def _handle() -> dict[str, Any]:
+    b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
+    return {"token": "0123456789abcdef", "nbytes": 1000, "live": ["0123456789abcdef"], "ipc": {
+        "gpu": "GPU-8f1c2f3e-0000-1111-2222-333344445555", "size": 4096, "tensor_offset": 0,
+        "handle": b64(b"\x01" * 64), "storage_size": 4096, "storage_offset": 0,
+        "ref_counter": b64(b"/torch_123_456_7"), "ref_counter_offset": 3, "event": b64(b"\x02" * 64),
+        "event_sync": True}}
+
+
+def test_a_well_formed_ipc_handle_parses():
+    h = parse_handle(_handle())
+    assert h.nbytes == 1000 and h.size == 4096 and h.handle == b"\x01" * 64 and h.event_sync is True
+
+
+@pytest.mark.parametrize("path, value", [
+    (("token",), "../../etc"), (("nbytes",), 5000), (("nbytes",), -1), (("nbytes",), True), (("nbytes",), "1"),
+    (("live",), ["x"]), (("ipc", "gpu"), "GPU; rm -rf"), (("ipc", "handle"), "not base64!"),
+    (("ipc", "handle"), base64.b64encode(b"\x00" * 4000).decode()), (("ipc", "ref_counter"), "Li4vZXRj"),
+    (("ipc", "tensor_offset"), 1), (("ipc", "event_sync"), 1), (("ipc", "size"), 0), (("ipc",), "pickle"),
+])
+def test_malformed_ipc_handles_are_refused_before_anything_is_opened(path, value):
+    h = copy.deepcopy(_handle())
+    d = h
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+    with pytest.raises(ValidationError):
+        parse_handle(h)
+
+
+def test_fused_model_maps_hf_names_into_fused_slices_like_vllm():
+    specs = qwen3_specs(layers=1)
+    src = StateModule(specs, fill="random", seed=1)
+    fused = FusedModel(specs)
+    names = dict(fused.named_parameters())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    fused.load_weights(src.state_dict().items())
+    assert digests(fused.hf_tensors()) == digests(src.state_dict().items())
+    assert device_digests(fused.hf_tensors()) == device_digests(src.state_dict().items())
+
+
+def test_fused_model_stacks_moe_experts():
+    from streamsync.megatron_utils import TinyModel
+
+    specs = TinyModel(arch="qwen3-moe", experts=4, layers=1).hf_specs()
+    src = StateModule(specs, fill="random", seed=2)
+    fused = FusedModel(specs)
+    w13 = dict(fused.named_parameters())["model.layers.0.mlp.experts.w13_weight"]
+    assert tuple(w13.shape) == (4, 64, 64)
+    fused.load_weights(src.state_dict().items())
+    assert digests(fused.hf_tensors()) == digests(src.state_dict().items())
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+def _perturb(model: torch.nn.Module, step: int) -> None:
+    torch.manual_seed(step)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point() and t.element_size() >= 2:
+                t.add_(torch.randn_like(t) * 0.01)
+            elif t.dtype not in (torch.bool,) and not t.is_floating_point():
+                t.add_(1)
+
+
+@pytest.fixture
+def cuda_mixed(tmp_path):
+    model = StateModule(mixed_specs(), fill="random", seed=7, device="cuda")
+    with ReceiverProcess(str(save_specs(mixed_specs(), tmp_path / "m.json")), device="cuda", name="rx-cuda") as rp:
+        yield model, rp
+
+
+@gpu
+async def test_ipc_round_trip_is_bit_exact_and_reuses_buffers(cuda_mixed):
+    model, rp = cuda_mixed
+    engine = rp.engine()
+    sync = WeightSync([engine], chunk_bytes=2048)  # auto: CUDA engine -> cuda_ipc
+    report = await sync.push(model)
+    assert sync.transport.name == "cuda_ipc" and report.chunks > 1
+    assert await engine.checksums() == digests(model.state_dict().items())
+    _perturb(model, 1)
+    await sync.push(model, max_inflight=1)
+    assert await engine.checksums() == digests(model.state_dict().items())
+    assert sync.transport.pool.buffers <= 4
+    await sync.close()
+
+
+@pytest.mark.parametrize("release", ["event", "sync"])
+@gpu
+async def test_ipc_into_fused_receiver_and_buffers_are_freed_after_receivers_let_go(tmp_path, release):
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule(specs, fill="random", seed=3, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], transport=CudaIpcTransport(release=release), chunk_bytes=CHUNK)
+        for window in (4, 1, 4):
+            _perturb(model, window)
+            await sync.push(model, max_inflight=window)
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
+        assert torch.cuda.memory_allocated() > base  # the pool
+        await sync.close()
+    torch.cuda.ipc_collect()  # the receiver unmapped at shutdown: the pool's memory comes back
+    assert torch.cuda.memory_allocated() <= base + (64 << 10)
+
+
+@gpu
+async def test_a_buffer_is_not_repacked_before_a_slow_receiver_copied_it_out(tmp_path):
+    # The receiver acknowledges as soon as its copies are queued, behind ~5 ms of other GPU work per chunk;
+    # the sender reuses each of its 2 buffers many times. Only the release events keep the bits right.
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule(specs, fill="random", seed=4, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True,
+                         gpu_delay_ms=5) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], transport=CudaIpcTransport(), chunk_bytes=CHUNK // 2, max_inflight=2)
+        for step in range(2):
+            _perturb(model, 10 + step)
+            report = await sync.push(model)
+            assert report.chunks > 8
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
+        assert sync.transport.pool.buffers <= 2
+        await sync.close()
+
+
+@pytest.mark.parametrize("release", ["event", "sync"])
+@gpu
+async def test_a_receiver_does_not_read_a_chunk_before_its_pack_ran(tmp_path, release):
+    # The trainer's stream is busy (~20 ms) when the push starts, so every pack runs late on the device;
+    # with release events the handles go out at once and only the ready events hold the receiver back.
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule(specs, fill="random", seed=6, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], transport=CudaIpcTransport(release=release), chunk_bytes=CHUNK)
+        for step in range(2):
+            _perturb(model, 20 + step)
+            torch.cuda._sleep(int(40e6))
+            await sync.push(model)
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
+        await sync.close()
+
+
+class _Tamper(ReceiverEngine):
+    async def update(self, update_info: dict[str, Any]) -> None:
+        info = copy.deepcopy(update_info)
+        info["handle"]["ipc"]["gpu"] = "GPU-00000000-0000-0000-0000-000000000000"
+        await super().update(info)
+
+
+@gpu
+async def test_a_handle_for_another_gpu_is_refused(cuda_mixed):
+    model, rp = cuda_mixed
+    engine = _Tamper("127.0.0.1", rp.port, name="tamper", device="cuda")
+    sync = WeightSync([engine], chunk_bytes=2048)
+    with pytest.raises(PushError, match="not visible"):
+        await sync.push(model)
+    await sync.close()
+
+
+@gpu
+async def test_collective_with_cuda_tensors_over_gloo(cuda_mixed):
+    model, rp = cuda_mixed
+    engine = rp.engine()
+    transport = CollectiveTransport("gloo", device="cuda", group_timeout=30)
+    sync = WeightSync([engine], transport=transport, chunk_bytes=2048, timeout=60)
+    await sync.push(model)
+    assert transport.pool.device.type == "cuda"
+    assert await engine.checksums() == digests(model.state_dict().items())
+    _perturb(model, 2)
+    await sync.push(model)
+    assert await engine.checksums() == digests(model.state_dict().items())
+    await sync.close()
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (it refuses two ranks on one)")
+async def test_collective_over_nccl_between_two_gpus(tmp_path):
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule(specs, fill="random", seed=5, device="cuda:0")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda:1", fused=True) as rp:
+        engine = rp.engine()
+        transport = CollectiveTransport("nccl", group_timeout=60)
+        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK, timeout=120)
+        for window in (4, 1):
+            _perturb(model, window)
+            await sync.push(model, max_inflight=window)
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
+        await sync.close()
