@@ -89,3 +89,23 @@ def plan_chunks(items: Sequence[Item], budget: int) -> list[list[object]]:
                 flush()
     flush()
     return chunks
+
+
+def split_layers(chunks: Sequence[Sequence[str]]) -> dict[int, list[str]]:
+    """Per chunk: the names whose decoder layer continues in a later chunk.
+
+    A receiver that buffers a layer until all of its tensors arrived (vLLM's layerwise reload) must copy
+    these out of the chunk buffer, which the sender reuses once the chunk is acknowledged.
+    """
+    last: dict[int, int] = {}
+    for i, names in enumerate(chunks):
+        for n in names:
+            layer = layer_index(n)
+            if layer is not None:
+                last[layer] = i
+    out: dict[int, list[str]] = {}
+    for i, names in enumerate(chunks):
+        held = [n for n in names if (layer := layer_index(n)) is not None and last[layer] > i]
+        if held:
+            out[i] = held
+    return out

@@ -53,6 +53,7 @@ class Push:
     max_inflight: int = 4
     timeout: float = 120.0
     faults: dict[str, int] = field(default_factory=dict)
+    hold: dict[int, list[str]] = field(default_factory=dict)
     on_chunk: Callable[[int, int], None] | None = None
     live: dict[int, SendBuffer] = field(default_factory=dict)
     bytes_alive: int = 0
@@ -199,6 +200,8 @@ async def _send(push: Push, w: Work) -> None:
         "layout": w.plan.layout.to_json(),
         "handle": w.buf.handle,
     }
+    if w.plan.index in push.hold:  # layers that continue in a later chunk: receivers must not keep views
+        info["hold"] = push.hold[w.plan.index]
     await push.transport.send(w.buf, info, push.engines)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 
 from . import pipeline
+from .chunking import split_layers
 from .engines.base import Engine
 from .errors import EngineError, PushError, ValidationError
 from .log import get_logger
@@ -218,7 +219,7 @@ class WeightSync:
             job = pipeline.Push(
                 push_id=push_id, version=version, source=source, transport=self.transport,
                 engines=self.engines, plans=plans, trace=trace, max_inflight=window,
-                timeout=self.timeout, faults=self.faults,
+                timeout=self.timeout, faults=self.faults, hold=split_layers([p.names for p in plans]),
                 on_chunk=lambda i, n: log.debug("chunk released", chunk=i, of=n),
             )
             sending = source.is_sender and bool(self.engines)

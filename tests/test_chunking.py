@@ -55,3 +55,11 @@ def test_tied_weights_are_sent_once():
     m.lm_head.weight = m.embed.weight
     names = [n for p in ModuleSource(m).plan(1 << 20) for n in p.names]
     assert names == ["embed.weight"]
+
+
+def test_layers_split_across_chunks_are_marked_for_receivers_that_buffer_layers():
+    from streamsync.chunking import split_layers
+
+    chunks = [["model.embed_tokens.weight", "model.layers.0.a"], ["model.layers.0.b", "model.layers.1.a"],
+              ["model.layers.1.b", "model.layers.1.c", "model.norm.weight"]]
+    assert split_layers(chunks) == {0: ["model.layers.0.a"], 1: ["model.layers.1.a"]}

@@ -194,3 +194,15 @@ async def test_http_pause_push_resume(server, model_dir):
     assert await engine.get_version() == 60
     await _assert_bit_exact(engine, trainer)
     await sync.close()
+
+
+async def test_layers_split_across_chunks_arrive_intact(llm, model_dir):
+    """Chunks smaller than a decoder layer, window 1: each buffer is reused for the very next chunk while
+    vLLM's layerwise reload still buffers the first half of a layer; the backend must copy those out."""
+    engine = VllmEngine(llm, name="llm")
+    trainer = trainer_from(model_dir, step=12)
+    sync = WeightSync([engine], chunk_bytes=200_000, max_inflight=1)
+    report = await sync.push(trainer, version=70)
+    assert report.chunks > 20
+    await _assert_bit_exact(engine, trainer)
+    await sync.close()

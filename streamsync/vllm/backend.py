@@ -80,7 +80,11 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
     def receive_weights(self, update_info: StreamSyncUpdateInfo) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+        hold = set(update_info.streamsync.get("hold") or ())
+
         def load(weights: Any) -> None:
+            if hold:  # layerwise reload buffers a layer until complete; the chunk buffer is reused before that
+                weights = ((n, t.clone() if n in hold else t) for n, t in weights)
             if self.record_digests:
                 weights = list(weights)
                 self.received_digests.update((n, tensor_digest(t)) for n, t in weights)
