@@ -90,7 +90,7 @@ async def export_hf_async(model: object, *, chunk_bytes: int = 256 << 20,
         gathered = await source.gather(plan)
         if source.is_sender:
             tensors = await source.convert(plan, gathered)
-            out.update((s.name, t.clone()) for s, t in zip(plan.specs, tensors, strict=True))
+            out.update((s.name, t.reshape(s.shape).clone()) for s, t in zip(plan.specs, tensors, strict=True))
     return out if source.is_sender else None
 
 

@@ -64,10 +64,10 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = 1
+        n = self.dtype.itemsize
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +155,7 @@ def pack_into(buffer: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tens
     if len(tensors) != len(layout.metas):
         raise ValidationError(f"{len(tensors)} tensors for a layout of {len(layout.metas)}")
     for meta, t in zip(layout.metas, tensors, strict=True):
-        if dtype_name(t.dtype) != meta.dtype or tuple(t.shape) != meta.shape:
+        if dtype_name(t.dtype) != meta.dtype or (tuple(t.shape) != meta.shape and not fits(t, meta.shape)):
             raise ValidationError(
                 f"tensor {meta.name!r} is {t.dtype}{tuple(t.shape)}, layout expects {meta.dtype}{meta.shape}"
             )
@@ -165,6 +165,17 @@ def pack_into(buffer: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tens
         else:
             # Strided source: view the destination bytes as the tensor and let copy_ walk the strides.
             dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+
+
+def fits(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """A converted tensor may come in a *blocked* shape: the same trailing dims, leading dims that multiply
+    to the HF tensor's first (e.g. q as a (groups, rows per group, hidden) view of a fused QKV). Its
+    row-major order is the HF tensor's, so packing writes the HF tensor without a reshape copy."""
+    n = 1
+    for d in shape:
+        n *= d
+    tail = shape[1:]
+    return t.numel() == n and tuple(t.shape[t.dim() - len(tail):]) == tail
 
 
 def unpack(buffer: torch.Tensor, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:

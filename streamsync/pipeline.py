@@ -21,7 +21,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from .engines.base import Engine
 from .errors import EngineError, PushError, ValidationError
-from .pack import dtype_name
+from .pack import dtype_name, fits
 from .sources.base import ChunkPlan, Source
 from .trace import Trace
 from .transports.base import SendBuffer, Transport
@@ -173,7 +173,7 @@ async def _convert(push: Push, w: Work) -> None:
     if len(tensors) != len(w.plan.specs):
         raise ValidationError(f"converter returned {len(tensors)} tensors for {len(w.plan.specs)} specs")
     for t, s in zip(tensors, w.plan.specs, strict=True):
-        if t.dtype != s.dtype or tuple(t.shape) != s.shape:
+        if t.dtype != s.dtype or (t.shape != s.shape and not fits(t, s.shape)):
             raise ValidationError(f"tensor {s.name!r}: converted to {dtype_name(t.dtype)}{tuple(t.shape)}, "
                                   f"plan says {dtype_name(s.dtype)}{s.shape}")
     w.tensors = tensors
@@ -197,7 +197,7 @@ async def _send(push: Push, w: Work) -> None:
         "push_id": push.push_id,
         "version": push.version,
         "chunk": w.plan.index,
-        "layout": w.plan.layout.to_json(),
+        "layout": w.plan.layout_json,
         "handle": w.buf.handle,
     }
     if w.plan.index in push.hold:  # layers that continue in a later chunk: receivers must not keep views
@@ -220,8 +220,8 @@ async def _release(push: Push, credits: anyio.Semaphore, inbox: ObjectReceiveStr
             try:
                 with push.trace.span("release", w.plan.index, w.plan.nbytes):
                     _maybe_fault(push, "release", w.plan.index)
-                    if w.buf is not None:  # unmapping a large buffer blocks: keep it off the loop
-                        await anyio.to_thread.run_sync(_free, push, w.buf)
+                    if w.buf is not None:  # back to the transport's pool: cheap, no thread hop
+                        _free(push, w.buf)
                         w.buf = None
             except Exception as e:
                 raise _wrap(push, "release", w.plan.index, e) from None

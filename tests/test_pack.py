@@ -70,3 +70,17 @@ def test_pack_rejects_tensors_that_do_not_match_the_layout():
     buf = torch.empty(layout.nbytes, dtype=torch.uint8)
     with pytest.raises(ValidationError, match="'w'"):
         pack_into(buf, layout, [torch.ones(2, 3)])
+
+
+def test_blocked_views_pack_as_their_hf_tensor_without_a_copy():
+    # q rows of a fused QKV with 2 query groups: a (groups, rows, hidden) view, not a 2D tensor
+    fused = torch.randn(2, 6, 4).to(torch.bfloat16)  # per group: 4 q rows, 1 k row, 1 v row
+    q_view = fused[:, :4]
+    q_hf = q_view.reshape(8, 4)  # what the receiver must see
+    layout = plan_layout([TensorSpec("q", torch.bfloat16, (8, 4))])
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    pack_into(buf, layout, [q_view])
+    (_, got), = unpack(buf, layout)
+    assert torch.equal(got, q_hf)
+    with pytest.raises(ValidationError):
+        pack_into(buf, layout, [fused[:, :3]])  # wrong number of elements

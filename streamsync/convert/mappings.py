@@ -112,6 +112,11 @@ class Mapping:
         """Full Megatron tensor -> HF tensors (dtype unchanged; the caller casts to the receiver's dtype)."""
         return [t]
 
+    def to_hf_views(self, t: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
+        """Like `to_hf`, but a tensor may come in a blocked shape (streamsync.pack.fits) to avoid a copy:
+        for the pack stage, which writes it in row-major order; everyone else wants `to_hf`."""
+        return self.to_hf(t, dims)
+
     def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
         """HF tensors -> the full Megatron tensor (`shape`: the Megatron shape, where it is not implied)."""
         return hf[0]
@@ -190,6 +195,13 @@ class QKV(Mapping):
         hd, g, hpg = dims.head_dim, dims.num_query_groups, dims.heads_per_group
         q, k, v = t.reshape(g, (hpg + 2) * hd, *rest).split([hpg * hd, hd, hd], dim=1)
         return [q.reshape(g * hpg * hd, *rest), k.reshape(g * hd, *rest), v.reshape(g * hd, *rest)]
+
+    def to_hf_views(self, t: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
+        # q/k/v of each query group interleave in the fused tensor: as (groups, rows, ...) they are views,
+        # which pack copies straight into place (streamsync.pack.fits) instead of a reshape copy here.
+        rest = tuple(t.shape[1:])
+        hd, g, hpg = dims.head_dim, dims.num_query_groups, dims.heads_per_group
+        return list(t.reshape(g, (hpg + 2) * hd, *rest).split([hpg * hd, hd, hd], dim=1))
 
     def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
         q, k, v = hf

@@ -20,8 +20,11 @@ class ChunkPlan:
     keys: tuple[object, ...]
     layout: Layout = field(init=False)
 
+    layout_json: dict = field(init=False, repr=False)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", plan_layout(self.specs))
+        object.__setattr__(self, "layout_json", self.layout.to_json())  # sent with every push of this plan
 
     @property
     def nbytes(self) -> int:

@@ -426,7 +426,7 @@ class MegatronSource(Source):
         def work() -> list[torch.Tensor]:
             out: list[torch.Tensor] = []
             for k in chunk.keys:
-                out += self._resolved[k].mapping.to_hf(full[k], self.dims)  # type: ignore[index]
+                out += self._resolved[k].mapping.to_hf_views(full[k], self.dims)  # type: ignore[index]
             return [t if t.dtype == s.dtype else t.to(s.dtype) for t, s in zip(out, chunk.specs, strict=True)]
 
         if self._device.type == "cpu":  # QKV splits and casts copy: keep them off the loop

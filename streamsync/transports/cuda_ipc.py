@@ -47,7 +47,7 @@ import torch
 
 from ..errors import TransportError, ValidationError
 from ..fused import batched
-from ..pack import Layout, dtype_from_name
+from ..pack import Layout, dtype_from_name, fits
 from ..sources.base import ChunkPlan
 from .base import Receiver, SendBuffer, Transport
 from .pool import BufferPool, PoolBuffer
@@ -159,10 +159,14 @@ class CudaIpcTransport(Transport):
                 for m in layout.metas]
         if len(tensors) != len(dsts):
             raise ValidationError(f"{len(tensors)} tensors for a layout of {len(dsts)}")
-        for d, t in zip(dsts, tensors, strict=True):
-            if d.dtype != t.dtype or d.shape != t.shape:
+        for i, (d, t) in enumerate(zip(dsts, tensors, strict=True)):
+            if d.dtype != t.dtype or (d.shape != t.shape and not fits(t, tuple(d.shape))):
                 raise ValidationError(f"tensor {t.dtype}{tuple(t.shape)} does not fit its layout slot "
                                       f"{d.dtype}{tuple(d.shape)}")
+            if d.shape != t.shape:  # a blocked view (e.g. q of a fused QKV): write it in its row-major order
+                if dsts is pb.extra[("views", layout)]:
+                    dsts = list(dsts)
+                dsts[i] = d.view(t.shape)
         device = pb.tensor.device
         stream = self._side_stream(device)
 
