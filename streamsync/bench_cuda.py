@@ -220,7 +220,8 @@ async def _trainer_digests(sync: WeightSync, model: torch.nn.Module) -> dict[str
     out: dict[str, str] = {}
     for plan in plans:
         tensors = await source.convert(plan, await source.gather(plan))
-        out.update(device_digests(zip(plan.names, tensors, strict=True)))
+        # converted tensors may be blocked views (QKV); the HF tensor is their row-major reshape
+        out.update(device_digests((s.name, t.reshape(s.shape)) for s, t in zip(plan.specs, tensors, strict=True)))
     return out
 
 
