@@ -72,6 +72,7 @@ class WeightSync:
     timeout:      seconds any one wait may take (a stage on one chunk, an engine call).
     trace_dir:    where each push writes its Chrome-trace JSON (default: none written).
     faults:       {stage: chunk} raises an InjectedFault there; for testing error paths only.
+    reuse_plan:   keep the source and chunk plan for the next push of the same model (see `plan`).
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class WeightSync:
         trace_dir: str | os.PathLike | None = None,
         faults: dict[str, int] | None = None,
         source_options: dict[str, Any] | None = None,
+        reuse_plan: bool = True,
     ) -> None:
         if max_inflight < 1:
             raise ValidationError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -102,6 +104,8 @@ class WeightSync:
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
         self.faults = dict(faults or {})
         self.source_options = dict(source_options or {})
+        self.reuse_plan = reuse_plan
+        self._plan_cache: tuple[tuple[int, ...], object, Source, list[ChunkPlan]] | None = None
         self.version = 0
         self.connected = False
         self._expected: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
@@ -160,12 +164,28 @@ class WeightSync:
     # -- push ------------------------------------------------------------------------------------------
 
     def plan(self, model: object) -> tuple[Source, list[ChunkPlan]]:
-        """The source and chunk plan a push of `model` would use (no bytes move)."""
+        """The source and chunk plan a push of `model` would use (no bytes move).
+
+        Both are kept for the next push of the same model object (the same module, or a list of the same
+        chunks): building them walks every parameter (and, for a sharded Megatron model, exchanges metadata),
+        which costs milliseconds per push. Pass `reuse_plan=False`, or call `forget()`, after replacing
+        modules or changing parameter shapes; in-place updates and `param.data = ...` need neither.
+        """
+        key = tuple(map(id, model)) if isinstance(model, list | tuple) else (id(model),)
+        if self.reuse_plan and self._plan_cache is not None and self._plan_cache[0] == key:
+            _, _, source, plans = self._plan_cache
+            return source, plans
         source = as_source(model, **self.source_options)
         budget = self.chunk_bytes or (GiB if source.device.type == "cuda" else 64 * MiB)
         plans = source.plan(budget)
         self._validate(plans)
+        if self.reuse_plan:  # the model itself is kept too, so its id cannot be reused by another object
+            self._plan_cache = (key, model, source, plans)
         return source, plans
+
+    def forget(self) -> None:
+        """Drop the cached source and plan: the next push plans again."""
+        self._plan_cache = None
 
     def _validate(self, plans: Sequence[ChunkPlan]) -> None:
         if not plans:
@@ -209,6 +229,7 @@ class WeightSync:
             version = self.version + 1 if version is None else int(version)
             push_id = uuid.uuid4().hex[:8]
             source, plans = self.plan(model)
+            source.begin_push()
             trace = Trace(push_id)
             trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
                               transport=getattr(self.transport, "name", None))

@@ -194,3 +194,20 @@ def test_meta_tensors_are_refused_before_anything_moves():
 
     with pytest.raises(ValidationError, match="meta device"):
         ModuleSource(torch.nn.Linear(2, 2, device="meta"))
+
+
+async def test_the_plan_is_reused_and_replaced_parameter_data_is_still_seen(qwen_receiver, qwen_specs):
+    engine = qwen_receiver.engine()
+    model = StateModule(qwen_specs, fill="random", seed=11)
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    await sync.push(model)
+    source, plans = sync.plan(model)
+    name, param = next(iter(model.named_parameters()))
+    param.data = torch.randn(param.shape).to(param.dtype)  # a new storage behind the same Parameter
+    report = await sync.push(model)
+    assert sync.plan(model)[0] is source  # planned once, reused
+    assert report.chunks == len(plans)
+    assert await engine.checksums() == digests(model.state_dict().items())
+    sync.forget()
+    assert sync.plan(model)[0] is not source
+    await sync.close()

@@ -56,6 +56,9 @@ class Source(ABC):
     @abstractmethod
     async def convert(self, chunk: ChunkPlan, gathered: object) -> Sequence[torch.Tensor]: ...
 
+    def begin_push(self) -> None:  # noqa: B027 - optional hook
+        """A push of this source's plan starts (a plan is reused across pushes): reset per-push counters."""
+
     @property
     def is_sender(self) -> bool:
         """False on ranks that take part in gathers but send nothing (non-zero TP/PP/EP ranks)."""

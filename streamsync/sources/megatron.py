@@ -398,8 +398,7 @@ class MegatronSource(Source):
     def plan(self, chunk_bytes: int) -> list[ChunkPlan]:
         """Chunks of Megatron parameters (keys: global names) with their HF specs; all experts of a layer stay
         in one chunk. Pure and the same on every rank; resets `collectives` for the push it plans."""
-        self._collectives = 0
-        self.events = []
+        self.begin_push()
         items = []
         for name, info in self.table.items():
             r = self._resolved[name]
@@ -410,6 +409,10 @@ class MegatronSource(Source):
             items.append(Item(name, nbytes, unit, ("experts", r.layer) if info.expert else None))
         return [ChunkPlan(i, tuple(s for k in keys for s in self._specs[k]), tuple(keys))  # type: ignore[index]
                 for i, keys in enumerate(plan_chunks(items, chunk_bytes))]
+
+    def begin_push(self) -> None:
+        self._collectives = 0
+        self.events = []
 
     async def gather(self, chunk: ChunkPlan) -> dict[str, torch.Tensor] | None:
         """Run the chunk's TP, EP and PP rounds (see the module doc). Returns {global name: full tensor} on the

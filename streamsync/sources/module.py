@@ -26,8 +26,9 @@ class ModuleSource(Source):
         self.dtype = dtype
         self._tensors: dict[str, torch.Tensor] = {}
         seen: dict[tuple[int, int], str] = {}
+        # Parameter objects are kept (detached at gather), so a later `param.data = ...` is still seen when
+        # WeightSync reuses this source for the next push.
         for name, t in module.state_dict(keep_vars=True).items():
-            t = t.detach()
             if t.device.type == "meta":
                 raise ValidationError(f"parameter {name!r} is on the meta device: it holds no data to send")
             dtype_name(t.dtype)  # unsupported dtypes fail here, before any byte moves
@@ -60,7 +61,7 @@ class ModuleSource(Source):
                 for i, keys in enumerate(plan_chunks(items, chunk_bytes))]
 
     async def gather(self, chunk: ChunkPlan) -> list[torch.Tensor]:
-        return [self._tensors[k] for k in chunk.keys]  # type: ignore[index]
+        return [self._tensors[k].detach() for k in chunk.keys]  # type: ignore[index]
 
     async def convert(self, chunk: ChunkPlan, gathered: object) -> Sequence[torch.Tensor]:
         tensors: list[torch.Tensor] = gathered  # type: ignore[assignment]
