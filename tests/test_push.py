@@ -202,7 +202,7 @@ async def test_the_plan_is_reused_and_replaced_parameter_data_is_still_seen(qwen
     sync = WeightSync([engine], chunk_bytes=CHUNK)
     await sync.push(model)
     source, plans = sync.plan(model)
-    name, param = next(iter(model.named_parameters()))
+    param = next(iter(model.parameters()))
     param.data = torch.randn(param.shape).to(param.dtype)  # a new storage behind the same Parameter
     report = await sync.push(model)
     assert sync.plan(model)[0] is source  # planned once, reused
