@@ -198,6 +198,7 @@ async def _send(push: Push, w: Work) -> None:
         "version": push.version,
         "chunk": w.plan.index,
         "layout": w.plan.layout_json,
+        "layout_key": w.plan.layout_key,
         "handle": w.buf.handle,
     }
     if w.plan.index in push.hold:  # layers that continue in a later chunk: receivers must not keep views

@@ -35,6 +35,7 @@ class WeightReceiver:
         self.dirty = False
         self.chunks = 0
         self.bytes = 0
+        self._layouts: dict[str, Layout] = {}
 
     def init(self, init_info: dict[str, Any]) -> None:
         if self.transport is not None:
@@ -52,7 +53,7 @@ class WeightReceiver:
             raise ValidationError("update before init: call init_transfer first")
         if not self.updating:
             raise ValidationError("update outside a round: call start_update first")
-        layout = Layout.from_json(update_info.get("layout"))  # type: ignore[arg-type]
+        layout = self._layout(update_info)
         with self.transport.open(update_info) as buf:
             if buf.numel() < layout.nbytes:
                 raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
@@ -62,6 +63,19 @@ class WeightReceiver:
         self.chunks += 1
         self.bytes += layout.nbytes
         return layout.nbytes
+
+    def _layout(self, update_info: dict[str, Any]) -> Layout:
+        """Parse and validate a chunk's layout once; later pushes of the same plan send the same key and the
+        receiver reuses what it validated (the key only selects, it is never trusted for bounds)."""
+        key = update_info.get("layout_key")
+        layout = self._layouts.get(key) if isinstance(key, str) else None
+        if layout is None:
+            layout = Layout.from_json(update_info.get("layout"))  # type: ignore[arg-type]
+            if isinstance(key, str):
+                if len(self._layouts) >= 4096:
+                    self._layouts.clear()
+                self._layouts[key] = layout
+        return layout
 
     def finish(self, version: int | None) -> None:
         """End the round. `version` may be None where the engine keeps its own (vLLM does)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,10 +23,13 @@ class ChunkPlan:
     layout: Layout = field(init=False)
 
     layout_json: dict = field(init=False, repr=False)
+    layout_key: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", plan_layout(self.specs))
         object.__setattr__(self, "layout_json", self.layout.to_json())  # sent with every push of this plan
+        digest = hashlib.blake2b(json.dumps(self.layout_json).encode(), digest_size=12).hexdigest()
+        object.__setattr__(self, "layout_key", digest)  # lets receivers reuse the layout they parsed
 
     @property
     def nbytes(self) -> int:
