@@ -305,7 +305,8 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
     with ReceiverProcess(str(specs_path), device=_DEV.type, fused=True, start_timeout=600, name=f"rx-{key}") as rp:
         engine = rp.engine(timeout=600)
         transport = _transport()
-        sync = WeightSync([engine], transport=transport, chunk_bytes=chunk, timeout=600)
+        sync = WeightSync([engine], transport=transport, chunk_bytes=chunk, timeout=600,
+                          reuse_plan=os.environ.get("STREAMSYNC_REUSE_PLAN", "1") == "1")
         await sync.connect()
         probe_us = await latency_probe(engine)
         log(f"  latencies (us): {', '.join(f'{k} {v:.0f}' for k, v in probe_us.items())}")
