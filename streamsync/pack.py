@@ -91,6 +91,8 @@ class TensorMeta:
         except (TypeError, ValueError) as e:
             raise ValidationError(f"malformed tensor metadata {obj!r}: {e}") from None
         dtype_from_name(meta.dtype)
+        if any(d < 0 for d in meta.shape) or meta.nbytes < 0 or meta.offset < 0:
+            raise ValidationError(f"tensor {meta.name!r}: negative shape, size or offset in chunk metadata")
         return meta
 
 

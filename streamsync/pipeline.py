@@ -74,6 +74,7 @@ async def run(push: Push) -> None:
     s_tx, s_rx = anyio.create_memory_object_stream[Work](n)
     assert push.transport is not None
     push.transport.begin_push(push.plans, push.push_id)
+    ok = False
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_gather, push, credits, g_tx)
@@ -81,11 +82,13 @@ async def run(push: Push) -> None:
             tg.start_soon(_stage, push, "pack", _pack, c_rx, p_tx)
             tg.start_soon(_stage, push, "send", _send, p_rx, s_tx)
             tg.start_soon(_release, push, credits, s_rx)
+        ok = True
     except BaseExceptionGroup as eg:
         raise _first_push_error(eg) from None
     finally:
-        for buf in list(push.live.values()):
-            _free(push, buf)
+        if not ok:  # a receiver that gave up may still read these: the transport drops them, never reuses
+            push.bytes_alive -= sum(b.nbytes for b in push.live.values())
+            push.live.clear()
         push.transport.end_push()
 
 
@@ -140,8 +143,9 @@ async def _gather(push: Push, credits: anyio.Semaphore, out: ObjectSendStream[Wo
     async with out:
         for plan in push.plans:
             try:
-                with anyio.fail_after(push.timeout):
-                    await credits.acquire()
+                # No timeout here: a credit comes back when the oldest chunk is released, and every stage
+                # in between has its own timeout.
+                await credits.acquire()
                 push.chunks_alive += 1
                 push.trace.sample("chunks_alive", push.chunks_alive)
                 with anyio.fail_after(push.timeout), push.trace.span("gather", plan.index, plan.nbytes):

@@ -87,6 +87,12 @@ class WeightReceiver:
         if self.transport is not None:
             self.transport.end_round()
 
+    def abort(self) -> None:
+        """End a failed round: the version stays; `dirty` stays True if any chunk was applied."""
+        if self.updating and self.transport is not None:
+            self.transport.end_round()
+        self.updating = False
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()

@@ -106,6 +106,7 @@ class WeightSync:
         self.source_options = dict(source_options or {})
         self.reuse_plan = reuse_plan
         self._plan_cache: tuple[tuple[int, ...], object, Source, list[ChunkPlan]] | None = None
+        self._hold_cache: tuple[list[ChunkPlan], dict[int, list[str]]] | None = None
         self.version = 0
         self.connected = False
         self._expected: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
@@ -134,7 +135,8 @@ class WeightSync:
                     if v is not None:
                         self.version = max(self.version, int(v))
             except TimeoutError:
-                raise EngineError("?", f"connect timed out after {self.timeout}s") from None
+                raise EngineError(",".join(e.name for e in self.engines),
+                                  f"connect timed out after {self.timeout}s") from None
         self.connected = True
 
     def _resolve_transport(self) -> str:
@@ -182,6 +184,11 @@ class WeightSync:
         if self.reuse_plan:  # the model itself is kept too, so its id cannot be reused by another object
             self._plan_cache = (key, model, source, plans)
         return source, plans
+
+    def _hold(self, plans: list[ChunkPlan]) -> dict[int, list[str]]:
+        if self._hold_cache is None or self._hold_cache[0] is not plans:
+            self._hold_cache = (plans, split_layers([p.names for p in plans]))
+        return self._hold_cache[1]
 
     def forget(self) -> None:
         """Drop the cached source and plan: the next push plans again."""
@@ -240,7 +247,7 @@ class WeightSync:
             job = pipeline.Push(
                 push_id=push_id, version=version, source=source, transport=self.transport,
                 engines=self.engines, plans=plans, trace=trace, max_inflight=window,
-                timeout=self.timeout, faults=self.faults, hold=split_layers([p.names for p in plans]),
+                timeout=self.timeout, faults=self.faults, hold=self._hold(plans),
                 on_chunk=lambda i, n: log.debug("chunk released", chunk=i, of=n),
             )
             sending = source.is_sender and bool(self.engines)
@@ -252,6 +259,10 @@ class WeightSync:
                     await self._each_engine("finish_update", version, stage="finish")
             except PushError as e:
                 log.error("push failed", stage=e.stage, chunk=e.chunk, receiver=e.receiver, error=str(e))
+                if sending:
+                    await self._abort_all(log)
+                if e.stage == "finish":  # some engines may report `version` now: never reuse the number
+                    self.version = max(self.version, version)
                 self._write_trace(trace)
                 raise
             seconds = time.perf_counter() - t0
@@ -266,6 +277,20 @@ class WeightSync:
             report.trace_path = self._write_trace(trace)
             log.info("push done", ms=round(seconds * 1e3, 1), gbps=round(report.gbps, 2))
             return report
+
+    async def _abort_all(self, log: Any) -> None:
+        """End the failed round on every engine (shielded: runs even when the push was cancelled)."""
+        async def one(e: Engine) -> None:
+            try:
+                with anyio.fail_after(self.timeout):
+                    await e.abort_update()
+            except Exception as err:  # the push already failed; report, don't mask its error
+                log.warning("abort failed", engine=e.name, error=str(err))
+
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for e in self.engines:
+                    tg.start_soon(one, e)
 
     async def _each_engine(self, method: str, *args: Any, stage: str) -> None:
         async def one(e: Engine) -> None:
@@ -300,7 +325,15 @@ class WeightSync:
         """
         if mode not in ("keep", "wait", "abort"):
             raise ValidationError(f"pause mode must be keep, wait or abort, got {mode!r}")
-        await self._each_engine("pause", mode, clear_cache, stage="pause")
+        try:
+            await self._each_engine("pause", mode, clear_cache, stage="pause")
+        except BaseException:  # engines that did pause must not stay paused
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._each_engine("resume", stage="resume")
+                except PushError as err:
+                    self.log.warning("resume after a failed pause failed", error=str(err))
+            raise
         try:
             yield
         finally:

@@ -211,3 +211,48 @@ async def test_the_plan_is_reused_and_replaced_parameter_data_is_still_seen(qwen
     sync.forget()
     assert sync.plan(model)[0] is not source
     await sync.close()
+
+
+async def test_a_failed_push_ends_the_round_on_the_engine_and_the_next_push_works(qwen_receiver, qwen_model):
+    engine = qwen_receiver.engine()
+    failing = WeightSync([engine], chunk_bytes=CHUNK, faults={"pack": 4})
+    with pytest.raises(PushError):
+        await failing.push(qwen_model, version=3)
+    status = await engine.call("status")
+    assert status["updating"] is False and status["dirty"] is True and status["version"] is None
+    await failing.close()
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    await sync.push(qwen_model, version=4)
+    assert await engine.get_version() == 4
+    assert await engine.checksums() == digests(qwen_model.state_dict().items())
+    await sync.close()
+
+
+def test_shm_handles_must_name_a_streamsync_segment():
+    from streamsync.errors import TransportError
+    from streamsync.transports.shm import ShmReceiver
+
+    rx = ShmReceiver({"transport": "shm"})
+    with open(__file__) as f:  # an open file of this process that is not a segment
+        bad = {"handle": {"pid": os.getpid(), "fd": f.fileno(), "token": "abcd", "nbytes": 10}}
+        with pytest.raises(ValidationError, match="not the streamsync segment"), rx.open(bad):
+            pass
+    for h in ({"pid": 1, "fd": 3, "token": "ab", "nbytes": 0}, {"pid": 1, "fd": 3, "token": "../x", "nbytes": 8},
+              {"pid": "x"}, None):
+        with pytest.raises(ValidationError), rx.open({"handle": h}):
+            pass
+    with pytest.raises(TransportError, match="gone"), rx.open(
+            {"handle": {"pid": os.getpid(), "fd": 999_999, "token": "ab", "nbytes": 8}}):
+        pass
+
+
+def test_a_malformed_message_does_not_kill_the_receiver(qwen_receiver):
+    import json as _json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", qwen_receiver.port), timeout=10) as s:
+        s.sendall(b"[1]\n")
+        reply = _json.loads(s.makefile().readline())
+        assert reply["ok"] is False and "JSON object" in reply["error"]
+        s.sendall(b'{"op": "ping"}\n')
+        assert _json.loads(s.makefile().readline())["result"] == "pong"

@@ -1,6 +1,7 @@
 """Control plane to an inference engine, shaped like vLLM's four weight-update phases.
 
     init_transfer(init_info)        once, after the transport is chosen
+    abort_update()                  a failed push: end the round, keep the old version
     start_update()                  begin a round (vLLM: start_weight_update)
     update(update_info)             once per chunk; returns after the engine applied the chunk and closed
                                     its handle: that return is the acknowledgement the release stage waits on
@@ -37,6 +38,11 @@ class Engine(ABC):
 
     @abstractmethod
     async def get_version(self) -> int | None: ...
+
+    async def abort_update(self) -> None:  # noqa: B027 - optional hook
+        """A push failed after `start_update`: end the round without claiming a version, so the engine
+        can generate again (vLLM: finish the layerwise reload; layers nothing reached keep their old
+        weights) and the next push can start. Must not raise for a round the engine already ended."""
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
         """HF name -> (dtype name, shape) the engine will accept, if it can say; checked before bytes move."""

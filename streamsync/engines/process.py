@@ -59,6 +59,8 @@ class _Server:
             return self.rx.update(msg["info"], self.loader)
         elif op == "finish":
             self.rx.finish(msg["version"])
+        elif op == "abort":
+            self.rx.abort()
         elif op == "version":
             return self.rx.version
         elif op == "status":
@@ -103,7 +105,10 @@ class _Server:
             for line in rf:
                 msg: dict[str, Any] = {}
                 try:
-                    msg = json.loads(line)
+                    parsed = json.loads(line)
+                    if not isinstance(parsed, dict):
+                        raise ValueError(f"expected a JSON object, got {type(parsed).__name__}")
+                    msg = parsed
                     reply = {"ok": True, "result": self.handle(msg)}
                 except Exception as e:
                     reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -182,6 +187,9 @@ class ReceiverEngine(Engine):
                 await self._drop()
                 raise EngineError(self.name, f"{op} failed: connection lost ({type(e).__name__}); "
                                   "receiver process died?") from None
+            except BaseException:  # cancelled mid-request: its reply would answer the next request
+                await self._drop()
+                raise
         reply = json.loads(line)
         if not reply.get("ok"):
             raise EngineError(self.name, f"{op} refused: {reply.get('error')}")
@@ -207,6 +215,9 @@ class ReceiverEngine(Engine):
 
     async def get_version(self) -> int | None:
         return await self.call("version")
+
+    async def abort_update(self) -> None:
+        await self.call("abort")
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         info = await self.call("weight_info")

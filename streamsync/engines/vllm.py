@@ -7,6 +7,7 @@ strings; streamsync's integer versions travel as their decimal string.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import anyio
@@ -26,6 +27,15 @@ def _device() -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     except ImportError:  # pragma: no cover
         return "cpu"
+
+
+async def _quietly(call: Any) -> None:
+    """Run an abort: an engine whose round already ended (vLLM ends it when an update raised) refuses
+    `finish_weight_update`; that is the state an abort wants, so the refusal is not an error."""
+    try:
+        await call
+    except EngineError:
+        pass
 
 
 def engine_kwargs(**extra: Any) -> dict[str, Any]:
@@ -74,12 +84,17 @@ class VllmEngine(_Guarded):
         self.name = name
         self.timeout = timeout
         self.device = _device()
-        self._lock = anyio.Lock()  # vLLM's LLM is not thread-safe: one call at a time
+        # vLLM's LLM is not thread-safe: one call at a time. The lock is held by the worker thread, so a call
+        # abandoned on timeout keeps it until it really returns and the next call waits for that.
+        self._lock = threading.Lock()
 
     async def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        def locked() -> Any:
+            with self._lock:
+                return fn(*args, **kw)
+
         async def go() -> Any:
-            async with self._lock:
-                return await anyio.to_thread.run_sync(lambda: fn(*args, **kw), abandon_on_cancel=True)
+            return await anyio.to_thread.run_sync(locked, abandon_on_cancel=True)
 
         return await self._run(what, go)
 
@@ -97,6 +112,9 @@ class VllmEngine(_Guarded):
 
     async def get_version(self) -> int | None:
         return _version(await self._call("get_weight_version", self.llm.get_weight_version))
+
+    async def abort_update(self) -> None:
+        await _quietly(self._call("finish_weight_update", self.llm.finish_weight_update))
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         await self._call("pause", self.llm.sleep, level=0, mode=mode)
@@ -139,6 +157,9 @@ class AsyncVllmEngine(_Guarded):
 
     async def get_version(self) -> int | None:
         return _version(await self._run("get_weight_version", self.engine.get_weight_version))
+
+    async def abort_update(self) -> None:
+        await _quietly(self._run("finish_weight_update", self.engine.finish_weight_update))
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         await self._run("pause", self.engine.pause_generation, mode=mode, clear_cache=clear_cache)
@@ -192,6 +213,9 @@ class VllmHttpEngine(_Guarded):
 
     async def get_version(self) -> int | None:
         return _version((await self._http("GET", "/weight_info"))["weight_version"])
+
+    async def abort_update(self) -> None:
+        await _quietly(self._http("POST", "/finish_weight_update"))
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         await self._http("POST", "/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()})

@@ -421,7 +421,8 @@ class MegatronSource(Source):
         # process group's own timeout; the group is then out of step and the trainer must not reuse it.
         if not self.groups.sharded:  # nothing to collect: the sender's own parameters, no thread hop
             return {k: self._local[k][0].detach() for k in chunk.keys} if self.is_sender else None  # type: ignore[index]
-        return await anyio.to_thread.run_sync(self._gather_sync, chunk, abandon_on_cancel=True)
+        consumer = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
+        return await anyio.to_thread.run_sync(self._gather_sync, chunk, consumer, abandon_on_cancel=True)
 
     async def convert(self, chunk: ChunkPlan, gathered: object) -> Sequence[torch.Tensor]:
         full: dict[str, torch.Tensor] = gathered  # type: ignore[assignment]
@@ -469,13 +470,16 @@ class MegatronSource(Source):
             return tensors[0].detach().reshape(-1)
         return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
 
-    def _gather_sync(self, chunk: ChunkPlan) -> dict[str, torch.Tensor] | None:
+    def _gather_sync(self, chunk: ChunkPlan, consumer: Any = None) -> dict[str, torch.Tensor] | None:
+        """`consumer`: the caller's current CUDA stream, taken in the caller's thread (a worker thread's
+        current stream is its own default stream, which the trainer's writes need not be on)."""
         c, g = self.coords, self.groups
-        stream = consumer = None
+        stream = None
         if self._device.type == "cuda":  # a side stream that first sees the trainer's last writes
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self._device)
-            stream, consumer = self._stream, torch.cuda.current_stream(self._device)
+            stream = self._stream
+            consumer = consumer if consumer is not None else torch.cuda.current_stream(self._device)
             stream.wait_stream(consumer)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             have = self._gather_rounds(chunk, c, g, stream)

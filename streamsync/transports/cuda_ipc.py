@@ -172,10 +172,12 @@ class CudaIpcTransport(Transport):
 
         released = list(pb.extra.get("release_events", ()))
         ready = self._ready_event(pb)
+        # The caller's current stream, taken here: a worker thread's current stream is its own (the default).
+        producer = torch.cuda.current_stream(device)
 
         def copy() -> None:
             with torch.cuda.device(device):
-                stream.wait_stream(torch.cuda.current_stream(device))  # the producer's writes (convert) first
+                stream.wait_stream(producer)  # the producer's writes (convert) first
                 for ev in released:  # every receiver's copies out of this buffer's previous chunk
                     stream.wait_event(ev)
                 with torch.cuda.stream(stream):

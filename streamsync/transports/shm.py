@@ -7,8 +7,8 @@ segment back to a pool (never more segments than the credit window), and `keep_p
 between pushes. A memfd has no name in /dev/shm and lives exactly as long as some process holds it, so
 no segment can be left behind by a push, a failed push, a crashed receiver or a crashed trainer.
 
-Receivers open a segment through `/proc/<sender pid>/fd/<fd>` (same host, same user), check its size
-and token, and keep the mapping for reuse while the segment's token stays the same.
+Receivers open a segment through `/proc/<sender pid>/fd/<fd>` (same host, same user), check that it is
+the memfd named with the handle's token and large enough, and keep the mapping while the token is live.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ..sources.base import ChunkPlan
 from .base import Receiver, SendBuffer, Transport
 
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+MEMFD_PREFIX = "streamsync-chunk-"
 
 
 def _close(mm: mmap.mmap) -> None:
@@ -47,13 +48,14 @@ class _Segment:
 
     @classmethod
     def create(cls, size: int) -> _Segment:
+        token = secrets.token_hex(8)
         try:
-            fd = os.memfd_create("streamsync-chunk", os.MFD_CLOEXEC)
+            fd = os.memfd_create(f"{MEMFD_PREFIX}{token}", os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, flags=_FLAGS)
         except OSError as e:
             raise TransportError(f"cannot create a shared-memory segment of {size} bytes: {e}") from e
-        return cls(fd, size, secrets.token_hex(8), mm, torch.frombuffer(mm, dtype=torch.uint8, count=size))
+        return cls(fd, size, token, mm, torch.frombuffer(mm, dtype=torch.uint8, count=size))
 
     def destroy(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
@@ -127,8 +129,16 @@ class ShmReceiver(Receiver):
         self._maps: dict[tuple[int, int, str], mmap.mmap] = {}
         self._used: set[tuple[int, int, str]] = set()
 
-    def _map(self, pid: int, fd: int, nbytes: int) -> mmap.mmap:
+    def _map(self, pid: int, fd: int, token: str, nbytes: int) -> mmap.mmap:
         path = f"/proc/{pid}/fd/{fd}"
+        try:  # the handle must name a streamsync segment with this token, not any file the sender has open
+            target = os.readlink(path)
+        except FileNotFoundError:
+            raise TransportError(f"shared-memory segment {path} is gone (sender exited?)") from None
+        except PermissionError as e:
+            raise TransportError(f"cannot open {path}: {e} (sender and receiver must share host and user)") from e
+        if not target.startswith(f"/memfd:{MEMFD_PREFIX}{token}"):
+            raise ValidationError(f"{path} is not the streamsync segment of token {token} (it is {target!r})")
         try:
             f = os.open(path, os.O_RDWR)
         except FileNotFoundError:
@@ -149,11 +159,13 @@ class ShmReceiver(Receiver):
         try:
             key = (int(h["pid"]), int(h["fd"]), str(h["token"]))  # type: ignore[index]
             nbytes = int(h["nbytes"])  # type: ignore[index]
+            if nbytes <= 0 or key[0] <= 0 or key[1] < 0 or not key[2].isalnum():
+                raise ValueError
         except (TypeError, KeyError, ValueError):
             raise ValidationError(f"shm handle must be {{pid, fd, token, nbytes}}, got {h!r:.200}") from None
         mm = self._maps.get(key)
         if mm is None or len(mm) < nbytes:
-            mm = self._maps[key] = self._map(key[0], key[1], nbytes)
+            mm = self._maps[key] = self._map(key[0], key[1], key[2], nbytes)
         self._used.add(key)
         yield torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
 

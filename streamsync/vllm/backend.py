@@ -23,6 +23,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..checksum import tensor_digest
+from ..chunking import layer_index
 from ..receiver import WeightReceiver
 
 
@@ -82,9 +83,15 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
         hold = set(update_info.streamsync.get("hold") or ())
 
+        def keep(name: str) -> bool:
+            # Layerwise reload buffers a layer's tensors until the layer is complete, and defers some layers
+            # to finalize (embeddings and lm_head whose vocabulary vLLM pads); the chunk buffer is reused
+            # before that. Copy out the tensors of layers split across chunks (`hold`) and the tensors
+            # outside decoder layers (embeddings, final norm, lm_head: a small share of the bytes).
+            return name in hold or layer_index(name) is None
+
         def load(weights: Any) -> None:
-            if hold:  # layerwise reload buffers a layer until complete; the chunk buffer is reused before that
-                weights = ((n, t.clone() if n in hold else t) for n, t in weights)
+            weights = ((n, t.clone() if keep(n) else t) for n, t in weights)
             if self.record_digests:
                 weights = list(weights)
                 self.received_digests.update((n, tensor_digest(t)) for n, t in weights)

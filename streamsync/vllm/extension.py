@@ -38,7 +38,8 @@ def weight_digests(model: torch.nn.Module) -> dict[str, str]:
             for pname, p in mod.named_parameters(recurse=False):
                 name = f"{mod_name}.{pname}" if mod_name else pname
                 if p.numel() > 0:
-                    out[name] = tensor_digest(p)
+                    rows = getattr(mod, "org_vocab_size", None)  # vLLM pads vocabularies: compare real rows
+                    out[name] = tensor_digest(p[:rows] if rows and p.dim() and p.shape[0] > rows else p)
                 elif pname == "weight":
                     w = _probe_linear(mod)
                     if w is not None:
