@@ -249,7 +249,8 @@ class CollectiveTransport(Transport):
         if self._pg is None:
             raise TransportError("collective transport is not connected")
         if self._broken is not None:
-            raise TransportError(f"collective group is unusable ({self._broken}); connect again")
+            raise TransportError(f"collective group is unusable ({self._broken}); "
+                                 "close the WeightSync and connect a new one")
         seq = self._seq
         self._seq += 1
         info = {**update_info, "handle": {"group": self._group, "seq": seq, "nbytes": buf.tensor.numel()}}
