@@ -57,7 +57,9 @@ if TYPE_CHECKING:
 
 _TOKEN = re.compile(r"^[0-9a-f]{8,64}$")
 _UUID = re.compile(r"^[0-9A-Za-z-]{1,80}$")
-_REF_COUNTER = re.compile(rb"^/[0-9A-Za-z_.-]{1,250}$")  # a shared-memory file name torch made
+# torch names its IPC reference-counter files "/torch_{pid}_{random}_{n}": accept nothing else, so a crafted
+# handle cannot point the receiver's counter update at another process's shared memory.
+_REF_COUNTER = re.compile(rb"^/torch_-?[0-9]{1,20}_-?[0-9]{1,20}_-?[0-9]{1,20}$")
 _MAX_INT = 1 << 50
 
 
