@@ -86,7 +86,7 @@ async def test_a_failure_in_any_stage_raises_push_error_naming_it_and_frees_ever
         await sync.push(qwen_model, version=5)
     assert err.value.stage == stage and err.value.chunk == 3
     assert f"stage={stage}" in str(err.value) and "chunk=3" in str(err.value)
-    assert sync.transport is not None and not sync.transport._busy  # no chunk buffer outlives the push
+    assert sync.transport is not None and sync.transport.pool.busy == 0  # no chunk buffer outlives the push
     await sync.close()
     assert memfds() == 0  # every segment closed
     assert set(os.listdir("/dev/shm")) <= shm_before

@@ -32,12 +32,16 @@ class PoolBuffer:
 class BufferPool:
     """keep: keep free buffers between pushes (fast steady state); False frees them at every push's end.
 
-    `on_drop` runs after buffers were dropped (CUDA IPC calls torch.cuda.ipc_collect there).
+    `on_drop` runs after buffers were dropped (CUDA IPC calls torch.cuda.ipc_collect there). `alloc` and
+    `destroy` replace the default torch allocation for buffers that live elsewhere (shared memory).
     """
 
     def __init__(self, device: torch.device, *, keep: bool = True, pin: bool = False,
-                 on_drop: Callable[[], None] | None = None) -> None:
+                 on_drop: Callable[[], None] | None = None, alloc: Callable[[int], PoolBuffer] | None = None,
+                 destroy: Callable[[PoolBuffer], None] | None = None) -> None:
         self.device = device
+        self.alloc = alloc
+        self.destroy = destroy
         self.keep = keep
         self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
         self.on_drop = on_drop
@@ -60,8 +64,11 @@ class BufferPool:
                 break
         else:
             size = max(nbytes, self.size)
-            t = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
-            buf = PoolBuffer(t, size, secrets.token_hex(8))
+            if self.alloc is not None:
+                buf = self.alloc(size)
+            else:
+                t = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+                buf = PoolBuffer(t, size, secrets.token_hex(8))
         self._busy[buf.token] = buf
         return buf
 
@@ -92,6 +99,10 @@ class BufferPool:
         return sorted([b.token for b in self._free] + list(self._busy))
 
     @property
+    def busy(self) -> int:
+        return len(self._busy)
+
+    @property
     def buffers(self) -> int:
         return len(self._free) + len(self._busy)
 
@@ -103,7 +114,9 @@ class BufferPool:
         if not bufs:
             return
         for b in bufs:
-            b.extra.clear()
             b.tensor = torch.empty(0, dtype=torch.uint8)
+            if self.destroy is not None:
+                self.destroy(b)
+            b.extra.clear()
         if self.on_drop is not None:
             self.on_drop()

@@ -18,7 +18,6 @@ import os
 import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from ..errors import TransportError, ValidationError
 from ..sources.base import ChunkPlan
 from .base import Receiver, SendBuffer, Transport
+from .pool import BufferPool, PoolBuffer
 
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 MEMFD_PREFIX = "streamsync-chunk-"
@@ -38,29 +38,20 @@ def _close(mm: mmap.mmap) -> None:
         pass  # a view is still referenced; the mapping goes when it is collected
 
 
-@dataclass
-class _Segment:
-    fd: int
-    size: int
-    token: str
-    mm: mmap.mmap
-    tensor: torch.Tensor = field(repr=False)
+def _create_segment(size: int) -> PoolBuffer:
+    token = secrets.token_hex(8)
+    try:
+        fd = os.memfd_create(f"{MEMFD_PREFIX}{token}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size, flags=_FLAGS)
+    except OSError as e:
+        raise TransportError(f"cannot create a shared-memory segment of {size} bytes: {e}") from e
+    return PoolBuffer(torch.frombuffer(mm, dtype=torch.uint8, count=size), size, token, {"fd": fd, "mm": mm})
 
-    @classmethod
-    def create(cls, size: int) -> _Segment:
-        token = secrets.token_hex(8)
-        try:
-            fd = os.memfd_create(f"{MEMFD_PREFIX}{token}", os.MFD_CLOEXEC)
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, flags=_FLAGS)
-        except OSError as e:
-            raise TransportError(f"cannot create a shared-memory segment of {size} bytes: {e}") from e
-        return cls(fd, size, token, mm, torch.frombuffer(mm, dtype=torch.uint8, count=size))
 
-    def destroy(self) -> None:
-        self.tensor = torch.empty(0, dtype=torch.uint8)
-        _close(self.mm)
-        os.close(self.fd)
+def _destroy_segment(buf: PoolBuffer) -> None:
+    _close(buf.extra["mm"])  # the caller dropped the tensor view first
+    os.close(buf.extra["fd"])
 
 
 class ShmTransport(Transport):
@@ -70,55 +61,33 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self, keep_pool: bool = True) -> None:
-        self.keep_pool = keep_pool
-        self._free: list[_Segment] = []
-        self._busy: dict[int, _Segment] = {}
-        self._size = 0
+        self.pool = BufferPool(torch.device("cpu"), keep=keep_pool, alloc=_create_segment,
+                               destroy=_destroy_segment)
 
     def begin_push(self, plans: Sequence[ChunkPlan], push_id: str) -> None:
-        self._size = max(p.nbytes for p in plans)  # one size, so every segment fits every chunk
-        small = [s for s in self._free if s.size < self._size]
-        for s in small:  # the model grew: segments from earlier pushes are too small now
-            self._free.remove(s)
-            s.destroy()
+        self.pool.begin(max(p.nbytes for p in plans))  # one size, so every segment fits every chunk
 
     @property
     def segments(self) -> int:
         """Segments alive (busy or pooled)."""
-        return len(self._free) + len(self._busy)
+        return self.pool.buffers
 
     def allocate(self, chunk: ChunkPlan, push_id: str) -> SendBuffer:
-        fits = [s for s in self._free if s.size >= chunk.nbytes]
-        if fits:
-            seg = fits[0]
-            self._free.remove(seg)
-        else:
-            seg = _Segment.create(max(chunk.nbytes, self._size))
-        self._busy[seg.fd] = seg
-        handle = {"pid": os.getpid(), "fd": seg.fd, "token": seg.token, "nbytes": seg.size}
+        seg = self.pool.take(chunk.nbytes)
+        handle = {"pid": os.getpid(), "fd": seg.extra["fd"], "token": seg.token, "nbytes": seg.size}
         return SendBuffer(chunk.index, seg.size, seg.tensor[: chunk.nbytes], handle, {"seg": seg})
 
     def free(self, buf: SendBuffer) -> None:
         seg = buf.state.pop("seg", None)
-        if seg is not None and self._busy.pop(seg.fd, None) is not None:
+        if seg is not None:
             buf.tensor = torch.empty(0, dtype=torch.uint8)
-            self._free.append(seg)
+            self.pool.give(seg)
 
     def end_push(self) -> None:
-        for seg in self._busy.values():  # only left here when a push failed
-            seg.destroy()
-        self._busy.clear()
-        if not self.keep_pool:
-            self.release_pool()
-
-    def release_pool(self) -> None:
-        for seg in self._free:
-            seg.destroy()
-        self._free.clear()
+        self.pool.end()  # segments still busy (a failed push) are destroyed, never reused
 
     async def close(self) -> None:
-        self.end_push()
-        self.release_pool()
+        self.pool.release()
 
 
 class ShmReceiver(Receiver):
