@@ -302,6 +302,9 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
     specs_path.write_text(json.dumps(specs))
     result: dict[str, Any] = {}
     log("  starting the receiver process (fused parameters, same GPU) ...")
+    rx_profile = work / f"{key}-receiver.prof"
+    if args.profile:
+        os.environ["STREAMSYNC_RECEIVER_PROFILE"] = str(rx_profile)
     with ReceiverProcess(str(specs_path), device=_DEV.type, fused=True, start_timeout=600, name=f"rx-{key}") as rp:
         engine = rp.engine(timeout=600)
         transport = _transport()
@@ -335,6 +338,17 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
                 reports.setdefault(w, []).append(report)
                 if w == 4:
                     peaks4.append(peak)
+        if args.profile:  # where the sender's host time goes, in window-4 pushes
+            import cProfile
+            import io
+            import pstats
+
+            with cProfile.Profile() as prof:
+                for _ in range(args.profile):
+                    await push(4)
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            log(f"  sender profile, {args.profile} window-4 pushes (cProfile slows it down):\n{text.getvalue()}")
         if trace_dir:  # one traced push of each window, for the record
             sync.trace_dir = Path(trace_dir)
             await push(1)
@@ -346,7 +360,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         sweep = []
         for mib in args.sweep_mib:
             sync.chunk_bytes = int(mib * MiB)
-            transport.release_pool()
+            getattr(transport, "release_pool", lambda: None)()
             await push(4)
             await push(4)
             ts = [(await push(4))[0] for _ in range(3)]
@@ -354,7 +368,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
                           "chunks": len(sync.plan(model)[1])})
             log(f"  sweep: chunk {mib} MiB -> {sweep[-1]['push_ms_window4']:.2f} ms")
         sync.chunk_bytes = chunk
-        transport.release_pool()
+        getattr(transport, "release_pool", lambda: None)()
 
         # Bit-exactness: every weight changes, one more push, compare checksums on the device.
         _perturb(model, 99)
@@ -387,6 +401,14 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             log(f"  release=sync: window 1 {variant['push_ms_window1']:.2f} ms, window 4 "
                 f"{variant['push_ms_window4']:.2f} ms, bit-exact {variant['bit_exact']}")
 
+    os.environ.pop("STREAMSYNC_RECEIVER_PROFILE", None)
+    if args.profile and rx_profile.exists():
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(str(rx_profile), stream=text).sort_stats("tottime").print_stats(25)
+        log(f"  receiver profile, whole run:\n{text.getvalue()}")
     med4 = reports[4][sorted(range(len(times[4])), key=lambda i: times[4][i])[len(times[4]) // 2]]
     result = {
         "model": f"{shape['label']} shape, bf16",
@@ -487,6 +509,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace-dir", type=Path)
     ap.add_argument("--no-variants", dest="variants", action="store_false",
                     help="skip the comparison pushes with release='sync'")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many window-4 pushes on the sender "
+                    "(cProfile) and print where its host time goes")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run of this script (use --models tiny,tiny-moe)")
 
 

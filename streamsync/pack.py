@@ -8,7 +8,7 @@ travels over HTTP and sockets and is validated on the receiving side, never unpi
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -102,6 +102,14 @@ class Layout:
 
     metas: tuple[TensorMeta, ...]
     nbytes: int
+    _hash: int = field(default=0, init=False, compare=False, repr=False)
+
+    def __hash__(self) -> int:  # layouts key per-buffer view caches: hash hundreds of metas once, not per chunk
+        h = self._hash
+        if not h:
+            h = hash((self.metas, self.nbytes)) or 1
+            object.__setattr__(self, "_hash", h)
+        return h
 
     def to_json(self) -> dict:
         return {"nbytes": self.nbytes, "tensors": [m.to_json() for m in self.metas]}
@@ -147,7 +155,8 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
 def pack_into(buffer: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
     """Copy tensors into `buffer` (uint8, at least layout.nbytes) at the layout's offsets.
 
-    Non-contiguous tensors are copied through their strides directly into place: no staging copy.
+    Non-contiguous tensors are copied through their strides directly into place: no staging copy. A
+    floating tensor of another floating dtype than the layout's is cast by the copy (rounding as `.to`).
     Runs on the buffer's device; for CUDA buffers the copies are queued on the current stream.
     """
     if buffer.dtype != torch.uint8 or buffer.dim() != 1:
@@ -157,16 +166,22 @@ def pack_into(buffer: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tens
     if len(tensors) != len(layout.metas):
         raise ValidationError(f"{len(tensors)} tensors for a layout of {len(layout.metas)}")
     for meta, t in zip(layout.metas, tensors, strict=True):
-        if dtype_name(t.dtype) != meta.dtype or (tuple(t.shape) != meta.shape and not fits(t, meta.shape)):
+        dtype = dtype_from_name(meta.dtype)
+        if not castable(t.dtype, dtype) or (tuple(t.shape) != meta.shape and not fits(t, meta.shape)):
             raise ValidationError(
                 f"tensor {meta.name!r} is {t.dtype}{tuple(t.shape)}, layout expects {meta.dtype}{meta.shape}"
             )
         dst = buffer[meta.offset : meta.offset + meta.nbytes]
-        if t.is_contiguous():
+        if t.dtype == dtype and t.is_contiguous():
             dst.copy_(_byte_view(t), non_blocking=True)
         else:
-            # Strided source: view the destination bytes as the tensor and let copy_ walk the strides.
-            dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+            # Strided source (or a cast): view the destination bytes as the tensor, copy_ walks the strides.
+            dst.view(dtype).view(t.shape).copy_(t, non_blocking=True)
+
+
+def castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """What pack accepts for a slot of `dst`: the same dtype, or floating to floating (cast while copying)."""
+    return src == dst or (src.is_floating_point and dst.is_floating_point)
 
 
 def fits(t: torch.Tensor, shape: tuple[int, ...]) -> bool:

@@ -14,10 +14,15 @@ from typing import Any
 import torch
 
 from .errors import ValidationError
-from .pack import Layout, dtype_name, unpack
+from .pack import Layout, dtype_name
 from .transports.base import Receiver, make_receiver
 
 Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+
+
+class UnknownLayout(ValidationError):
+    """An update named its layout by key only, and this receiver has not seen (or no longer keeps) that key.
+    Clients that strip known layouts resend the update with its layout."""
 
 
 class WeightReceiver:
@@ -58,7 +63,7 @@ class WeightReceiver:
             if buf.numel() < layout.nbytes:
                 raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
             self.dirty = True
-            load(unpack(buf, layout))
+            load(self.transport.views(buf, layout))
             del buf
         self.chunks += 1
         self.bytes += layout.nbytes
@@ -70,6 +75,8 @@ class WeightReceiver:
         key = update_info.get("layout_key")
         layout = self._layouts.get(key) if isinstance(key, str) else None
         if layout is None:
+            if update_info.get("layout") is None and isinstance(key, str):
+                raise UnknownLayout(f"layout {key} is not known here: send the update with its layout")
             layout = Layout.from_json(update_info.get("layout"))  # type: ignore[arg-type]
             if isinstance(key, str):
                 if len(self._layouts) >= 4096:

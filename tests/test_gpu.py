@@ -147,6 +147,26 @@ async def test_ipc_into_fused_receiver_and_buffers_are_freed_after_receivers_let
     assert torch.cuda.memory_allocated() <= base + (64 << 10)
 
 
+@pytest.mark.parametrize("release", ["event", "sync"])
+@gpu
+async def test_float32_weights_are_cast_to_the_receivers_dtype_by_the_pack_copy(tmp_path, release):
+    # The source hands over float32 tensors for bfloat16 slots (cast=False); the IPC pack casts them while
+    # copying, small ones in the batched path too. The receiver's bits must be exactly `.to(bfloat16)`'s.
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    fp32 = [(n, "float32", s) for n, _, s in specs]
+    model = StateModule(fp32, fill="random", seed=5, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], transport=CudaIpcTransport(release=release), chunk_bytes=CHUNK,
+                          source_options={"dtype": torch.bfloat16})
+        for window in (4, 1):
+            _perturb(model, window)
+            await sync.push(model, max_inflight=window)
+            want = device_digests((n, t.to(torch.bfloat16)) for n, t in model.state_dict().items())
+            assert await engine.checksums(device=True) == want
+        await sync.close()
+
+
 @gpu
 async def test_a_buffer_is_not_repacked_before_a_slow_receiver_copied_it_out(tmp_path):
     # The receiver acknowledges as soon as its copies are queued, behind ~5 ms of other GPU work per chunk;

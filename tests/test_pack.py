@@ -84,3 +84,14 @@ def test_blocked_views_pack_as_their_hf_tensor_without_a_copy():
     assert torch.equal(got, q_hf)
     with pytest.raises(ValidationError):
         pack_into(buf, layout, [fused[:, :3]])  # wrong number of elements
+
+
+def test_pack_casts_floating_tensors_like_to_and_refuses_other_casts():
+    src = torch.randn(33, 7, dtype=torch.float32) * 1e3
+    layout = plan_layout([TensorSpec("w", torch.bfloat16, (33, 7))])
+    buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    pack_into(buf, layout, [src])
+    (_, got), = unpack(buf, layout)
+    assert torch.equal(got.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))  # same rounding, bit for bit
+    with pytest.raises(ValidationError, match="layout expects bfloat16"):
+        pack_into(buf, layout, [torch.ones(33, 7, dtype=torch.int32)])

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -256,3 +257,48 @@ def test_a_malformed_message_does_not_kill_the_receiver(qwen_receiver):
         assert reply["ok"] is False and "JSON object" in reply["error"]
         s.sendall(b'{"op": "ping"}\n')
         assert _json.loads(s.makefile().readline())["result"] == "pong"
+
+
+async def test_layouts_go_by_key_once_known_and_are_resent_when_the_receiver_lacks_them(qwen_receiver, qwen_model):
+    engine = qwen_receiver.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    plans = sync.plan(qwen_model)[1]
+    # The client believes the receiver knows every layout; it does not (a cache it cleared, say).
+    engine._known.update(p.layout_key for p in plans)
+    sent: list[bool] = []
+    call = engine.call
+
+    async def spy(op, timeout=None, **kw):
+        if op == "update":
+            sent.append("layout" in kw["info"])
+        return await call(op, timeout, **kw)
+
+    engine.call = spy
+    await sync.push(qwen_model)
+    assert await engine.checksums() == digests(qwen_model.state_dict().items())
+    assert sent == [False, True] * len(plans)  # refused by key, then resent with the layout
+    sent.clear()
+    model = StateModule(qwen_model.specs(), fill="random", seed=5)
+    await sync.push(model)  # now it knows them: keys only
+    assert sent == [False] * len(plans)
+    assert await engine.checksums() == digests(model.state_dict().items())
+    await sync.close()
+
+
+async def test_a_stage_stuck_on_one_chunk_fails_the_push_naming_stage_and_chunk(qwen_receiver, qwen_model):
+    from streamsync.sources import ModuleSource
+
+    class Stuck(ModuleSource):
+        async def convert(self, chunk, gathered, *, cast=True):
+            if chunk.index == 2:
+                await anyio.sleep(60)
+            return await super().convert(chunk, gathered, cast=cast)
+
+    sync = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK, timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(PushError, match=r"timed out after 1\.0s") as err:
+        await sync.push(Stuck(qwen_model))
+    assert time.monotonic() - t0 < 3
+    assert (err.value.stage, err.value.chunk) == ("convert", 2)
+    await sync.push(qwen_model)  # the engine's round was aborted; the next push works
+    await sync.close()

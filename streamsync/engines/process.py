@@ -143,7 +143,16 @@ def main(argv: list[str] | None = None) -> None:
         module = StateModule(load_specs(args.specs), fill="zeros", device=args.device)
     sock = socket.create_server((args.host, args.port))
     print(f"LISTENING {sock.getsockname()[1]}", flush=True)
-    _Server(module, args.device, args.delay, args.gpu_delay_ms).serve(sock)
+    server = _Server(module, args.device, args.delay, args.gpu_delay_ms)
+    profile_to = os.environ.get("STREAMSYNC_RECEIVER_PROFILE")  # benchmarks: where the receiver's time goes
+    if not profile_to:
+        server.serve(sock)
+        return
+    import cProfile
+
+    with cProfile.Profile() as prof:
+        server.serve(sock)
+    prof.dump_stats(profile_to)
 
 
 # --------------------------------------------------------------------------------------------- client
@@ -161,6 +170,7 @@ class ReceiverEngine(Engine):
         self._stream: anyio.abc.ByteStream | None = None
         self._buffered: anyio.streams.buffered.BufferedByteReceiveStream | None = None
         self._lock = anyio.Lock()
+        self._known: set[str] = set()  # layout keys this connection's receiver has parsed
 
     async def _connect(self) -> None:
         from anyio.streams.buffered import BufferedByteReceiveStream
@@ -196,6 +206,7 @@ class ReceiverEngine(Engine):
         return reply.get("result")
 
     async def _drop(self) -> None:
+        self._known.clear()
         if self._stream is not None:
             with anyio.CancelScope(shield=True):
                 await self._stream.aclose()
@@ -208,7 +219,23 @@ class ReceiverEngine(Engine):
         await self.call("start")
 
     async def update(self, update_info: dict[str, Any]) -> None:
+        """Apply one chunk. A layout the receiver has parsed before goes by its key only (a dense chunk's
+        layout is a few KB of JSON, an MoE chunk's tens of KB, each push); if the receiver no longer knows
+        the key, the update is sent again with the layout."""
+        key = update_info.get("layout_key")
+        if isinstance(key, str) and key in self._known:
+            try:
+                await self.call("update", info={k: v for k, v in update_info.items() if k != "layout"})
+                return
+            except EngineError as e:
+                if "UnknownLayout:" not in str(e):
+                    raise
+                self._known.discard(key)
         await self.call("update", info=update_info)
+        if isinstance(key, str) and update_info.get("layout") is not None:
+            if len(self._known) >= 4096:
+                self._known.clear()
+            self._known.add(key)
 
     async def finish_update(self, version: int) -> None:
         await self.call("finish", version=version)

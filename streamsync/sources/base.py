@@ -45,7 +45,9 @@ class Source(ABC):
 
     Contract: `plan` is pure (no collectives) and returns the same plan on every rank of a model-parallel
     group; `gather` for the chunks is called in plan order on every rank (collectives line up); `convert`
-    returns one tensor per spec of the chunk, with exactly the spec's dtype and shape.
+    returns one tensor per spec of the chunk, with exactly the spec's dtype and shape. With `cast=False` a
+    floating tensor may keep another floating dtype: the pack stage casts it while it copies (the same
+    rounding as `.to`), which saves a kernel, an allocation and a copy per cast tensor.
     """
 
     @property
@@ -59,7 +61,7 @@ class Source(ABC):
     async def gather(self, chunk: ChunkPlan) -> object: ...
 
     @abstractmethod
-    async def convert(self, chunk: ChunkPlan, gathered: object) -> Sequence[torch.Tensor]: ...
+    async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Sequence[torch.Tensor]: ...
 
     def begin_push(self) -> None:  # noqa: B027 - optional hook
         """A push of this source's plan starts (a plan is reused across pushes): reset per-push counters."""

@@ -424,13 +424,15 @@ class MegatronSource(Source):
         consumer = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
         return await anyio.to_thread.run_sync(self._gather_sync, chunk, consumer, abandon_on_cancel=True)
 
-    async def convert(self, chunk: ChunkPlan, gathered: object) -> Sequence[torch.Tensor]:
+    async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Sequence[torch.Tensor]:
         full: dict[str, torch.Tensor] = gathered  # type: ignore[assignment]
 
         def work() -> list[torch.Tensor]:
             out: list[torch.Tensor] = []
             for k in chunk.keys:
                 out += self._resolved[k].mapping.to_hf_views(full[k], self.dims)  # type: ignore[index]
+            if not cast:  # norms megatron keeps in float32 are cast by the pack copy
+                return out
             return [t if t.dtype == s.dtype else t.to(s.dtype) for t, s in zip(out, chunk.specs, strict=True)]
 
         if self._device.type == "cpu":  # QKV splits and casts copy: keep them off the loop

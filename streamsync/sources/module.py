@@ -63,9 +63,9 @@ class ModuleSource(Source):
     async def gather(self, chunk: ChunkPlan) -> list[torch.Tensor]:
         return [self._tensors[k].detach() for k in chunk.keys]  # type: ignore[index]
 
-    async def convert(self, chunk: ChunkPlan, gathered: object) -> Sequence[torch.Tensor]:
+    async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Sequence[torch.Tensor]:
         tensors: list[torch.Tensor] = gathered  # type: ignore[assignment]
-        if all(t.dtype == s.dtype for t, s in zip(tensors, chunk.specs, strict=True)):
+        if not cast or all(t.dtype == s.dtype for t, s in zip(tensors, chunk.specs, strict=True)):
             return tensors
         if self._device.type == "cpu":  # casting a chunk on CPU takes a while: keep it off the loop
             return await anyio.to_thread.run_sync(

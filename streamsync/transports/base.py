@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -22,7 +22,7 @@ import anyio
 import torch
 
 from ..errors import ValidationError
-from ..pack import Layout, pack_into
+from ..pack import Layout, pack_into, unpack
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
@@ -119,6 +119,10 @@ class Receiver(ABC):
     @abstractmethod
     def open(self, update_info: dict[str, Any]) -> AbstractContextManager[torch.Tensor]:
         """Map the chunk named by `update_info` and yield its flat uint8 bytes; unmap on exit."""
+
+    def views(self, buf: torch.Tensor, layout: Layout) -> Iterable[tuple[str, torch.Tensor]]:
+        """(name, view) of every tensor of the chunk in `buf` (the tensor `open` yielded)."""
+        return unpack(buf, layout)
 
     def end_round(self) -> None:  # noqa: B027 - optional hook
         """A round (start..finish, or a failed one) ended: drop per-round mappings."""

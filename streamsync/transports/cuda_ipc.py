@@ -39,7 +39,7 @@ import binascii
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -47,7 +47,7 @@ import torch
 
 from ..errors import TransportError, ValidationError
 from ..fused import batched
-from ..pack import Layout, dtype_from_name, fits
+from ..pack import Layout, castable, dtype_from_name, fits, unpack
 from ..sources.base import ChunkPlan
 from .base import Receiver, SendBuffer, Transport
 from .pool import BufferPool, PoolBuffer
@@ -75,6 +75,20 @@ def local_index(uuid: str) -> int:
             return i
     raise TransportError(f"GPU {uuid} is not visible in this process (CUDA IPC needs sender and receiver "
                          "on the same GPU)")
+
+
+def _copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """dst[i] <- src[i] on the current stream: large tensors one copy each (cudaMemcpy speed), small ones in
+    one batched `_foreach_copy_` (one launch loop in C++ instead of one Python call per tensor)."""
+    small_d, small_s = [], []
+    for d, t in zip(dsts, srcs, strict=True):
+        if d.dtype == t.dtype and batched(t):
+            small_d.append(d)
+            small_s.append(t)
+        else:
+            d.copy_(t, non_blocking=True)
+    if small_d:
+        torch._foreach_copy_(small_d, small_s, non_blocking=True)
 
 
 def export_handle(tensor: torch.Tensor) -> dict[str, Any]:
@@ -143,66 +157,57 @@ class CudaIpcTransport(Transport):
         return SendBuffer(chunk.index, pb.size, pb.tensor[: chunk.nbytes], {"token": pb.token}, {"pb": pb})
 
     async def pack(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy the chunk's tensors into its buffer on a side stream, from a worker thread.
+        """Queue the chunk's copies into its buffer on a side stream; with release events, return at once.
 
-        Why not the base class's pack: a chunk has tens (dense) to hundreds (MoE) of tensors, and launching
-        their copies from the event loop delays every other stage, the send stage's acknowledgements above
-        all. Here the launches and the wait both happen in a worker thread; destination views are made once
+        The copies are launched from the event loop's own thread. A worker thread looks cheaper but is not:
+        every torch op releases and retakes the GIL, and while the loop thread holds it (convert, send) the
+        worker waits for its turn after each of a chunk's tens of launches; that wait was most of a push.
+        Launching a dense chunk's copies costs the loop ~10 us per tensor. Destination views are made once
         per (buffer, layout) and reused by later pushes; small tensors go in one batched copy.
         """
         pb: PoolBuffer = buf.state["pb"]
-        dsts = pb.extra.get(("views", layout))
-        if dsts is None:
-            if len(pb.extra) > 256:  # chunking changed many times: start the cache over (exports stay)
-                for k in [k for k in pb.extra if isinstance(k, tuple)]:
-                    del pb.extra[k]
-            dsts = pb.extra[("views", layout)] = [
-                pb.tensor[m.offset:m.offset + m.nbytes].view(dtype_from_name(m.dtype)).view(m.shape)
-                for m in layout.metas]
-        if len(tensors) != len(dsts):
-            raise ValidationError(f"{len(tensors)} tensors for a layout of {len(dsts)}")
-        for i, (d, t) in enumerate(zip(dsts, tensors, strict=True)):
-            if d.dtype != t.dtype or (d.shape != t.shape and not fits(t, tuple(d.shape))):
-                raise ValidationError(f"tensor {t.dtype}{tuple(t.shape)} does not fit its layout slot "
-                                      f"{d.dtype}{tuple(d.shape)}")
-            if d.shape != t.shape:  # a blocked view (e.g. q of a fused QKV): write it in its row-major order
-                if dsts is pb.extra[("views", layout)]:
-                    dsts = list(dsts)
-                dsts[i] = d.view(t.shape)
+        dsts = self._dst_views(pb, layout, tensors)
         device = pb.tensor.device
         stream = self._side_stream(device)
-
-        released = list(pb.extra.get("release_events", ()))
         ready = self._ready_event(pb)
-        # The caller's current stream, taken here: a worker thread's current stream is its own (the default).
         producer = torch.cuda.current_stream(device)
+        with torch.cuda.device(device):
+            stream.wait_stream(producer)  # the producer's writes (convert) first
+            for ev in pb.extra.get("release_events", ()):  # every receiver's copies out of the previous chunk
+                stream.wait_event(ev)
+            with torch.cuda.stream(stream):
+                _copy_all(dsts, tensors)
+                if ready is not None:  # receivers wait for this on the device; nobody waits on the host
+                    ready.record(stream)
+                    for t in tensors:  # conversion temporaries may be freed before these copies ran
+                        if t.is_cuda:
+                            t.record_stream(stream)
+                    return
+                done = torch.cuda.Event()
+                done.record(stream)
+        await anyio.to_thread.run_sync(done.synchronize)
 
-        def copy() -> None:
-            with torch.cuda.device(device):
-                stream.wait_stream(producer)  # the producer's writes (convert) first
-                for ev in released:  # every receiver's copies out of this buffer's previous chunk
-                    stream.wait_event(ev)
-                with torch.cuda.stream(stream):
-                    small_d, small_s = [], []
-                    for d, t in zip(dsts, tensors, strict=True):
-                        if batched(t):
-                            small_d.append(d)
-                            small_s.append(t)
-                        else:
-                            d.copy_(t, non_blocking=True)
-                    if small_d:
-                        torch._foreach_copy_(small_d, small_s, non_blocking=True)
-                    if ready is not None:  # receivers wait for this on the device; nobody waits on the host
-                        ready.record(stream)
-                        for t in tensors:  # conversion temporaries are freed before these copies ran
-                            if t.is_cuda:
-                                t.record_stream(stream)
-                        return
-                    done = torch.cuda.Event()
-                    done.record(stream)
-            done.synchronize()
-
-        await anyio.to_thread.run_sync(copy)
+    def _dst_views(self, pb: PoolBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The chunk's destination views in `pb`, shaped like `tensors` (a blocked source, e.g. q as a view
+        of a fused QKV, is written in its row-major order). Cached per (buffer, layout, source shapes)."""
+        key = ("views", layout, tuple((t.dtype, t.shape) for t in tensors))
+        dsts = pb.extra.get(key)
+        if dsts is not None:
+            return dsts
+        if len(tensors) != len(layout.metas):
+            raise ValidationError(f"{len(tensors)} tensors for a layout of {len(layout.metas)}")
+        if len(pb.extra) > 256:  # chunking changed many times: start the cache over (exports stay)
+            for k in [k for k in pb.extra if isinstance(k, tuple)]:
+                del pb.extra[k]
+        dsts = []
+        for m, t in zip(layout.metas, tensors, strict=True):
+            d = pb.tensor[m.offset:m.offset + m.nbytes].view(dtype_from_name(m.dtype)).view(m.shape)
+            if not castable(t.dtype, d.dtype) or (d.shape != t.shape and not fits(t, tuple(d.shape))):
+                raise ValidationError(f"tensor {m.name!r} is {t.dtype}{tuple(t.shape)}, its layout slot is "
+                                      f"{d.dtype}{tuple(d.shape)}")
+            dsts.append(d if d.shape == t.shape else d.view(t.shape))
+        pb.extra[key] = dsts
+        return dsts
 
     def _ready_event(self, pb: PoolBuffer) -> torch.cuda.Event | None:
         if self.release != "event":
@@ -377,6 +382,7 @@ class _Mapped:
     release: torch.cuda.Event | None
     ready: torch.cuda.Event | None
     raw: dict[str, Any]
+    views: dict[Layout, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)
 
 
 def _live(h: dict[str, Any]) -> tuple[str, ...] | None:
@@ -396,6 +402,7 @@ class CudaIpcReceiver(Receiver):
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise TransportError(f"the cuda_ipc receiver needs a CUDA device, got {self.device}")
         self._maps: dict[str, _Mapped] = {}
+        self._open: _Mapped | None = None
 
     def _rebuild(self, h: IpcHandle) -> torch.Tensor:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -462,6 +469,7 @@ class CudaIpcReceiver(Receiver):
             raise ValidationError(f"cuda_ipc handle must be {{token, nbytes, ipc, live}}, got {raw!r:.200}")
         m, nbytes, live = self._map(raw)
         self._forget(live)
+        self._open = m
         buf = m.tensor
         if m.ready is not None:  # the sender's copies into this chunk come first (on the device)
             torch.cuda.current_stream(buf.device).wait_event(m.ready)
@@ -471,10 +479,24 @@ class CudaIpcReceiver(Receiver):
             # The ack. The loader's copies were queued on the current stream. With a release event the
             # sender's next pack into this buffer waits for them on the device; without, wait here.
             stream = torch.cuda.current_stream(buf.device)
+            self._open = None
             if m.release is not None and self.device.index in (None, buf.device.index):
                 m.release.record(stream)
             else:
                 self._synchronize()
+
+    def views(self, buf: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
+        """The chunk's views, made once per (mapped buffer, layout) and kept with the mapping: a later push
+        of the same plan unpacks nothing. They go when the mapping goes (views hold the memory)."""
+        m = self._open
+        if m is None or buf.data_ptr() != m.tensor.data_ptr():
+            return list(unpack(buf, layout))
+        views = m.views.get(layout)
+        if views is None:
+            if len(m.views) > 64:  # the chunking changed many times: start over
+                m.views.clear()
+            views = m.views[layout] = list(unpack(m.tensor, layout))
+        return views
 
     def end_round(self) -> None:
         """Before a round's end is acknowledged, every queued copy into the parameters has finished."""
