@@ -352,6 +352,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         if trace_dir:  # one traced push of each window, for the record
             sync.trace_dir = Path(trace_dir)
             await push(1)
+            await push(4)
             sync.trace_dir = None
         t1, t4 = statistics.median(times[1]), statistics.median(times[4])
         log(f"  window 1: {t1 * 1e3:.2f} ms, window 4: {t4 * 1e3:.2f} ms (floor {floor_s * 1e3:.2f} ms)")
