@@ -168,6 +168,42 @@ async def test_float32_weights_are_cast_to_the_receivers_dtype_by_the_pack_copy(
 
 
 @gpu
+async def test_captured_packs_carry_every_new_weight_and_new_addresses_fall_back_to_copies(tmp_path):
+    # Window 1: every chunk goes through the one pooled buffer, so push 1 packs plainly, push 2 captures each
+    # chunk's pack as a graph, push 3 replays them. Every push changes every weight; the receiver must get
+    # each push's bits. Then parameters move (`param.data = ...`): new addresses, plain copies, still exact.
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule([(n, "float32" if "norm" in n else d, s) for n, d, s in specs], fill="random", seed=6,
+                        device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
+        engine = rp.engine()
+        transport = CudaIpcTransport()
+        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK // 4, max_inflight=1,
+                          source_options={"dtype": torch.bfloat16})
+
+        async def push_and_check(step: int) -> Any:
+            _perturb(model, step)
+            report = await sync.push(model)
+            want = device_digests((n, t.to(torch.bfloat16)) for n, t in model.state_dict().items())
+            assert await engine.checksums(device=True) == want, f"push {step}"
+            return report
+
+        report = await push_and_check(1)
+        assert transport.graph_stats == {"replayed": 0, "captured": 0}
+        await push_and_check(2)
+        assert transport.graph_stats["captured"] == report.chunks
+        await push_and_check(3)
+        assert transport.graph_stats["replayed"] == 2 * report.chunks
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.clone()
+        replayed = transport.graph_stats["replayed"]
+        await push_and_check(4)
+        assert transport.graph_stats["replayed"] == replayed
+        await sync.close()
+
+
+@gpu
 async def test_a_buffer_is_not_repacked_before_a_slow_receiver_copied_it_out(tmp_path):
     # The receiver acknowledges as soon as its copies are queued, behind ~5 ms of other GPU work per chunk;
     # the sender reuses each of its 2 buffers many times. Only the release events keep the bits right.

@@ -47,6 +47,7 @@ import torch
 
 from ..errors import TransportError, ValidationError
 from ..fused import batched
+from ..log import get_logger
 from ..pack import Layout, castable, dtype_from_name, fits, unpack
 from ..sources.base import ChunkPlan
 from .base import Receiver, SendBuffer, Transport
@@ -121,17 +122,22 @@ def export_handle(tensor: torch.Tensor) -> dict[str, Any]:
 
 class CudaIpcTransport(Transport):
     """device: where send buffers live (default: the current CUDA device when the first push starts; it
-    should be the model's device). keep_pool: keep up to `max_inflight` buffers between pushes."""
+    should be the model's device). keep_pool: keep up to `max_inflight` buffers between pushes.
+    graphs: replay a chunk's pack copies as one captured CUDA graph once the same chunk has been packed
+    from the same source addresses into the same buffer before (see `pack`)."""
 
     name = "cuda_ipc"
 
     def __init__(self, device: torch.device | str | None = None, keep_pool: bool = True,
-                 release: str = "event") -> None:
+                 release: str = "event", graphs: bool = True) -> None:
         if release not in ("event", "sync"):
             raise ValidationError(f"release must be 'event' or 'sync', got {release!r}")
         self._device = torch.device(device) if device is not None else None
         self.keep_pool = keep_pool
         self.release = release
+        self.graphs = graphs
+        #: packs replayed from a captured graph, and graphs captured, since construction (for benchmarks)
+        self.graph_stats = {"replayed": 0, "captured": 0}
         self._pool: BufferPool | None = None
         # Exported release events stay alive until close: a receiver may hold one open after its buffer
         # left the pool, and an exported event must outlive its importers' use.
@@ -162,8 +168,12 @@ class CudaIpcTransport(Transport):
         The copies are launched from the event loop's own thread. A worker thread looks cheaper but is not:
         every torch op releases and retakes the GIL, and while the loop thread holds it (convert, send) the
         worker waits for its turn after each of a chunk's tens of launches; that wait was most of a push.
-        Launching a dense chunk's copies costs the loop ~10 us per tensor. Destination views are made once
-        per (buffer, layout) and reused by later pushes; small tensors go in one batched copy.
+        Launching a dense chunk's copies still costs the loop ~15 us per tensor, so a chunk packed a second
+        time from the same source addresses (shape, strides, dtype) into the same buffer is captured as a
+        CUDA graph, and every later pack of it is one graph launch. The graph copies from addresses, so
+        it stays right whatever those addresses hold then; sources at new addresses (a gathered temporary
+        the allocator placed elsewhere) are packed by plain copies. Destination views are made once per
+        (buffer, layout); small tensors go in one batched copy.
         """
         pb: PoolBuffer = buf.state["pb"]
         dsts = self._dst_views(pb, layout, tensors)
@@ -172,11 +182,16 @@ class CudaIpcTransport(Transport):
         ready = self._ready_event(pb)
         producer = torch.cuda.current_stream(device)
         with torch.cuda.device(device):
+            graph = self._graph(pb, layout, dsts, tensors, stream) if self.graphs else None
             stream.wait_stream(producer)  # the producer's writes (convert) first
             for ev in pb.extra.get("release_events", ()):  # every receiver's copies out of the previous chunk
                 stream.wait_event(ev)
             with torch.cuda.stream(stream):
-                _copy_all(dsts, tensors)
+                if graph is not None:
+                    graph.replay()
+                    self.graph_stats["replayed"] += 1
+                else:
+                    _copy_all(dsts, tensors)
                 if ready is not None:  # receivers wait for this on the device; nobody waits on the host
                     ready.record(stream)
                     for t in tensors:  # conversion temporaries may be freed before these copies ran
@@ -186,6 +201,37 @@ class CudaIpcTransport(Transport):
                 done = torch.cuda.Event()
                 done.record(stream)
         await anyio.to_thread.run_sync(done.synchronize)
+
+    def _graph(self, pb: PoolBuffer, layout: Layout, dsts: list[torch.Tensor], tensors: Sequence[torch.Tensor],
+               stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
+        """The captured pack of this chunk into `pb`, capturing it on the second sighting of its sources."""
+        key = ("graph", layout, tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors))
+        graph = pb.extra.get(key)
+        if isinstance(graph, torch.cuda.CUDAGraph):
+            return graph
+        if graph is None:  # first sighting: remember it, copy plainly (one-off addresses never cost a capture)
+            if len(pb.extra) > 512:
+                for k in [k for k in pb.extra if isinstance(k, tuple) and k[0] == "graph"]:
+                    del pb.extra[k]
+            pb.extra[key] = False
+            return None
+        graph = torch.cuda.CUDAGraph()
+        # Captured on the side stream, which records and runs nothing meanwhile; "thread_local": other
+        # threads of the trainer may use CUDA during the capture.
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    _copy_all(dsts, tensors)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as e:  # a copy this CUDA build cannot capture: plain copies from now on
+            get_logger().warning("cuda_ipc: pack capture failed; packing with plain copies", error=str(e))
+            self.graphs = False
+            return None
+        pb.extra[key] = graph
+        self.graph_stats["captured"] += 1
+        return graph
 
     def _dst_views(self, pb: PoolBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The chunk's destination views in `pb`, shaped like `tensors` (a blocked source, e.g. q as a view
