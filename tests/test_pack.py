@@ -95,3 +95,16 @@ def test_pack_casts_floating_tensors_like_to_and_refuses_other_casts():
     assert torch.equal(got.view(torch.int16), src.to(torch.bfloat16).view(torch.int16))  # same rounding, bit for bit
     with pytest.raises(ValidationError, match="layout expects bfloat16"):
         pack_into(buf, layout, [torch.ones(33, 7, dtype=torch.int32)])
+
+
+def test_the_buffer_pool_hands_buffers_out_in_creation_order_every_push():
+    from streamsync.transports.pool import BufferPool
+
+    pool = BufferPool(torch.device("cpu"))
+    pool.begin(64)
+    a, b, c = pool.take(64), pool.take(64), pool.take(64)
+    for buf in (c, a, b):  # released in another order than taken
+        pool.give(buf)
+    pool.end()
+    pool.begin(64)
+    assert [pool.take(64).token for _ in range(3)] == [a.token, b.token, c.token]

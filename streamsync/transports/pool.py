@@ -27,6 +27,7 @@ class PoolBuffer:
     size: int
     token: str
     extra: dict[Any, Any] = field(default_factory=dict, repr=False)
+    serial: int = 0  # creation order: every push hands buffers out in this order
 
 
 class BufferPool:
@@ -46,16 +47,23 @@ class BufferPool:
         self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
         self.on_drop = on_drop
         self.size = 0
+        self._made = 0
         self._free: list[PoolBuffer] = []
         self._busy: dict[str, PoolBuffer] = {}
 
     def begin(self, size: int) -> None:
-        """A push starts whose largest chunk is `size` bytes: drop free buffers that are too small."""
+        """A push starts whose largest chunk is `size` bytes: drop free buffers that are too small.
+
+        Free buffers are handed out first-freed-first, starting each push in creation order, so with a
+        steady window chunk i lands in the same buffer every push (per-buffer caches keyed by chunk, such as
+        the CUDA IPC transport's captured packs, then hit from the second push on).
+        """
         self.size = size
         small = [b for b in self._free if b.size < size]
         if small:
             self._free = [b for b in self._free if b.size >= size]
             self._drop(small)
+        self._free.sort(key=lambda b: b.serial)
 
     def take(self, nbytes: int) -> PoolBuffer:
         for i, b in enumerate(self._free):
@@ -69,6 +77,8 @@ class BufferPool:
             else:
                 t = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
                 buf = PoolBuffer(t, size, secrets.token_hex(8))
+            buf.serial = self._made
+            self._made += 1
         self._busy[buf.token] = buf
         return buf
 
