@@ -8,8 +8,11 @@ fused parameters (`streamsync.fused.FusedModel`: qkv_proj, gate_up_proj, stacked
 Measured, for each model:
   floor      one pack copy plus one unpack copy of the model's bytes at the device-to-device copy rate
              measured in this run (bytes read + written): 2 x 2 x bytes / rate
-  push       `PushReport.seconds` (start_update .. finish_update) with window 1 and window 4: median of
-             `--repeat` pushes after `--warmup` pushes of each, alternating which window goes first
+  push       `PushReport.seconds` (start_update .. finish_update): median of `--repeat` pushes after
+             `--warmup` of each configuration, the configurations interleaved: window 4 and window 1 with
+             release events (the default), and "serial": window 1 with the plain protocol, where each chunk
+             is packed, copied out and acknowledged, both sides waiting for their copies on the host, before
+             the next chunk starts (also window 4 with the plain protocol)
   peak       the trainer's peak extra device memory in a push (max allocated minus allocated before the
              first push: the send-buffer pool and conversion temporaries)
   bit_exact  after changing every weight and pushing, the receiver's tensors (HF views of its fused
@@ -316,7 +319,9 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         _sync()
         base = _allocated()
 
-        async def push(window: int) -> tuple[float, int, Any]:
+        async def push(window: int, ack: str = "event") -> tuple[float, int, Any]:
+            if _cuda():
+                transport.release = ack
             _reset_peak()
             report = await sync.push(model, max_inflight=window)
             return report.seconds, _peak() - base, report
@@ -325,18 +330,25 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         _, peak1, _ = await push(1)
         _, peak4_first, _ = await push(4)
         log(f"  first pushes done; peak extra: window 1 {peak1 / 1e9:.2f} GB, window 4 {peak4_first / 1e9:.2f} GB")
+        # Four configurations, interleaved so that drifts of the machine hit all alike. "serial": window 1
+        # with the plain protocol, where every chunk is packed, copied out and acknowledged (each side
+        # waiting for its copies on the host) before the next one starts.
+        configs = {"w4": (4, "event"), "w1": (1, "event"), "serial": (1, "sync"), "w4 sync": (4, "sync")}
+        if not _cuda():
+            configs = {"w4": (4, "event"), "w1": (1, "event")}
         for _ in range(args.warmup):
-            await push(1)
-            await push(4)
-        times: dict[int, list[float]] = {1: [], 4: []}
+            for w, ack in configs.values():
+                await push(w, ack)
+        times: dict[str, list[float]] = {k: [] for k in configs}
         peaks4 = [peak4_first]
-        reports = {}
+        reports: dict[str, list[Any]] = {k: [] for k in configs}
+        names = list(configs)
         for r in range(args.repeat):
-            for w in ((1, 4) if r % 2 == 0 else (4, 1)):
-                s, peak, report = await push(w)
-                times[w].append(s)
-                reports.setdefault(w, []).append(report)
-                if w == 4:
+            for k in names[r % len(names):] + names[:r % len(names)]:  # rotate which goes first
+                s, peak, report = await push(*configs[k])
+                times[k].append(s)
+                reports[k].append(report)
+                if configs[k][0] == 4:
                     peaks4.append(peak)
         if args.profile:  # where the sender's host time goes, in window-4 pushes
             import cProfile
@@ -349,13 +361,16 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
             log(f"  sender profile, {args.profile} window-4 pushes (cProfile slows it down):\n{text.getvalue()}")
-        if trace_dir:  # one traced push of each window, for the record
+        if trace_dir:  # one traced push of each configuration, for the record
             sync.trace_dir = Path(trace_dir)
-            await push(1)
-            await push(4)
+            for w, ack in configs.values():
+                await push(w, ack)
             sync.trace_dir = None
-        t1, t4 = statistics.median(times[1]), statistics.median(times[4])
-        log(f"  window 1: {t1 * 1e3:.2f} ms, window 4: {t4 * 1e3:.2f} ms (floor {floor_s * 1e3:.2f} ms)")
+        med = {k: statistics.median(v) for k, v in times.items()}
+        t1, t4 = med["w1"], med["w4"]
+        log(f"  window 4: {t4 * 1e3:.2f} ms, window 1: {t1 * 1e3:.2f} ms, " + "".join(
+            f"{k}: {v * 1e3:.2f} ms, " for k, v in med.items() if k not in ("w1", "w4"))
+            + f"floor {floor_s * 1e3:.2f} ms")
 
         # Chunk-size sweep at window 4 (fresh pool per size).
         sweep = []
@@ -370,6 +385,8 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             log(f"  sweep: chunk {mib} MiB -> {sweep[-1]['push_ms_window4']:.2f} ms")
         sync.chunk_bytes = chunk
         getattr(transport, "release_pool", lambda: None)()
+        if _cuda():
+            transport.release = "event"
 
         # Bit-exactness: every weight changes, one more push, compare checksums on the device.
         _perturb(model, 99)
@@ -381,26 +398,15 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         want = await _trainer_digests(sync, model)
         mismatched = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
         exact = not mismatched and len(want) == len(specs)
+        if "serial" in configs:  # and once more through the plain protocol
+            _perturb(model, 100)
+            await push(*configs["serial"])
+            got = await engine.checksums(device=True)
+            want = await _trainer_digests(sync, model)
+            mismatched += sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
+            exact = exact and not mismatched and len(want) == len(specs)
         log(f"  bit-exact: {exact} ({len(want)} tensors compared)")
         await sync.close()
-
-        # The same pushes with the plain acknowledgement (the receiver waits for its copies before it
-        # returns), for comparison with the release events used above.
-        variant: dict[str, Any] = {}
-        if _cuda() and args.variants:
-            plain = WeightSync([engine], transport=CudaIpcTransport(release="sync"), chunk_bytes=chunk, timeout=600)
-            await plain.connect()
-            for _ in range(2):
-                await plain.push(model, max_inflight=4)
-                await plain.push(model, max_inflight=1)
-            for w in (1, 4):
-                ts = [(await plain.push(model, max_inflight=w)).seconds for _ in range(5)]
-                variant[f"push_ms_window{w}"] = statistics.median(ts) * 1e3
-            got = await engine.checksums(device=True)
-            variant["bit_exact"] = got == want
-            await plain.close()
-            log(f"  release=sync: window 1 {variant['push_ms_window1']:.2f} ms, window 4 "
-                f"{variant['push_ms_window4']:.2f} ms, bit-exact {variant['bit_exact']}")
 
     os.environ.pop("STREAMSYNC_RECEIVER_PROFILE", None)
     if args.profile and rx_profile.exists():
@@ -410,7 +416,8 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         text = io.StringIO()
         pstats.Stats(str(rx_profile), stream=text).sort_stats("tottime").print_stats(25)
         log(f"  receiver profile, whole run:\n{text.getvalue()}")
-    med4 = reports[4][sorted(range(len(times[4])), key=lambda i: times[4][i])[len(times[4]) // 2]]
+    med4 = reports["w4"][sorted(range(len(times["w4"])), key=lambda i: times["w4"][i])[len(times["w4"]) // 2]]
+    serial = med.get("serial")
     result = {
         "model": f"{shape['label']} shape, bf16",
         "trainer": "megatron-core GPTModel (TP=1, local spec) via MegatronSource" if trainer == "megatron"
@@ -429,10 +436,12 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         "trainer_alone_ms_window4": statistics.median(alone_times[1:]) * 1e3,
         "push_ms_window1": t1 * 1e3,
         "push_ms_window4": t4 * 1e3,
-        "push_ms_window1_all": [x * 1e3 for x in times[1]],
-        "push_ms_window4_all": [x * 1e3 for x in times[4]],
+        "push_ms_serial": serial * 1e3 if serial else None,
+        "push_ms_window4_sync": med["w4 sync"] * 1e3 if "w4 sync" in med else None,
+        "push_ms_all": {k: [x * 1e3 for x in v] for k, v in times.items()},
         "window4_over_floor": t4 / floor_s,
         "speedup_window4_vs_1": t1 / t4,
+        "speedup_window4_vs_serial": serial / t4 if serial else None,
         "stage_busy_ms_window4": {k: v * 1e3 for k, v in med4.stage_seconds.items()},
         "peak_extra_bytes": max(peaks4),
         "peak_extra_bytes_window1": peak1,
@@ -441,8 +450,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         "mismatched": mismatched[:10],
         "final_push_ms": final.seconds * 1e3,
         "sweep_window4": sweep,
-        "release": getattr(transport, "release", None),
-        "variant_release_sync": variant,
+        "configs": {k: {"window": w, "ack": ack} for k, (w, ack) in configs.items()},
         "latency_us": probe_us,
         "repeat": args.repeat,
         "warmup": args.warmup,
@@ -450,6 +458,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
     result["checks"] = {
         "window4_within_1.5x_floor": result["window4_over_floor"] <= 1.5,
         "window4_at_least_1.6x_faster_than_window1": result["speedup_window4_vs_1"] >= 1.6,
+        "window4_at_least_1.6x_faster_than_serial": bool(serial) and serial / t4 >= 1.6,
         "peak_within_window_x_chunk_plus_10pct": result["peak_extra_bytes"] <= result["peak_bound_bytes"],
         "bit_exact": exact,
     }
@@ -460,12 +469,14 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    rows = [("model", "GB", "chunk MiB", "chunks", "floor ms", "w1 ms", "w4 ms", "w4/floor", "w4 vs w1", "peak GB",
-             "exact")]
+    rows = [("model", "GB", "chunk MiB", "chunks", "floor ms", "serial ms", "w1 ms", "w4 ms", "w4/floor",
+             "w4 vs serial", "w4 vs w1", "peak GB", "exact")]
     for r in results:
+        serial = r.get("push_ms_serial")
         rows.append((r["model"][:40], f"{r['bytes'] / 1e9:.2f}", f"{r['chunk_bytes'] / MiB:g}", str(r["chunks"]),
-                     f"{r['floor_ms']:.2f}",
+                     f"{r['floor_ms']:.2f}", f"{serial:.2f}" if serial else "-",
                      f"{r['push_ms_window1']:.2f}", f"{r['push_ms_window4']:.2f}", f"{r['window4_over_floor']:.2f}x",
+                     f"{r['speedup_window4_vs_serial']:.2f}x" if serial else "-",
                      f"{r['speedup_window4_vs_1']:.2f}x", f"{r['peak_extra_bytes'] / 1e9:.2f}", str(r["bit_exact"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
@@ -508,8 +519,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--trace-dir", type=Path)
-    ap.add_argument("--no-variants", dest="variants", action="store_false",
-                    help="skip the comparison pushes with release='sync'")
     ap.add_argument("--profile", type=int, default=0, help="profile this many window-4 pushes on the sender "
                     "(cProfile) and print where its host time goes")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run of this script (use --models tiny,tiny-moe)")

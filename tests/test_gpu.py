@@ -204,6 +204,25 @@ async def test_captured_packs_carry_every_new_weight_and_new_addresses_fall_back
 
 
 @gpu
+async def test_the_acknowledgement_mode_can_change_between_pushes(tmp_path):
+    # Event acks, then the plain protocol (the receiver waits for its copies), then events again, on one
+    # transport and one set of exported buffers; a slow receiver GPU makes any missed wait show.
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule(specs, fill="random", seed=8, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True,
+                         gpu_delay_ms=2) as rp:
+        engine = rp.engine()
+        transport = CudaIpcTransport()
+        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK // 2, max_inflight=2)
+        for step, mode in enumerate(("event", "sync", "event", "sync")):
+            transport.release = mode
+            _perturb(model, 20 + step)
+            await sync.push(model)
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), mode
+        await sync.close()
+
+
+@gpu
 async def test_a_buffer_is_not_repacked_before_a_slow_receiver_copied_it_out(tmp_path):
     # The receiver acknowledges as soon as its copies are queued, behind ~5 ms of other GPU work per chunk;
     # the sender reuses each of its 2 buffers many times. Only the release events keep the bits right.

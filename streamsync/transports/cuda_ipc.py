@@ -24,8 +24,10 @@ exported with its handle:
 So a buffer is never read before it is packed nor overwritten before every receiver has copied it out, yet
 no host waits on a copy: packs, sends and the receivers' copies of different chunks overlap. The receiver's
 `finish` (end_round) waits for its last copies before the new version is reported; the sender waits for
-its last pack when the push ends. With release="sync", both sides wait on the host instead (the sender for
-each pack, the receiver for its copies before it returns): the plain protocol, one round trip slower.
+its last pack when the push ends. With release="sync", both sides also wait on the host (the sender for
+each pack, the receiver for its copies before it returns): the plain protocol, where nothing of one chunk
+overlaps the next at window 1 (benchmarks use it as the serial push). `release` may change between pushes:
+the events go with every export either way, and each handle says whether the receiver must wait.
 
 Limitation: the exact reference count assumes one receiver process per engine (`ReceiverProcess`, a vLLM
 engine with one worker). With several workers per engine sharing one export, the count may go below zero
@@ -192,8 +194,8 @@ class CudaIpcTransport(Transport):
                     self.graph_stats["replayed"] += 1
                 else:
                     _copy_all(dsts, tensors)
-                if ready is not None:  # receivers wait for this on the device; nobody waits on the host
-                    ready.record(stream)
+                ready.record(stream)  # receivers wait for this on the device
+                if self.release == "event":  # nobody waits on the host
                     for t in tensors:  # conversion temporaries may be freed before these copies ran
                         if t.is_cuda:
                             t.record_stream(stream)
@@ -255,9 +257,7 @@ class CudaIpcTransport(Transport):
         pb.extra[key] = dsts
         return dsts
 
-    def _ready_event(self, pb: PoolBuffer) -> torch.cuda.Event | None:
-        if self.release != "event":
-            return None
+    def _ready_event(self, pb: PoolBuffer) -> torch.cuda.Event:
         ev = pb.extra.get("ready")
         if ev is None:
             with torch.cuda.device(pb.tensor.device):
@@ -279,17 +279,18 @@ class CudaIpcTransport(Transport):
         ipc = pb.extra.get(engine)
         if ipc is None:
             ipc = export_handle(pb.tensor)
-            if self.release == "event":
-                with torch.cuda.device(pb.tensor.device):
-                    ev = torch.cuda.Event(interprocess=True)
-                    ipc["release_event"] = base64.b64encode(ev.ipc_handle()).decode()
-                    ready = self._ready_event(pb)
-                    assert ready is not None
-                    ipc["ready_event"] = base64.b64encode(ready.ipc_handle()).decode()
-                self._events.append(ev)
-                pb.extra.setdefault("release_events", []).append(ev)
+            # Both events go with every export, whatever `release` is now: it may change between pushes.
+            with torch.cuda.device(pb.tensor.device):
+                ev = torch.cuda.Event(interprocess=True)
+                ipc["release_event"] = base64.b64encode(ev.ipc_handle()).decode()
+                ipc["ready_event"] = base64.b64encode(self._ready_event(pb).ipc_handle()).decode()
+            self._events.append(ev)
+            pb.extra.setdefault("release_events", []).append(ev)
             pb.extra[engine] = ipc
-        return {"token": pb.token, "nbytes": nbytes, "ipc": ipc, "live": live}
+        handle = {"token": pb.token, "nbytes": nbytes, "ipc": ipc, "live": live}
+        if self.release == "sync":  # the receiver waits for its copies before it acknowledges
+            handle["sync"] = True
+        return handle
 
     async def send(self, buf: SendBuffer, update_info: dict[str, Any], engines: Sequence[Engine]) -> None:
         pb: PoolBuffer = buf.state["pb"]
@@ -528,7 +529,7 @@ class CudaIpcReceiver(Receiver):
             self._open = None
             if m.release is not None and self.device.index in (None, buf.device.index):
                 m.release.record(stream)
-            else:
+            if m.release is None or raw.get("sync") is True or self.device.index not in (None, buf.device.index):
                 self._synchronize()
 
     def views(self, buf: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
