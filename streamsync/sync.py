@@ -105,7 +105,7 @@ class WeightSync:
         self.faults = dict(faults or {})
         self.source_options = dict(source_options or {})
         self.reuse_plan = reuse_plan
-        self._plan_cache: tuple[tuple[int, ...], object, Source, list[ChunkPlan]] | None = None
+        self._plan_cache: tuple[tuple[int | None, ...], object, Source, list[ChunkPlan]] | None = None
         self._hold_cache: tuple[list[ChunkPlan], dict[int, list[str]]] | None = None
         self.version = 0
         self.connected = False
@@ -173,7 +173,8 @@ class WeightSync:
         which costs milliseconds per push. Pass `reuse_plan=False`, or call `forget()`, after replacing
         modules or changing parameter shapes; in-place updates and `param.data = ...` need neither.
         """
-        key = tuple(map(id, model)) if isinstance(model, list | tuple) else (id(model),)
+        # The chunk budget is part of the key: `chunk_bytes` may be changed between pushes.
+        key = (tuple(map(id, model)) if isinstance(model, list | tuple) else (id(model),)) + (self.chunk_bytes,)
         if self.reuse_plan and self._plan_cache is not None and self._plan_cache[0] == key:
             _, _, source, plans = self._plan_cache
             return source, plans

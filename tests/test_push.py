@@ -211,6 +211,10 @@ async def test_the_plan_is_reused_and_replaced_parameter_data_is_still_seen(qwen
     assert await engine.checksums() == digests(model.state_dict().items())
     sync.forget()
     assert sync.plan(model)[0] is not source
+    sync.chunk_bytes = CHUNK // 4  # a new budget plans again
+    report = await sync.push(model)
+    assert report.chunks > len(plans) and len(sync.plan(model)[1]) == report.chunks
+    assert await engine.checksums() == digests(model.state_dict().items())
     await sync.close()
 
 
