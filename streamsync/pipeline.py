@@ -64,6 +64,7 @@ class Push:
     on_chunk: Callable[[int, int], None] | None = None
     live: dict[int, SendBuffer] = field(default_factory=dict)
     busy: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (chunk, since), for the watchdog
+    started: anyio.Event | None = None  # set once every engine opened its round: sends wait for it
     bytes_alive: int = 0
     peak_bytes: int = 0
     chunks_alive: int = 0
@@ -237,6 +238,8 @@ async def _pack(push: Push, w: Work) -> None:
 
 async def _send(push: Push, w: Work) -> None:
     assert push.transport is not None and w.buf is not None
+    if push.started is not None:  # the engines' start_update runs alongside the first gathers and packs
+        await push.started.wait()
     info: dict[str, Any] = {
         "push_id": push.push_id,
         "version": push.version,

@@ -253,11 +253,12 @@ class WeightSync:
             )
             sending = source.is_sender and bool(self.engines)
             try:
-                if sending:
-                    await self._each_engine("start_update", stage="start")
-                await pipeline.run(job)
-                if sending:
+                if sending:  # gathers and packs need no engine: they start while the engines open the round
+                    job.started = anyio.Event()
+                    await self._run_started(job)
                     await self._each_engine("finish_update", version, stage="finish")
+                else:
+                    await pipeline.run(job)
             except PushError as e:
                 log.error("push failed", stage=e.stage, chunk=e.chunk, receiver=e.receiver, error=str(e))
                 if sending:
@@ -278,6 +279,22 @@ class WeightSync:
             report.trace_path = self._write_trace(trace)
             log.info("push done", ms=round(seconds * 1e3, 1), gbps=round(report.gbps, 2))
             return report
+
+    async def _run_started(self, job: pipeline.Push) -> None:
+        """start_update on every engine, concurrently with the pipeline; the first send waits for it."""
+        assert job.started is not None
+        started = job.started
+
+        async def start() -> None:
+            await self._each_engine("start_update", stage="start")
+            started.set()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(start)
+                await pipeline.run(job)
+        except BaseExceptionGroup as eg:
+            raise pipeline._first_push_error(eg) from None
 
     async def _abort_all(self, log: Any) -> None:
         """End the failed round on every engine (shielded: runs even when the push was cancelled)."""

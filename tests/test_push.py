@@ -306,3 +306,26 @@ async def test_a_stage_stuck_on_one_chunk_fails_the_push_naming_stage_and_chunk(
     assert (err.value.stage, err.value.chunk) == ("convert", 2)
     await sync.push(qwen_model)  # the engine's round was aborted; the next push works
     await sync.close()
+
+
+async def test_an_engine_that_cannot_open_its_round_fails_the_push_before_any_chunk_is_sent(
+        qwen_receiver, qwen_model, memfds):
+    # start_update runs alongside the first gathers and packs; no chunk may reach an engine before it ended.
+    engine = qwen_receiver.engine()
+    sent: list[int] = []
+
+    async def refuse() -> None:
+        await anyio.sleep(0.2)  # long enough for the first chunks to be packed meanwhile
+        raise RuntimeError("engine is shutting down")
+
+    async def update(info):
+        sent.append(info["chunk"])
+
+    engine.start_update, engine.update = refuse, update
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    with pytest.raises(PushError, match="shutting down") as err:
+        await sync.push(qwen_model)
+    assert err.value.stage == "start" and sent == []
+    assert sync.transport.pool.busy == 0
+    await sync.close()
+    assert memfds() == 0
