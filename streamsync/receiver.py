@@ -59,7 +59,7 @@ class WeightReceiver:
         if not self.updating:
             raise ValidationError("update outside a round: call start_update first")
         layout = self._layout(update_info)
-        with self.transport.open(update_info) as buf:
+        with self.transport.open(update_info, layout.nbytes) as buf:
             if buf.numel() < layout.nbytes:
                 raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
             self.dirty = True

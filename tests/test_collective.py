@@ -110,3 +110,12 @@ def test_receiver_refuses_malformed_init_info():
             CollectiveReceiver({**base, **bad})
     with pytest.raises(ValidationError, match="CUDA"):
         CollectiveReceiver({**base, "backend": "nccl"}, device="cpu")
+
+
+def test_a_handle_whose_size_disagrees_with_its_layout_is_refused_before_the_receive_buffer_grows():
+    rx = object.__new__(CollectiveReceiver)  # past the rendezvous: only the handle checks run here
+    rx.group, rx._seq, rx._pg, rx._buf = "g", 0, object(), None
+    with pytest.raises(ValidationError, match="its layout 4096"), rx.open(
+            {"handle": {"group": "g", "seq": 0, "nbytes": 1 << 40}}, 4096):
+        pass
+    assert rx._buf is None and rx._seq == 0

@@ -117,8 +117,11 @@ class Receiver(ABC):
         self.device = torch.device(device)
 
     @abstractmethod
-    def open(self, update_info: dict[str, Any]) -> AbstractContextManager[torch.Tensor]:
-        """Map the chunk named by `update_info` and yield its flat uint8 bytes; unmap on exit."""
+    def open(self, update_info: dict[str, Any], nbytes: int | None = None) -> AbstractContextManager[torch.Tensor]:
+        """Map the chunk named by `update_info` and yield its flat uint8 bytes; unmap on exit.
+
+        `nbytes`: the chunk's size from its already validated layout. A transport that allocates for a
+        chunk refuses a handle of another size before it allocates anything."""
 
     def views(self, buf: torch.Tensor, layout: Layout) -> Iterable[tuple[str, torch.Tensor]]:
         """(name, view) of every tensor of the chunk in `buf` (the tensor `open` yielded)."""

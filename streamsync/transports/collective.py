@@ -379,20 +379,22 @@ class CollectiveReceiver(Receiver):
         return self._buf[:nbytes]
 
     @contextmanager
-    def open(self, update_info: dict[str, Any]) -> Iterator[torch.Tensor]:
+    def open(self, update_info: dict[str, Any], nbytes: int | None = None) -> Iterator[torch.Tensor]:
         h = update_info.get("handle")
         if not isinstance(h, dict):
             raise ValidationError(f"collective handle must be {{group, seq, nbytes}}, got {h!r:.200}")
         if h.get("group") != self.group:
             raise ValidationError(f"chunk is for group {h.get('group')!r:.80}, this receiver joined {self.group!r}")
-        seq, nbytes = h.get("seq"), h.get("nbytes")
+        seq, size = h.get("seq"), h.get("nbytes")
         if type(seq) is not int or seq != self._seq:
             raise ValidationError(f"collective chunk sequence {seq!r:.40} out of step (expected {self._seq})")
-        if type(nbytes) is not int or not 0 < nbytes < 1 << 45:
-            raise ValidationError(f"collective chunk size must be a positive int, got {nbytes!r:.40}")
+        if type(size) is not int or not 0 < size < 1 << 45:
+            raise ValidationError(f"collective chunk size must be a positive int, got {size!r:.40}")
+        if nbytes is not None and size != nbytes:  # before the receive buffer grows to what a handle claims
+            raise ValidationError(f"collective chunk {seq} is {size} bytes, its layout {nbytes}")
         if self._pg is None:
             raise TransportError("collective receiver is closed")
-        buf = self._buffer(nbytes)
+        buf = self._buffer(size)
         self._seq += 1
         try:
             broadcast(self._pg, buf)

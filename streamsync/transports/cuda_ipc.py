@@ -510,7 +510,7 @@ class CudaIpcReceiver(Receiver):
             torch.cuda.current_stream(d).synchronize()
 
     @contextmanager
-    def open(self, update_info: dict[str, Any]) -> Iterator[torch.Tensor]:
+    def open(self, update_info: dict[str, Any], nbytes: int | None = None) -> Iterator[torch.Tensor]:
         raw = update_info.get("handle")
         if not isinstance(raw, dict):
             raise ValidationError(f"cuda_ipc handle must be {{token, nbytes, ipc, live}}, got {raw!r:.200}")

@@ -123,7 +123,7 @@ class ShmReceiver(Receiver):
             os.close(f)
 
     @contextmanager
-    def open(self, update_info: dict[str, Any]) -> Iterator[torch.Tensor]:
+    def open(self, update_info: dict[str, Any], nbytes: int | None = None) -> Iterator[torch.Tensor]:
         h = update_info.get("handle")
         try:
             key = (int(h["pid"]), int(h["fd"]), str(h["token"]))  # type: ignore[index]
