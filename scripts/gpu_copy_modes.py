@@ -1,0 +1,83 @@
+"""How fast can one process copy the 8B shape's tensors into a flat buffer, by copy method? (H200 probe.)
+
+Copies the Qwen3-8B shapes (as HF tensors, bf16) into one flat buffer four ways and prints the rate each
+reaches, against one large copy: per-tensor `copy_` (cudaMemcpyAsync), the same captured as a CUDA graph
+(memcpy nodes), `torch._foreach_copy_` (kernels), and that captured. Run on the GPU machine:
+    python3 scripts/gpu_copy_modes.py [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from streamsync.models import qwen3_specs
+from streamsync.pack import dtype_from_name
+
+
+def timed(fn, repeat: int = 7) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    specs = qwen3_specs(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
+                        intermediate=12288)
+    srcs = [torch.randn(tuple(s), device="cuda").to(dtype_from_name(d)) for _, d, s in specs]
+    total = sum(t.numel() * t.element_size() for t in srcs)
+    flat = torch.empty(total, dtype=torch.uint8, device="cuda")
+    dsts, off = [], 0
+    for t in srcs:
+        n = t.numel() * t.element_size()
+        dsts.append(flat[off:off + n].view(t.dtype).view(t.shape))
+        off += n
+    big_src = torch.empty(total, dtype=torch.uint8, device="cuda")
+
+    def per_tensor() -> None:
+        for d, s in zip(dsts, srcs, strict=True):
+            d.copy_(s, non_blocking=True)
+
+    def foreach() -> None:
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
+    def graphed(fn):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            g.capture_begin(capture_error_mode="thread_local")
+            fn()
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(s)
+        return g.replay
+
+    out = {"bytes": total, "tensors": len(srcs)}
+    modes = {"one large copy": lambda: flat.copy_(big_src), "per-tensor copy_": per_tensor,
+             "per-tensor copy_, graph": graphed(per_tensor), "_foreach_copy_": foreach,
+             "_foreach_copy_, graph": graphed(foreach)}
+    for name, fn in modes.items():
+        s = timed(fn)
+        out[name] = {"ms": s * 1e3, "tb_per_s_read_plus_written": 2 * total / s / 1e12}
+        print(f"{name:28s} {s * 1e3:7.2f} ms  {2 * total / s / 1e12:5.2f} TB/s (read + written)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
