@@ -80,14 +80,12 @@ def local_index(uuid: str) -> int:
                          "on the same GPU)")
 
 
-def _copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], batch: bool = True) -> None:
+def _copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """dst[i] <- src[i] on the current stream: large tensors one copy each (cudaMemcpy speed), small ones in
-    one batched `_foreach_copy_` (one launch loop in C++ instead of one Python call per tensor). Without
-    `batch` every tensor gets its own copy: for a graph capture, where launches cost nothing later and
-    separate copies run faster on the device than the foreach kernel (docs/benchmarks: 3.7 vs 2.8 TB/s)."""
+    one batched `_foreach_copy_` (one launch loop in C++ instead of one Python call per tensor)."""
     small_d, small_s = [], []
     for d, t in zip(dsts, srcs, strict=True):
-        if batch and d.dtype == t.dtype and batched(t):
+        if d.dtype == t.dtype and batched(t):
             small_d.append(d)
             small_s.append(t)
         else:
@@ -226,7 +224,7 @@ class CudaIpcTransport(Transport):
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    _copy_all(dsts, tensors, batch=False)
+                    _copy_all(dsts, tensors)
                 finally:
                     graph.capture_end()
         except RuntimeError as e:  # a copy this CUDA build cannot capture: plain copies from now on
