@@ -104,6 +104,9 @@ class Layout:
     nbytes: int
     _hash: int = field(default=0, init=False, compare=False, repr=False)
 
+    def __reduce__(self) -> tuple:  # the cached hash must not travel: it depends on the process's hash seed
+        return (Layout, (self.metas, self.nbytes))
+
     def __hash__(self) -> int:  # layouts key per-buffer view caches: hash hundreds of metas once, not per chunk
         h = self._hash
         if not h:

@@ -17,6 +17,7 @@ moves on, and that stage is timed.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class Push:
     live: dict[int, SendBuffer] = field(default_factory=dict)
     busy: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (chunk, since), for the watchdog
     started: anyio.Event | None = None  # set once every engine opened its round: sends wait for it
+    convert_kwargs: dict[str, Any] = field(default_factory=dict)
     bytes_alive: int = 0
     peak_bytes: int = 0
     chunks_alive: int = 0
@@ -82,6 +84,7 @@ async def run(push: Push) -> None:
     p_tx, p_rx = anyio.create_memory_object_stream[Work](n)
     s_tx, s_rx = anyio.create_memory_object_stream[Work](n)
     assert push.transport is not None
+    push.convert_kwargs = _convert_kwargs(push.source)
     push.transport.begin_push(push.plans, push.push_id)
     ok = False
     try:
@@ -201,6 +204,10 @@ async def _stage(push: Push, name: str, fn: Callable[[Push, Work], Awaitable[Non
                  inbox: ObjectReceiveStream[Work], out: ObjectSendStream[Work]) -> None:
     async with inbox, out:
         async for w in inbox:
+            if name == "send" and push.started is not None:
+                # The engines' start_update runs alongside the first gathers and packs. Not the send stage's
+                # time: start has its own timeout per engine.
+                await push.started.wait()
             try:
                 with _Busy(push, name, w.plan.index, w.plan.nbytes):
                     _maybe_fault(push, name, w.plan.index)
@@ -211,8 +218,18 @@ async def _stage(push: Push, name: str, fn: Callable[[Push, Work], Awaitable[Non
             push.trace.sample(f"queue {name}→next", out.statistics().current_buffer_used)
 
 
+def _convert_kwargs(source: Source) -> dict[str, Any]:
+    """`cast=False` (pack casts floating tensors) for sources that take it; a Source written against the
+    older signature still works."""
+    try:
+        params = inspect.signature(source.convert).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"cast": False} if "cast" in params else {}
+
+
 async def _convert(push: Push, w: Work) -> None:
-    tensors = await push.source.convert(w.plan, w.gathered, cast=False)  # pack casts floating tensors
+    tensors = await push.source.convert(w.plan, w.gathered, **push.convert_kwargs)
     w.gathered = None
     if len(tensors) != len(w.plan.specs):
         raise ValidationError(f"converter returned {len(tensors)} tensors for {len(w.plan.specs)} specs")
@@ -238,8 +255,6 @@ async def _pack(push: Push, w: Work) -> None:
 
 async def _send(push: Push, w: Work) -> None:
     assert push.transport is not None and w.buf is not None
-    if push.started is not None:  # the engines' start_update runs alongside the first gathers and packs
-        await push.started.wait()
     info: dict[str, Any] = {
         "push_id": push.push_id,
         "version": push.version,

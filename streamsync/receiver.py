@@ -8,6 +8,7 @@ update call is the acknowledgement the sender waits for.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -41,11 +42,14 @@ class WeightReceiver:
         self.chunks = 0
         self.bytes = 0
         self._layouts: dict[str, Layout] = {}
+        self._open_sized = True
 
     def init(self, init_info: dict[str, Any]) -> None:
         if self.transport is not None:
             self.transport.close()
         self.transport = make_receiver(init_info, self.device)
+        # Receivers registered before `open` took the layout's size keep working.
+        self._open_sized = "nbytes" in inspect.signature(self.transport.open).parameters
 
     def start(self) -> None:
         if self.updating and self.transport is not None:
@@ -59,7 +63,8 @@ class WeightReceiver:
         if not self.updating:
             raise ValidationError("update outside a round: call start_update first")
         layout = self._layout(update_info)
-        with self.transport.open(update_info, layout.nbytes) as buf:
+        with (self.transport.open(update_info, layout.nbytes) if self._open_sized
+              else self.transport.open(update_info)) as buf:
             if buf.numel() < layout.nbytes:
                 raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
             self.dirty = True

@@ -90,6 +90,8 @@ class WeightSync:
     ) -> None:
         if max_inflight < 1:
             raise ValidationError(f"max_inflight must be >= 1, got {max_inflight}")
+        if not timeout > 0:
+            raise ValidationError(f"timeout must be a positive number of seconds, got {timeout}")
         if chunk_bytes is not None and chunk_bytes <= 0:
             raise ValidationError(f"chunk_bytes must be positive, got {chunk_bytes}")
         names = [e.name for e in engines]
@@ -286,7 +288,10 @@ class WeightSync:
         started = job.started
 
         async def start() -> None:
-            await self._each_engine("start_update", stage="start")
+            # Shielded: a pipeline failure must not cut an engine's start_update in half (the abort that
+            # follows would meet a half-opened round). Each engine call has its own timeout.
+            with anyio.CancelScope(shield=True):
+                await self._each_engine("start_update", stage="start")
             started.set()
 
         try:

@@ -329,3 +329,63 @@ async def test_an_engine_that_cannot_open_its_round_fails_the_push_before_any_ch
     assert sync.transport.pool.busy == 0
     await sync.close()
     assert memfds() == 0
+
+
+async def test_a_slow_round_opening_is_not_charged_to_the_first_send(qwen_receiver, qwen_model):
+    # start_update (0.7 s) and the first update (0.5 s) are each within the 1 s timeout; together they are not.
+    engine = qwen_receiver.engine()
+    start, update = engine.start_update, engine.update
+    first = [True]
+
+    async def slow_start() -> None:
+        await anyio.sleep(0.7)
+        await start()
+
+    async def slow_first_update(info):
+        if first[0]:
+            first[0] = False
+            await anyio.sleep(0.5)
+        await update(info)
+
+    engine.start_update, engine.update = slow_start, slow_first_update
+    sync = WeightSync([engine], chunk_bytes=CHUNK, timeout=1.0)
+    await sync.push(qwen_model)
+    assert await engine.checksums() == digests(qwen_model.state_dict().items())
+    await sync.close()
+
+
+async def test_a_pipeline_failure_lets_the_round_opening_finish_before_the_abort(qwen_receiver, qwen_model):
+    engine = qwen_receiver.engine()
+    calls: list[str] = []
+    start, abort = engine.start_update, engine.abort_update
+
+    async def slow_start() -> None:
+        calls.append("start")
+        await anyio.sleep(0.5)
+        await start()
+        calls.append("started")
+
+    async def logged_abort() -> None:
+        calls.append("abort")
+        await abort()
+
+    engine.start_update, engine.abort_update = slow_start, logged_abort
+    sync = WeightSync([engine], chunk_bytes=CHUNK, faults={"convert": 0})
+    with pytest.raises(PushError) as err:
+        await sync.push(qwen_model)
+    assert err.value.stage == "convert" and calls == ["start", "started", "abort"]
+    await sync.close()
+
+
+async def test_a_source_written_before_convert_took_cast_still_pushes(qwen_receiver, qwen_model):
+    from streamsync.sources import ModuleSource
+
+    class Older(ModuleSource):
+        async def convert(self, chunk, gathered):  # the signature before `cast`
+            return await super().convert(chunk, gathered)
+
+    engine = qwen_receiver.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    await sync.push(Older(qwen_model))
+    assert await engine.checksums() == digests(qwen_model.state_dict().items())
+    await sync.close()

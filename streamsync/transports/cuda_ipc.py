@@ -516,11 +516,11 @@ class CudaIpcReceiver(Receiver):
             raise ValidationError(f"cuda_ipc handle must be {{token, nbytes, ipc, live}}, got {raw!r:.200}")
         m, nbytes, live = self._map(raw)
         self._forget(live)
-        self._open = m
         buf = m.tensor
-        if m.ready is not None:  # the sender's copies into this chunk come first (on the device)
-            torch.cuda.current_stream(buf.device).wait_event(m.ready)
         try:
+            self._open = m
+            if m.ready is not None:  # the sender's copies into this chunk come first (on the device)
+                torch.cuda.current_stream(buf.device).wait_event(m.ready)
             yield buf[:nbytes]
         finally:
             # The ack. The loader's copies were queued on the current stream. With a release event the
