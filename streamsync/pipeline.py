@@ -29,7 +29,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from .engines.base import Engine
 from .errors import EngineError, PushError, ValidationError
-from .pack import dtype_name, fits
+from .pack import castable, dtype_name, fits
 from .sources.base import ChunkPlan, Source
 from .trace import Trace
 from .transports.base import SendBuffer, Transport
@@ -234,8 +234,7 @@ async def _convert(push: Push, w: Work) -> None:
     if len(tensors) != len(w.plan.specs):
         raise ValidationError(f"converter returned {len(tensors)} tensors for {len(w.plan.specs)} specs")
     for t, s in zip(tensors, w.plan.specs, strict=True):
-        if (t.dtype != s.dtype and not (t.dtype.is_floating_point and s.dtype.is_floating_point)) or (
-                t.shape != s.shape and not fits(t, s.shape)):
+        if not castable(t.dtype, s.dtype) or (t.shape != s.shape and not fits(t, s.shape)):
             raise ValidationError(f"tensor {s.name!r}: converted to {dtype_name(t.dtype)}{tuple(t.shape)}, "
                                   f"plan says {dtype_name(s.dtype)}{s.shape}")
     w.tensors = tensors

@@ -69,6 +69,18 @@ def test_malformed_ipc_handles_are_refused_before_anything_is_opened(path, value
         parse_handle(h)
 
 
+def test_per_buffer_caches_start_over_but_keep_exports_when_they_grow_too_large():
+    from streamsync.transports.cuda_ipc import _remember
+    from streamsync.transports.pool import PoolBuffer
+
+    pb = PoolBuffer(torch.empty(0, dtype=torch.uint8), 0, "0123456789abcdef")
+    pb.extra.update({0: "export of engine 0", "ready": "event"})
+    for i in range(600):
+        _remember(pb, ("graph", i), False)
+    assert pb.extra[0] == "export of engine 0" and pb.extra["ready"] == "event"
+    assert sum(isinstance(k, tuple) for k in pb.extra) <= 512 and pb.extra[("graph", 599)] is False
+
+
 def test_fused_model_maps_hf_names_into_fused_slices_like_vllm():
     specs = qwen3_specs(layers=1)
     src = StateModule(specs, fill="random", seed=1)

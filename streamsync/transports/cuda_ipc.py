@@ -94,6 +94,15 @@ def _copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Non
         torch._foreach_copy_(small_d, small_s, non_blocking=True)
 
 
+def _remember(pb: PoolBuffer, key: tuple, value: Any) -> None:
+    """Put an entry in a buffer's per-chunk caches (destination views, pack graphs: tuple keys). When the
+    chunking or the sources' addresses changed many times, start those caches over; exports stay."""
+    if len(pb.extra) > 512:
+        for k in [k for k in pb.extra if isinstance(k, tuple)]:
+            del pb.extra[k]
+    pb.extra[key] = value
+
+
 def export_handle(tensor: torch.Tensor) -> dict[str, Any]:
     """The IPC arguments of a flat uint8 CUDA buffer, as plain data."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -212,10 +221,7 @@ class CudaIpcTransport(Transport):
         if isinstance(graph, torch.cuda.CUDAGraph):
             return graph
         if graph is None:  # first sighting: remember it, copy plainly (one-off addresses never cost a capture)
-            if len(pb.extra) > 512:
-                for k in [k for k in pb.extra if isinstance(k, tuple) and k[0] == "graph"]:
-                    del pb.extra[k]
-            pb.extra[key] = False
+            _remember(pb, key, False)
             return None
         graph = torch.cuda.CUDAGraph()
         # Captured on the side stream, which records and runs nothing meanwhile; "thread_local": other
@@ -231,7 +237,7 @@ class CudaIpcTransport(Transport):
             get_logger().warning("cuda_ipc: pack capture failed; packing with plain copies", error=str(e))
             self.graphs = False
             return None
-        pb.extra[key] = graph
+        _remember(pb, key, graph)
         self.graph_stats["captured"] += 1
         return graph
 
@@ -244,9 +250,6 @@ class CudaIpcTransport(Transport):
             return dsts
         if len(tensors) != len(layout.metas):
             raise ValidationError(f"{len(tensors)} tensors for a layout of {len(layout.metas)}")
-        if len(pb.extra) > 256:  # chunking changed many times: start the cache over (exports stay)
-            for k in [k for k in pb.extra if isinstance(k, tuple)]:
-                del pb.extra[k]
         dsts = []
         for m, t in zip(layout.metas, tensors, strict=True):
             d = pb.tensor[m.offset:m.offset + m.nbytes].view(dtype_from_name(m.dtype)).view(m.shape)
@@ -254,7 +257,7 @@ class CudaIpcTransport(Transport):
                 raise ValidationError(f"tensor {m.name!r} is {t.dtype}{tuple(t.shape)}, its layout slot is "
                                       f"{d.dtype}{tuple(d.shape)}")
             dsts.append(d if d.shape == t.shape else d.view(t.shape))
-        pb.extra[key] = dsts
+        _remember(pb, key, dsts)
         return dsts
 
     def _ready_event(self, pb: PoolBuffer) -> torch.cuda.Event:
