@@ -15,8 +15,8 @@ import torch
 
 from streamsync import WeightSync
 from streamsync.checksum import digests
-from streamsync.engines.process import ReceiverProcess
-from streamsync.models import StateModule, qwen3_specs, save_specs
+from streamsync.testing.models import StateModule, qwen3_specs, save_specs
+from streamsync.testing.receiver import ReceiverProcess
 
 
 async def train_step(model: torch.nn.Module, step: int) -> None:

@@ -14,8 +14,8 @@ import statistics
 
 import torch
 
-from streamsync.models import qwen3_specs
 from streamsync.pack import dtype_from_name
+from streamsync.testing.models import qwen3_specs
 
 
 def timed(fn, repeat: int = 7) -> float:

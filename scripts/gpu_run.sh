@@ -48,7 +48,7 @@ if [ "${BENCH:-1}" != 0 ]; then
   echo "=== benchmark"
   mkdir -p "$OUT/trace"
   # shellcheck disable=SC2086
-  timeout 360 python3 -m streamsync.bench_cuda --json "$OUT/h200.json" --trace-dir "$OUT/trace" ${BENCH_ARGS:-} \
+  timeout 360 python3 -m streamsync.bench.cuda --json "$OUT/h200.json" --trace-dir "$OUT/trace" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench.log"
   rc=$((rc | ${PIPESTATUS[0]}))
 fi

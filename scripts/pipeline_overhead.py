@@ -15,8 +15,8 @@ import torch
 os.environ.setdefault("STREAMSYNC_LOG", "warning")
 
 from streamsync.engines.base import Engine
-from streamsync.models import StateModule
 from streamsync.sync import WeightSync
+from streamsync.testing.models import StateModule
 from streamsync.transports.base import SendBuffer, Transport
 
 

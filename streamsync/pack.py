@@ -204,3 +204,15 @@ def unpack(buffer: torch.Tensor, layout: Layout) -> Iterator[tuple[str, torch.Te
         raw = buffer[meta.offset : meta.offset + meta.nbytes]
         dtype = dtype_from_name(meta.dtype)
         yield meta.name, raw.view(dtype).view(meta.shape)
+
+
+# Tensors below this size are copied in one batched call (`torch._foreach_copy_`): per-tensor launch and
+# Python costs dominate for them (MoE experts, norms); larger ones get their own copy at full bandwidth.
+# Only common float dtypes are batched (every backend's foreach kernels cover them); the rest copy one by one.
+BATCH_BELOW = 16 << 20
+BATCH_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
+def batched(t: torch.Tensor) -> bool:
+    """Whether `t` goes into the batched copy (small, common float dtype)."""
+    return t.dtype in BATCH_DTYPES and t.numel() * t.element_size() < BATCH_BELOW

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamsync.engines.process import ReceiverProcess
-from streamsync.models import StateModule, mixed_specs, qwen3_specs, save_specs
+from streamsync.testing.models import StateModule, mixed_specs, qwen3_specs, save_specs
+from streamsync.testing.receiver import ReceiverProcess
 
 
 def _memfds() -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from streamsync.chunking import Item, plan_chunks
-from streamsync.models import StateModule, qwen3_specs
 from streamsync.sources import ModuleSource
+from streamsync.testing.models import StateModule, qwen3_specs
 
 
 def _plan(budget: int, **shape):

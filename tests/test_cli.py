@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from streamsync.trace import Trace
-from streamsync.viewer import make_app, summary
+from streamsync.trace.viewer import make_app, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,9 @@ import pytest
 from streamsync import PushError, WeightSync
 from streamsync.checksum import digests
 from streamsync.engines.base import Engine
-from streamsync.engines.process import ReceiverProcess
 from streamsync.errors import TransportError, ValidationError
-from streamsync.models import StateModule, perturb_
+from streamsync.testing.models import StateModule, perturb_
+from streamsync.testing.receiver import ReceiverProcess
 from streamsync.transports.collective import CollectiveReceiver, CollectiveTransport
 
 CHUNK = 1 << 20

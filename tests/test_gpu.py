@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from streamsync import PushError, WeightSync
-from streamsync.checksum import digests
-from streamsync.engines.process import ReceiverEngine, ReceiverProcess
+from streamsync.checksum import device_digests, digests
+from streamsync.engines.process import ReceiverEngine
 from streamsync.errors import ValidationError
-from streamsync.fused import FusedModel, device_digests
-from streamsync.models import StateModule, mixed_specs, qwen3_specs, save_specs
+from streamsync.testing.fused import FusedModel
+from streamsync.testing.models import StateModule, mixed_specs, qwen3_specs, save_specs
+from streamsync.testing.receiver import ReceiverProcess
 from streamsync.transports.collective import CollectiveTransport
 from streamsync.transports.cuda_ipc import CudaIpcTransport, parse_handle
 
@@ -93,7 +94,7 @@ def test_fused_model_maps_hf_names_into_fused_slices_like_vllm():
 
 
 def test_fused_model_stacks_moe_experts():
-    from streamsync.megatron_utils import TinyModel
+    from streamsync.testing.megatron import TinyModel
 
     specs = TinyModel(arch="qwen3-moe", experts=4, layers=1).hf_specs()
     src = StateModule(specs, fill="random", seed=2)

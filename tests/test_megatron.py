@@ -17,9 +17,9 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from streamsync.engines.process import ReceiverProcess
-from streamsync.megatron_utils import Case, TinyModel, launch, run_cases
-from streamsync.models import save_specs
+from streamsync.testing.megatron import Case, TinyModel, launch, run_cases
+from streamsync.testing.models import save_specs
+from streamsync.testing.receiver import ReceiverProcess
 
 pytestmark = pytest.mark.megatron
 

@@ -14,8 +14,8 @@ import torch
 
 from streamsync import EngineError, PushError, ValidationError, WeightSync
 from streamsync.checksum import digests
-from streamsync.engines.process import ReceiverProcess
-from streamsync.models import StateModule, perturb_
+from streamsync.testing.models import StateModule, perturb_
+from streamsync.testing.receiver import ReceiverProcess
 from streamsync.trace import STAGES
 
 CHUNK = 1 << 20  # 1 MiB chunks: the ~17 MB test model becomes ~20 chunks

@@ -16,8 +16,8 @@ vllm = pytest.importorskip("vllm")
 from streamsync import PushError, WeightSync  # noqa: E402
 from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, VllmHttpEngine, engine_kwargs  # noqa: E402
 from streamsync.engines.vllm_server import VllmServer  # noqa: E402
-from streamsync.models import perturb_  # noqa: E402
-from streamsync.tiny import make_tiny_qwen3  # noqa: E402
+from streamsync.testing.models import perturb_  # noqa: E402
+from streamsync.testing.tiny import make_tiny_qwen3  # noqa: E402
 from streamsync.verify import compare_generation, load_reference, reference_logprobs  # noqa: E402
 from streamsync.vllm.extension import expected_digests  # noqa: E402
 

@@ -1,21 +1,16 @@
 """A plain receiver in another process, speaking the four phases as JSON lines over TCP on loopback.
 
-It holds a `StateModule` (or any module a factory builds) and applies chunks with the same
-`WeightReceiver` the vLLM backend uses. Messages are plain JSON, never pickles. Useful for tests,
-benchmarks, and as the reference receiver for new transports.
-
-    python -m streamsync.engines.process --specs model.json [--host 127.0.0.1] [--port 0]
+`ReceiverServer` serves any module (plain parameters copied by name, or a module with the vLLM model
+protocol `load_weights`) and applies chunks with the same `WeightReceiver` the vLLM backend uses;
+`ReceiverEngine` is its client. Messages are plain JSON, never pickles. The reference receiver for new
+transports; `streamsync.testing.receiver` starts one holding a model built from specs.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
-import subprocess
-import sys
-import threading
 import time
 from typing import Any
 
@@ -23,7 +18,7 @@ import anyio
 import torch
 
 from ..checksum import digests
-from ..errors import EngineError, StreamSyncError
+from ..errors import EngineError
 from ..receiver import ModuleLoader, WeightReceiver
 from .base import Engine
 
@@ -33,11 +28,11 @@ _MAX_LINE = 64 << 20
 # --------------------------------------------------------------------------------------------- server
 
 
-class _Server:
+class ReceiverServer:
     def __init__(self, module: torch.nn.Module, device: str, delay_s: float = 0.0, gpu_delay_ms: float = 0.0) -> None:
         self.module = module
         self.gpu_delay_ms = gpu_delay_ms
-        # A module with the vLLM model protocol (streamsync.fused.FusedModel) loads itself; else copy by name.
+        # A module with the vLLM model protocol (e.g. testing.fused.FusedModel) loads itself; else copy by name.
         self._plain = ModuleLoader(module)
         self.loader = getattr(module, "load_weights", None) or self._plain
         self.expected = getattr(module, "expected", None) or self._plain.expected
@@ -73,7 +68,7 @@ class _Server:
             # computed on the device, for models too large to copy to the host and hash.
             named = self.module.hf_tensors() if hasattr(self.module, "hf_tensors") else self.module.state_dict().items()
             if msg.get("device"):
-                from ..fused import device_digests
+                from ..checksum import device_digests
 
                 return device_digests(named)
             return digests(named)
@@ -117,42 +112,6 @@ class _Server:
                 if msg.get("op") == "shutdown":
                     return True
         return False
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--specs", required=True, help="JSON list of [name, dtype, shape]")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--delay", type=float, default=0.0, help="sleep per update (tests of slow receivers)")
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--fused", action="store_true", help="hold vLLM-style fused parameters (streamsync.fused)")
-    ap.add_argument("--gpu-delay-ms", type=float, default=0.0, help="keep the GPU busy ~this long before each "
-                    "update's copies (tests that a sender waits for the receiver on the device)")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from ..models import StateModule, load_specs
-
-    if args.fused:
-        from ..fused import FusedModel
-
-        module: torch.nn.Module = FusedModel(load_specs(args.specs), fill="zeros", device=args.device)
-    else:
-        module = StateModule(load_specs(args.specs), fill="zeros", device=args.device)
-    sock = socket.create_server((args.host, args.port))
-    print(f"LISTENING {sock.getsockname()[1]}", flush=True)
-    server = _Server(module, args.device, args.delay, args.gpu_delay_ms)
-    profile_to = os.environ.get("STREAMSYNC_RECEIVER_PROFILE")  # benchmarks: where the receiver's time goes
-    if not profile_to:
-        server.serve(sock)
-        return
-    import cProfile
-
-    with cProfile.Profile() as prof:
-        server.serve(sock)
-    prof.dump_stats(profile_to)
 
 
 # --------------------------------------------------------------------------------------------- client
@@ -262,61 +221,3 @@ class ReceiverEngine(Engine):
 
     async def close(self) -> None:
         await self._drop()
-
-
-class ReceiverProcess:
-    """Start `python -m streamsync.engines.process` and wait for it to listen."""
-
-    def __init__(self, specs_path: str, *, delay: float = 0.0, threads: int = 0, start_timeout: float = 60.0,
-                 name: str = "receiver", device: str = "cpu", fused: bool = False, gpu_delay_ms: float = 0.0) -> None:
-        cmd = [sys.executable, "-m", "streamsync.engines.process", "--specs", str(specs_path),
-               "--delay", str(delay), "--threads", str(threads), "--device", device,
-               "--gpu-delay-ms", str(gpu_delay_ms)] + (["--fused"] if fused else [])
-        self.name = name
-        self.device = device
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        self.port = self._wait_port(start_timeout)
-
-    def _wait_port(self, timeout: float) -> int:
-        result: list[str] = []
-        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout)
-        line = result[0] if result else ""
-        if not line.startswith("LISTENING "):
-            self.kill()
-            raise StreamSyncError(f"receiver process did not start within {timeout}s (got {line!r})")
-        return int(line.split()[1])
-
-    def engine(self, timeout: float = 60.0) -> ReceiverEngine:
-        return ReceiverEngine("127.0.0.1", self.port, name=self.name, timeout=timeout, device=self.device)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
-                    s.sendall(b'{"op": "shutdown"}\n')
-                    s.recv(100)
-                self.proc.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        self.kill()
-
-    def __enter__(self) -> ReceiverProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-if __name__ == "__main__":
-    main()

@@ -48,9 +48,8 @@ import anyio
 import torch
 
 from ..errors import TransportError, ValidationError
-from ..fused import batched
 from ..log import get_logger
-from ..pack import Layout, castable, dtype_from_name, fits, unpack
+from ..pack import Layout, batched, castable, dtype_from_name, fits, unpack
 from ..sources.base import ChunkPlan
 from .base import Receiver, SendBuffer, Transport
 from .pool import BufferPool, PoolBuffer

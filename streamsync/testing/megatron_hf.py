@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .megatron_utils import TinyModel, build_model, export_hf_async, free_port, init_parallel, load_hf_weights
+from .megatron import TinyModel, build_model, export_hf_async, free_port, init_parallel, load_hf_weights
 
 __all__ = ["export_hf_async", "hf_config", "megatron_from_hf"]
 

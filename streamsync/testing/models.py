@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .pack import dtype_from_name, dtype_name
+from ..pack import dtype_from_name, dtype_name
 
 Spec = tuple[str, str, tuple[int, ...]]
 

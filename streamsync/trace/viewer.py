@@ -12,7 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .trace import STAGES, load_spans
+from . import STAGES, load_spans
 
 
 def summary(path: Path) -> str:
@@ -33,7 +33,7 @@ def summary(path: Path) -> str:
 
 
 def make_app(path: Path) -> web.Application:
-    page = resources.files("streamsync").joinpath("trace_viewer.html").read_text()
+    page = resources.files("streamsync.trace").joinpath("viewer.html").read_text()
 
     async def index(_: web.Request) -> web.Response:
         return web.Response(text=page, content_type="text/html")

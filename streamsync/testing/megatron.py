@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from .convert import Dims, canonical_arch, detect_arch, get_converter, tp_split
-from .errors import StreamSyncError, ValidationError
+from ..convert import Dims, canonical_arch, detect_arch, get_converter, tp_split
+from ..errors import StreamSyncError, ValidationError
+from ..sources.megatron import global_parameters, topology, unwrap_chunks
 from .models import Spec, StateModule
-from .sources.megatron import global_parameters, topology, unwrap_chunks
 
 # ------------------------------------------------------------------------------------------ HF -> Megatron
 
@@ -82,7 +82,7 @@ async def export_hf_async(model: object, *, chunk_bytes: int = 256 << 20,
     on the sender, global rank 0, and None elsewhere. `options` go to MegatronSource (arch, dtype,
     hf_config, vocab_size, ...).
     """
-    from .sources.megatron import MegatronSource
+    from ..sources.megatron import MegatronSource
 
     source = MegatronSource(model, **options)
     out: dict[str, torch.Tensor] = {}
@@ -363,10 +363,10 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case], ports: Mapping[
     import anyio
     import torch.distributed as dist
 
-    from .checksum import digests
-    from .engines.process import ReceiverEngine
-    from .sources.megatron import MegatronSource
-    from .sync import WeightSync
+    from ..checksum import digests
+    from ..engines.process import ReceiverEngine
+    from ..sources.megatron import MegatronSource
+    from ..sync import WeightSync
 
     out = []
     for case in cases:

@@ -18,20 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ValidationError
+from ..errors import ValidationError
+from ..pack import batched, dtype_from_name, dtype_name
 from .models import Spec, _fill_random
-from .pack import dtype_from_name, dtype_name
-
-# Tensors below this size are copied in one batched call (`torch._foreach_copy_`): per-tensor launch and
-# Python costs dominate for them (MoE experts, norms); larger ones get their own copy at full bandwidth.
-# Only common float dtypes are batched (every backend's foreach kernels cover them); the rest copy one by one.
-BATCH_BELOW = 16 << 20
-BATCH_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
-
-
-def batched(t: torch.Tensor) -> bool:
-    """Whether `t` goes into the batched copy (small, common float dtype)."""
-    return t.dtype in BATCH_DTYPES and t.numel() * t.element_size() < BATCH_BELOW
 
 # (fused parameter, HF projection, shard id), as vLLM's Qwen3/Llama `stacked_params_mapping`. Shards lie in
 # the fused parameter's rows in this order.
@@ -209,32 +198,3 @@ class FusedModel(torch.nn.Module):
             yield name, self._target(name, params)
 
 
-def device_digest(t: torch.Tensor, block: int = 1 << 26) -> str:
-    """A checksum of a tensor's raw bytes computed where it lives (no host copy of a 16 GB model).
-
-    Two wrapping int64 sums over the bytes read as 32/16/8-bit words: the plain sum and one weighted by
-    position (1 + i mod 1000003), so a flipped bit, a changed value or moved rows all change it. Integer
-    sums are exact and order-independent, so the two sides agree bit for bit. dtype and shape are included.
-    """
-    t = t.detach()
-    raw = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    words = raw
-    for wd in (torch.int32, torch.int16):
-        if raw.numel() % wd.itemsize == 0:
-            try:
-                words = raw.view(wd)
-                break
-            except RuntimeError:  # storage offset not aligned to the word size: try a smaller word
-                pass
-    s1 = torch.zeros((), dtype=torch.int64, device=t.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, words.numel(), block):
-        w = words[start:start + block].to(torch.int64)
-        idx = torch.arange(start, start + w.numel(), device=t.device, dtype=torch.int64)
-        s1 += w.sum()
-        s2 += (w * (idx % 1000003 + 1)).sum()
-    return f"{dtype_name(t.dtype)}{tuple(t.shape)}:{int(s1)}:{int(s2)}"
-
-
-def device_digests(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    return {name: device_digest(t) for name, t in named}

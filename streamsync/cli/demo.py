@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import torch
 
-from .sync import MiB, WeightSync
+from ..sync import MiB, WeightSync
 
 
 def _say(step: str, msg: str) -> None:
@@ -26,7 +26,7 @@ def build_trainer(model_dir: Path, kind: str) -> tuple[torch.nn.Module, str]:
     """The trainer model holding the checkpoint's weights: megatron-core when available, else transformers."""
     if kind in ("auto", "megatron"):
         try:
-            from .megatron_hf import megatron_from_hf
+            from ..testing.megatron_hf import megatron_from_hf
 
             return megatron_from_hf(model_dir), "megatron-core GPTModel (local layer spec, TP=1, gloo)"
         except ImportError as e:
@@ -60,7 +60,7 @@ def training_step(trainer: Any, model_dir: Path, tokenizer: Any, text: str, lr: 
     opt.step()
     hf.eval()
     if hf is not trainer:
-        from .megatron_utils import load_hf_weights
+        from ..testing.megatron import load_hf_weights
 
         load_hf_weights(trainer, hf.state_dict())
     with torch.no_grad():
@@ -73,10 +73,10 @@ async def run_demo(spec: dict[str, Any], work: Path) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from transformers import AutoTokenizer
 
-    from .engines.vllm import VllmEngine, engine_kwargs
-    from .tiny import make_tiny_qwen3
-    from .verify import compare_generation, load_reference, reference_logprobs
-    from .vllm.extension import expected_digests
+    from ..engines.vllm import VllmEngine, engine_kwargs
+    from ..testing.tiny import make_tiny_qwen3
+    from ..verify import compare_generation, load_reference, reference_logprobs
+    from ..vllm.extension import expected_digests
 
     mcfg, scfg, ecfg = spec["model"], spec.get("sync", {}), spec["engines"][0]
     t_start = time.perf_counter()
@@ -148,7 +148,7 @@ async def _hf_state(trainer: Any) -> dict[str, torch.Tensor]:
     """The trainer's HF export (for a megatron trainer, through the converter)."""
     if hasattr(trainer, "generate"):
         return dict(trainer.state_dict())
-    from .megatron_hf import export_hf_async
+    from ..testing.megatron_hf import export_hf_async
 
     state = await export_hf_async(trainer, dtype=torch.bfloat16)
     assert state is not None  # this process is rank 0

@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--json", type=Path, help="write the push reports as JSON here")
 
     bench_p = sub.add_parser("bench", help="pipelined vs serial push, ratio printed")
-    from .bench import add_arguments
+    from ..bench import add_arguments
 
     add_arguments(bench_p)
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     summ_p.add_argument("file", type=Path)
 
     args = ap.parse_args(argv)
-    from .errors import StreamSyncError
+    from ..errors import StreamSyncError
 
     try:
         return _dispatch(args)
@@ -45,12 +45,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_spec(args.spec, json_path=args.json)
     if args.cmd == "bench":
-        from .bench import run
+        from ..bench import run
 
         run(args)
         return 0
     if args.cmd == "trace":
-        from . import viewer
+        from ..trace import viewer
 
         if not args.file.exists():
             print(f"streamsync: no trace file {args.file}", file=sys.stderr)

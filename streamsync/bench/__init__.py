@@ -3,7 +3,7 @@
 CPU (default): a ~1 GB Qwen3-shaped bf16 model made locally, pushed over shared memory into a receiver
 process. Sender and receiver each get one intra-op thread, so on a 2-core machine the pipeline's
 overlap (pack of chunk i+1 while the receiver loads chunk i) is what the ratio measures.
-`--device cuda` runs the GPU benchmark (see streamsync.bench_cuda).
+`--device cuda` runs the GPU benchmark (see streamsync.bench.cuda).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 import anyio
 import torch
 
-from .engines.process import ReceiverProcess
-from .models import StateModule, perturb_, qwen3_specs, save_specs
-from .sync import MiB, WeightSync
+from ..sync import MiB, WeightSync
+from ..testing.models import StateModule, perturb_, qwen3_specs, save_specs
+from ..testing.receiver import ReceiverProcess
 
 CPU_SHAPE = dict(vocab=32768, hidden=1024, layers=32, heads=16, kv_heads=8, head_dim=64, intermediate=3072)
 
@@ -57,7 +57,7 @@ async def _bench_cpu(args: argparse.Namespace) -> dict:
                 times[w].append(report.seconds)
                 chunks = report.chunks
                 print(f"  repeat {r + 1}/{args.repeat} window {w}: {report.seconds * 1e3:.0f} ms", flush=True)
-        from .checksum import digests
+        from ..checksum import digests
 
         exact = await engine.checksums() == digests(model.state_dict().items())
         await engine.close()
@@ -120,7 +120,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     if args.device == "cuda":
-        from .bench_cuda import run as run_cuda
+        from .cuda import run as run_cuda
 
         result = run_cuda(args)
     else:

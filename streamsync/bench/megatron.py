@@ -12,7 +12,7 @@ Two workloads: a dense Qwen3-shaped model (few large tensors: bandwidth-bound) a
 model (many small expert tensors, split over expert TP: latency-bound). Reported: median push time, the
 gather stage's busy time, collectives per push, and the receiver's bit-exactness.
 
-    python -m streamsync.bench_megatron --json bench.json
+    python -m streamsync.bench.megatron --json bench.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .megatron_utils import TinyModel, launch
+from ..testing.megatron import TinyModel, launch
 
 MiB = 1 << 20
 
@@ -42,11 +42,11 @@ def _worker(rank: int, world_size: int, port: int, workload: str, args: argparse
     import anyio
     import torch
 
-    from .checksum import digests
-    from .engines.process import ReceiverEngine
-    from .megatron_utils import build_model, init_parallel, load_hf_weights
-    from .sources.megatron import MegatronSource
-    from .sync import WeightSync
+    from ..checksum import digests
+    from ..engines.process import ReceiverEngine
+    from ..sources.megatron import MegatronSource
+    from ..sync import WeightSync
+    from ..testing.megatron import build_model, init_parallel, load_hf_weights
 
     tiny = WORKLOADS[workload]
     init_parallel(tp=world_size)
@@ -97,8 +97,8 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 def _one(workload: str, args: argparse.Namespace) -> dict[str, Any]:
-    from .engines.process import ReceiverProcess
-    from .models import save_specs
+    from ..testing.models import save_specs
+    from ..testing.receiver import ReceiverProcess
 
     tiny = WORKLOADS[workload]
     work = Path(tempfile.mkdtemp(prefix="streamsync-bench-megatron-"))
