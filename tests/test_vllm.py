@@ -5,8 +5,6 @@ Engines start once per session (each ~20 s here, plus a one-time generate warm-u
 
 from __future__ import annotations
 
-import os
-
 import anyio
 import pytest
 import torch
@@ -14,65 +12,18 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from streamsync import PushError, WeightSync  # noqa: E402
-from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, VllmHttpEngine, engine_kwargs  # noqa: E402
-from streamsync.engines.vllm_server import VllmServer  # noqa: E402
-from streamsync.testing.models import perturb_  # noqa: E402
-from streamsync.testing.tiny import make_tiny_qwen3  # noqa: E402
+from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, VllmHttpEngine  # noqa: E402
+from streamsync.testing.vllm import LOGPROB_TOL, greedy, trainer_from  # noqa: E402
 from streamsync.verify import compare_generation, load_reference, reference_logprobs  # noqa: E402
 from streamsync.vllm.extension import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-ENGINE = dict(dtype="bfloat16", max_model_len=512, enforce_eager=True, gpu_memory_utilization=0.15)
 PROMPT = "the model weight sync push chunk"
-# bf16 weights, fp32 accumulation in both vLLM (oneDNN) and transformers, but activations are rounded to
-# bf16 between ops in different places: relative error ~2^-8 per rounding over 4 layers. Measured here:
-# differences up to ~0.06 nats (after a training step); 0.15 leaves margin while a wrong or stale
-# weight moves logprobs by whole nats.
-LOGPROB_TOL = 0.15
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_tiny_qwen3(tmp_path_factory.mktemp("cache")))
-
-
-def trainer_from(model_dir: str, step: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    perturb_(m, step)  # what a training step does: every weight changes
-    return m
-
-
-@pytest.fixture(scope="session")
-def llm(model_dir):
-    engine = vllm.LLM(model=model_dir, **ENGINE, **engine_kwargs())
-    yield engine
-    del engine
-
-
-@pytest.fixture(scope="session")
-async def async_llm(model_dir):
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE, **engine_kwargs()))
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="session")
-def server(model_dir, tmp_path_factory):
-    with VllmServer(model_dir, log=tmp_path_factory.mktemp("serve") / "vllm-serve.log") as s:
-        yield s
 
 
 def _greedy(llm, prompt_ids, n=12):
-    out = llm.generate([{"prompt_token_ids": prompt_ids}],
-                       vllm.SamplingParams(temperature=0, max_tokens=n, logprobs=1), use_tqdm=False)[0].outputs[0]
-    return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+    return greedy(llm, prompt_ids, n)
 
 
 async def _assert_bit_exact(engine, trainer):
