@@ -160,6 +160,25 @@ async def test_ipc_into_fused_receiver_and_buffers_are_freed_after_receivers_let
     assert torch.cuda.memory_allocated() <= base + (64 << 10)
 
 
+@gpu
+async def test_a_tied_fused_receivers_head_is_the_pushed_embedding_on_the_gpu(tmp_path):
+    """On CUDA vLLM's tied head multiplies by the embedding's Parameter itself (no packed copy): the fused
+    stand-in holds it the same way, and after each push its head equals the new embedding."""
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768,
+                        tie=True)
+    model = StateModule(specs, fill="random", seed=4, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "t.json")), device="cuda", fused=True, tie=True) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], transport=CudaIpcTransport(), chunk_bytes=CHUNK)
+        for step in (1, 2):
+            _perturb(model, step)
+            await sync.push(model)
+            got = await engine.checksums(device=True)
+            want = device_digests([("lm_head.weight", model.state_dict()["model.embed_tokens.weight"])])
+            assert got["lm_head.weight"] == want["lm_head.weight"]
+        await sync.close()
+
+
 @pytest.mark.parametrize("release", ["event", "sync"])
 @gpu
 async def test_float32_weights_are_cast_to_the_receivers_dtype_by_the_pack_copy(tmp_path, release):

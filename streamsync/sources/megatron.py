@@ -410,6 +410,9 @@ class MegatronSource(Source):
         return [ChunkPlan(i, tuple(s for k in keys for s in self._specs[k]), tuple(keys))  # type: ignore[index]
                 for i, keys in enumerate(plan_chunks(items, chunk_bytes))]
 
+    def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((n, p.detach()) for n, (p, _) in self._local.items())
+
     def begin_push(self) -> None:
         self._collectives = 0
         self.events = []
