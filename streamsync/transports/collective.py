@@ -490,7 +490,9 @@ class CollectiveTransport(Transport):
                                      timeout_s=self.close_timeout)
         if self._pool is not None:
             self._pool.release()
-        self._prev_sent = None
+        # Fresh streams for the next group: an aborted broadcast must not stand in front of new work.
+        self._prev_sent = self._stream = None
+        self.__dict__.pop("_streams", None)
 
 
 # ---------------------------------------------------------------------------------------------- receiver
