@@ -34,6 +34,7 @@ import statistics
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -367,20 +368,22 @@ def tp2(setup: Setup, key: str, args: argparse.Namespace) -> list[dict[str, Any]
     specs = save_specs(tiny.hf_specs(), work / "specs.json")
     log(f"{key}: {label}; receivers: colocated on {setup.rx_device[0]} and {setup.rx_device[1]}, "
         f"remote on {setup.rx_device[1]}; launching 2 ranks ({setup.backend}) ...")
-    rx = {
-        "colocated0": ReceiverProcess(str(specs), device=setup.rx_device[0], fused=True, start_timeout=600,
-                                      name="rx-colocated0"),
-        "colocated1": ReceiverProcess(str(specs), device=setup.rx_device[1], fused=True, start_timeout=600,
-                                      name="rx-colocated1"),
-        "remote": ReceiverProcess(str(specs), device=setup.rx_device[1], fused=True, start_timeout=600,
-                                  name="rx-remote"),
-    }
+    where = {"colocated0": setup.rx_device[0], "colocated1": setup.rx_device[1], "remote": setup.rx_device[1]}
+
+    def start(k: str) -> ReceiverProcess:
+        return ReceiverProcess(str(specs), device=where[k], fused=True, start_timeout=600, name=f"rx-{k}")
+
+    futures: dict[str, Any] = {}
     try:
+        with ThreadPoolExecutor(len(where)) as pool:  # started together: each allocates a whole model
+            futures = {k: pool.submit(start, k) for k in where}
+        rx = {k: f.result() for k, f in futures.items()}
         ranks = launch(_tp2_worker, 2, key, shape, {k: r.port for k, r in rx.items()}, args,
                        timeout=args.tp2_timeout, collective_timeout=300, backend=setup.backend)
     finally:
-        for r in rx.values():
-            r.stop()
+        for f in futures.values():
+            if f.exception() is None:
+                f.result().stop()
     r0 = ranks[0]
     log(f"  built and loaded in {r0['build_s']:.1f} s")
     runs = r0["remote"]["runs"]
@@ -479,11 +482,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:  # one case failing keeps the others
             log(f"case {case} FAILED:\n{traceback.format_exc()}")
             rows.append({"case": case, "error": f"{type(e).__name__}: {e}"})
-        if args.json:  # write as we go: a later case that hangs and is killed keeps the earlier rows
+        if getattr(args, "json", None):  # write as we go: a later case that hangs and is killed keeps the earlier rows
             _write(args.json, rows, env, t0)
     print()
     print(table(rows), flush=True)
     return {"rows": rows, "environment": env, "wall_s": time.perf_counter() - t0}
+
+
+def run_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """Entry from `streamsync bench --device cuda` (its --repeat/--warmup apply; the rest default)."""
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    ns = ap.parse_args([])
+    ns.repeat = max(args.repeat, 5)
+    ns.warmup = args.warmup
+    ns.json = None
+    return run(ns)
 
 
 def _write(path: Path, rows: list[dict[str, Any]], env: dict[str, Any], t0: float) -> None:
