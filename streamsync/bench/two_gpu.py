@@ -62,6 +62,19 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def timeline(report: Any) -> dict[str, float]:
+    """Where a push's wall time went, from its trace (ms from the push's start): until the first chunk's send
+    began (start_update, the first gather, convert and pack launch), the sends, and what followed the last one
+    (finish_update, which waits for the receiver's last copies)."""
+    sends = [s for s in report.trace.spans if s.stage == "send"]
+    if not sends:
+        return {}
+    first, last = min(s.start for s in sends), max(s.end for s in sends)
+    return {"before_first_send_ms": first * 1e3, "sends_ms": (last - first) * 1e3,
+            "after_last_send_ms": report.seconds * 1e3 - last * 1e3,
+            "send_ms_per_chunk": (last - first) * 1e3 / len(sends)}
+
+
 class Setup:
     """Devices and backends of this run: two GPUs, or the CPU smoke stand-ins."""
 
@@ -169,12 +182,14 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
             await push(1)
         times: dict[int, list[float]] = {4: [], 1: []}
         stages: list[dict[str, float]] = []
+        lines: list[dict[str, float]] = []
         for r in range(args.repeat):
             for w in ((4, 1) if r % 2 == 0 else (1, 4)):
                 rep = await push(w)
                 times[w].append(rep.seconds)
                 if w == 4:
                     stages.append(rep.stage_seconds)
+                    lines.append(timeline(rep))
         t4, t1 = _med(times[4]), _med(times[1])
         log(f"  chunk {chunk // MiB} MiB: window 4 {t4 * 1e3:.2f} ms, window 1 {t1 * 1e3:.2f} ms, "
             f"raw {raw[chunk]:.2f} ms -> {raw[chunk] / (t4 * 1e3):.0%} of raw")
@@ -204,12 +219,15 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
                 log(f"  window {w}: {len(bad)} tensors differ, e.g. {bad[:3]}")
         log(f"  bit-exact: {exact}")
         stage_ms = {k: _med([s.get(k, 0.0) for s in stages]) * 1e3 for k in (stages[0] if stages else {})}
+        line_ms = {k: _med([x[k] for x in lines if k in x]) for k in (lines[0] if lines else {})}
+        log(f"  window 4, medians: stage busy {json.dumps({k: round(v, 2) for k, v in stage_ms.items()})}; "
+            f"timeline {json.dumps({k: round(v, 2) for k, v in line_ms.items()})}")
         rows.append({
             "case": "remote-tp1", "model": f"{shape['label']} (megatron-core TP=1, GPU 0 -> GPU 1)",
             "bytes": nbytes, "chunk_bytes": chunk, "chunks": len(plans),
             "push_ms_window4": t4 * 1e3, "push_ms_window1": t1 * 1e3, "raw_broadcast_ms": raw[chunk],
             "fraction_of_raw_window4": raw[chunk] / (t4 * 1e3), "window4_over_raw": t4 * 1e3 / raw[chunk],
-            "bit_exact": exact, "stage_busy_ms_window4": stage_ms,
+            "bit_exact": exact, "stage_busy_ms_window4": stage_ms, "timeline_ms_window4": line_ms,
             "push_ms_all": {str(k): [x * 1e3 for x in v] for k, v in times.items()},
             "trace_summary": trace_summary,
         })

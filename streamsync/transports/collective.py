@@ -193,16 +193,20 @@ def launch_broadcast(pg: Any, tensor: torch.Tensor, stream: torch.cuda.Stream,
     return done
 
 
+class Stalled(TransportError):
+    """A collective did not finish in time: a peer died or froze."""
+
+
 def wait_event(ev: torch.cuda.Event, timeout: float, what: str) -> None:
     """Wait for `ev` from the host for at most `timeout` seconds (polling: a stuck collective never returns
-    from `synchronize`)."""
+    from `synchronize`). Polls at most 100 us apart: the sender's next broadcast launch waits on this."""
     deadline = time.monotonic() + timeout
     pause = 1e-5
     while not ev.query():
         if time.monotonic() > deadline:
-            raise TransportError(f"{what} did not finish within {timeout:.1f}s (a peer died or froze?)")
+            raise Stalled(f"{what} did not finish within {timeout:.1f}s (a peer died or froze?)")
         time.sleep(pause)
-        pause = min(pause * 2, 2e-3)
+        pause = min(pause * 2, 1e-4)
 
 
 def _abort(pg: Any) -> None:
@@ -317,10 +321,10 @@ class CollectiveTransport(Transport):
             offset += w
         self._group, self._backend, self._seq, self._broken = group, backend, 0, None
         prefixed = dist.PrefixStore(group, self._store)
+        device = self.device  # here: a worker thread's current CUDA device is its own (0)
 
         def join() -> Any:
             pg = make_group(backend, prefixed, 0, world, gtimeout, self.master_addr)
-            device = self.device
             # First collective: NCCL builds its communicator here, not in the middle of the first push.
             broadcast(pg, torch.zeros(1, dtype=torch.uint8, device=device if backend == "nccl" else "cpu"))
             return pg
@@ -434,8 +438,10 @@ class CollectiveTransport(Transport):
                     self._prev_sent = sent
                 else:
                     await _in_thread(broadcast, self._pg, buf.tensor, self._side_stream_for(buf.tensor))
-            except RuntimeError as e:  # c10d's errors name no chunk: say which broadcast failed
-                raise TransportError(f"broadcast of chunk {chunk} (seq {seq}) failed: {e}") from e
+            except RuntimeError as e:  # c10d's errors name no chunk or peer: say which broadcast, and who owes it
+                who = ",".join(sorted(pending)) or ",".join(eng.name for eng in engines)
+                raise EngineError(who, f"broadcast of chunk {chunk} (seq {seq}) failed: {e}",
+                                  unresponsive=isinstance(e, Stalled)) from e
 
         async def update(e: Engine) -> None:
             await e.update(info)
