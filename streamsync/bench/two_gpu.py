@@ -500,6 +500,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:  # one case failing keeps the others
             log(f"case {case} FAILED:\n{traceback.format_exc()}")
             rows.append({"case": case, "error": f"{type(e).__name__}: {e}"})
+        if not setup.smoke:  # the case's memory back before the next one starts processes on these GPUs
+            torch.cuda.empty_cache()
         if getattr(args, "json", None):  # write as we go: a later case that hangs and is killed keeps the earlier rows
             _write(args.json, rows, env, t0)
     print()
@@ -535,12 +537,26 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--smoke", action="store_true", help="every case on CPU (gloo, shared memory, tiny shapes)")
 
 
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """The rows of several runs (e.g. one machine call per case) in one result, in the order given."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    return {"rows": [r for p in parts for r in p["rows"]], "environment": parts[0]["environment"],
+            "runs": [{"file": str(path), "environment": p["environment"], "wall_s": p.get("wall_s")}
+                     for path, p in zip(paths, parts, strict=True)]}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="write the rows here (as each case ends)")
+    ap.add_argument("--merge", type=Path, nargs="+", help="instead of running: merge these result files into --json "
+                    "and print the table")
     add_arguments(ap)
     args = ap.parse_args(argv)
-    result = run(args)
+    if args.merge:
+        result = merge(args.merge)
+        print(table(result["rows"]))
+    else:
+        result = run(args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
