@@ -348,6 +348,25 @@ async def test_nccl_buffers_are_not_reused_before_a_slow_receiver_gpu_unpacked_t
         await sync.close()
 
 
+@gpu
+@two_gpus
+async def test_nccl_ordering_can_change_between_pushes(tmp_path):
+    # Device-ordered and host-ordered pushes (the handle says which) alternate on one group and one pair of
+    # receive buffers, with a slow receiver GPU: a missed wait when switching would show in the bits.
+    model = StateModule(QWEN_SMALL, fill="random", seed=7, device="cuda:0")
+    with ReceiverProcess(str(save_specs(QWEN_SMALL, tmp_path / "q.json")), device="cuda:1", fused=True,
+                         gpu_delay_ms=2) as rp:
+        engine = rp.engine()
+        transport = CollectiveTransport("nccl", group_timeout=60)
+        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK, timeout=120)
+        for step, ordering in enumerate(("device", "host", "device", "host")):
+            transport.ordering = ordering
+            _perturb(model, 40 + step)
+            await sync.push(model, max_inflight=4)
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), ordering
+        await sync.close()
+
+
 NCCL_GROUP_TIMEOUT = 10.0  # NCCL's communicator set-up on a fresh group takes a few seconds
 
 

@@ -255,15 +255,22 @@ class CollectiveTransport(Transport):
     must reach it; nothing else can. device: where send buffers live (default: CUDA for NCCL, CPU for gloo).
     group_timeout: the rendezvous, every collective and every acknowledgement (default: the sync's timeout).
     close_timeout: `close()` returns within this many seconds whatever the receivers do.
+    ordering: "device" (NCCL with CUDA buffers: streams wait on events, module doc) or "host" (each side
+    waits for every broadcast and copy on the host, the first version's protocol; kept for comparison). Each
+    handle says which, so it may change between pushes.
     An engine with several workers says so with an int attribute `workers` (default 1)."""
 
     name = "collective"
 
     def __init__(self, backend: str = "auto", *, master_addr: str = "127.0.0.1", master_port: int = 0,
                  device: torch.device | str | None = None, keep_pool: bool = True,
-                 group_timeout: float | None = None, close_timeout: float = CLOSE_TIMEOUT) -> None:
+                 group_timeout: float | None = None, close_timeout: float = CLOSE_TIMEOUT,
+                 ordering: str = "device") -> None:
         if backend not in (*BACKENDS, "auto"):
             raise ValidationError(f"collective backend must be one of {(*BACKENDS, 'auto')}, got {backend!r}")
+        if ordering not in ("device", "host"):
+            raise ValidationError(f"ordering must be 'device' or 'host', got {ordering!r}")
+        self.ordering = ordering
         self.backend = backend
         self.master_addr = master_addr
         self.master_port = master_port
@@ -366,7 +373,7 @@ class CollectiveTransport(Transport):
 
     def _streamed(self, t: torch.Tensor) -> bool:
         """Device-ordered protocol (module doc): NCCL with CUDA buffers."""
-        return t.is_cuda and getattr(self, "_backend", self.backend) == "nccl"
+        return t.is_cuda and getattr(self, "_backend", self.backend) == "nccl" and self.ordering == "device"
 
     # -- per push --------------------------------------------------------------------------------------
 
@@ -419,8 +426,9 @@ class CollectiveTransport(Transport):
         seq = self._seq
         self._seq += 1
         chunk = update_info.get("chunk")
-        info = {**update_info, "handle": {"group": self._group, "seq": seq, "nbytes": buf.tensor.numel()}}
         streamed = self._streamed(buf.tensor)
+        info = {**update_info, "handle": {"group": self._group, "seq": seq, "nbytes": buf.tensor.numel(),
+                                          "device_ordered": streamed}}
         pending = {e.name for e in engines}
         ok = False
 
@@ -590,13 +598,13 @@ class CollectiveReceiver(Receiver):
         return r
 
     @property
-    def _streamed(self) -> bool:
+    def _nccl(self) -> bool:
         return self.backend == "nccl"
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self._bufs[slot]
         if buf is None or buf.numel() < nbytes:
-            if buf is not None and self._streamed:  # its broadcast or loads may still be queued
+            if buf is not None and self._nccl:  # its broadcast or loads may still be queued
                 self._drain()
             self._bufs[slot] = None  # free the old one first
             self._views.clear()
@@ -617,12 +625,17 @@ class CollectiveReceiver(Receiver):
             raise ValidationError(f"collective chunk size must be a positive int, got {size!r:.40}")
         if nbytes is not None and size != nbytes:  # before the receive buffer grows to what a handle claims
             raise ValidationError(f"collective chunk {seq} is {size} bytes, its layout {nbytes}")
+        ordered = h.get("device_ordered", False)
+        if type(ordered) is not bool:
+            raise ValidationError(f"collective handle device_ordered must be a bool, got {ordered!r:.40}")
         if self._pg is None:
             raise TransportError("collective receiver is closed")
-        if self._streamed:
+        if ordered and self._nccl:
             with self._open_streamed(seq, size) as buf:
                 yield buf
             return
+        if self._nccl:  # the host protocol after a device-ordered round: that round's work is done first
+            self._drain()
         buf = self._buffer(0, size)
         self._seq += 1
         try:
@@ -676,7 +689,7 @@ class CollectiveReceiver(Receiver):
 
     def end_round(self) -> None:
         """Before a round's end is acknowledged, every broadcast and copy into the parameters has finished."""
-        if self._streamed and self._pg is not None:
+        if self._nccl and self._pg is not None:
             self._drain()
 
     def close(self) -> None:
