@@ -149,6 +149,9 @@ def _new_backend(backend: str, store: Any, rank: int, world_size: int, timeout: 
             raise TransportError("this torch build has no NCCL; use backend='gloo'")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
+        # The broadcasts are the critical path: their kernels go before the pack and unpack copies that
+        # overlap them (those run on ordinary streams).
+        opts.is_high_priority_stream = True
         # Read by the constructor: on a timed-out collective abort this group's communicator and raise in
         # the waiter (2), instead of terminating the process (torch's default, 3).
         with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
