@@ -450,9 +450,11 @@ class CollectiveTransport(Transport):
                 else:
                     await _in_thread(broadcast, self._pg, buf.tensor, self._side_stream_for(buf.tensor))
             except RuntimeError as e:  # c10d's errors name no chunk or peer: say which broadcast, and who owes it
+                # Engines that had not acknowledged are dead, frozen, or inside the broken collective until
+                # its timeout: the failed push does not wait for them again (unresponsive).
                 who = ",".join(sorted(pending)) or ",".join(eng.name for eng in engines)
                 raise EngineError(who, f"broadcast of chunk {chunk} (seq {seq}) failed: {e}",
-                                  unresponsive=isinstance(e, Stalled)) from e
+                                  unresponsive=bool(pending) or isinstance(e, Stalled)) from e
 
         async def update(e: Engine) -> None:
             await e.update(info)
