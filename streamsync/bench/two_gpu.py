@@ -459,7 +459,8 @@ def _fmt(v: Any, digits: int = 2) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     cols = [("case", "case"), ("GB", "bytes"), ("chunk MiB", "chunk_bytes"), ("w4 ms", "push_ms_window4"),
-            ("w1 ms", "push_ms_window1"), ("raw ms", "raw_broadcast_ms"), ("raw/w4", "fraction_of_raw_window4"),
+            ("w1 ms", "push_ms_window1"), ("w4 host-ordered ms", "push_ms_window4_host_ordered"),
+            ("raw ms", "raw_broadcast_ms"), ("raw/w4", "fraction_of_raw_window4"),
             ("coalesced ms", "coalesced_ms"), ("per-param ms", "per_parameter_ms"),
             ("gather busy c/p ms", "gather_busy_ms"), ("collectives c/p", "collectives"), ("exact", "bit_exact")]
     out = [[c for c, _ in cols]]
@@ -473,7 +474,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             if k == "bytes" and v is not None:
                 v = v / 1e9
             elif k == "chunk_bytes" and v is not None:
-                v = f"{v // MiB}"
+                v = f"{v / MiB:g}"
             cells.append(_fmt(v))
         out.append(cells)
     widths = [max(len(row[i]) for row in out) for i in range(len(cols))]
