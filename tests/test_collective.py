@@ -182,3 +182,13 @@ async def test_the_rendezvous_store_listens_only_on_the_address_asked_for(receiv
     await sync.connect()
     assert _listening(transport._store.port) == ["0100007F"]  # 127.0.0.1 only; 0.0.0.0 would be 00000000
     await sync.close()
+
+
+def test_a_handle_must_say_plainly_whether_it_is_device_ordered():
+    rx = object.__new__(CollectiveReceiver)  # past the rendezvous: only the handle checks run here
+    rx.group, rx._seq, rx._pg, rx._bufs, rx.backend = "g", 0, object(), [None, None], "gloo"
+    with pytest.raises(ValidationError, match="device_ordered"), rx.open(
+            {"handle": {"group": "g", "seq": 0, "nbytes": 64, "device_ordered": "yes"}}, 64):
+        pass
+    with pytest.raises(ValidationError, match="ordering"):
+        CollectiveTransport("nccl", ordering="sometimes")
