@@ -192,3 +192,38 @@ def test_a_handle_must_say_plainly_whether_it_is_device_ordered():
         pass
     with pytest.raises(ValidationError, match="ordering"):
         CollectiveTransport("nccl", ordering="sometimes")
+
+
+class _StuckGroup:
+    """A process group whose abort never returns (as a communicator whose kernel cannot be stopped). The one
+    stand-in here: such a failure cannot be produced on purpose with a real group."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def abort(self) -> None:
+        self.release.wait(60)
+
+
+async def test_close_abandons_a_group_whose_abort_hangs_and_returns_within_its_bound():
+    import anyio
+
+    transport = CollectiveTransport("gloo", close_timeout=0.5)
+    stuck = _StuckGroup()
+    transport._pg = stuck
+    ticks = 0
+
+    async def tick() -> None:  # the event loop keeps running while close waits
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.05)
+            ticks += 1
+
+    t0 = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        await transport.close()
+        tg.cancel_scope.cancel()
+    assert time.monotonic() - t0 < 2 and ticks >= 5
+    assert transport._pg is None
+    stuck.release.set()
