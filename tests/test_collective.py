@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+import anyio
 import pytest
 
 from streamsync import PushError, WeightSync
@@ -206,8 +207,6 @@ class _StuckGroup:
 
 
 async def test_close_abandons_a_group_whose_abort_hangs_and_returns_within_its_bound():
-    import anyio
-
     transport = CollectiveTransport("gloo", close_timeout=0.5)
     stuck = _StuckGroup()
     transport._pg = stuck
