@@ -584,6 +584,7 @@ class CollectiveReceiver(Receiver):
         self._views: dict[tuple[int, Layout], list[tuple[str, torch.Tensor]]] = {}
         self._recv_stream: torch.cuda.Stream | None = None
         self._load_streams: set[torch.cuda.Stream] = set()
+        self._queued = False  # device-ordered work may be queued (drained by end_round)
 
     @staticmethod
     def _worker_rank(info: dict[str, Any], workers: int) -> int:
@@ -639,7 +640,7 @@ class CollectiveReceiver(Receiver):
             with self._open_streamed(seq, size) as buf:
                 yield buf
             return
-        if self._nccl:  # the host protocol after a device-ordered round: that round's work is done first
+        if self._queued:  # the host protocol right after device-ordered chunks: their work is done first
             self._drain()
         buf = self._buffer(0, size)
         self._seq += 1
@@ -660,6 +661,7 @@ class CollectiveReceiver(Receiver):
         if self._recv_stream is None:
             self._recv_stream = torch.cuda.Stream(self.device)
         self._seq += 1
+        self._queued = True
         try:
             got = launch_broadcast(self._pg, buf, self._recv_stream, self._free[slot])
         except RuntimeError as e:
@@ -691,6 +693,7 @@ class CollectiveReceiver(Receiver):
                 ev = torch.cuda.Event()
                 ev.record(s)
                 wait_event(ev, self.timeout, f"collective receive of group {self.group}")
+        self._queued = False
 
     def end_round(self) -> None:
         """Before a round's end is acknowledged, every broadcast and copy into the parameters has finished."""
