@@ -302,7 +302,7 @@ class WeightSync:
             except PushError as e:
                 log.error("push failed", stage=e.stage, chunk=e.chunk, receiver=e.receiver, error=str(e))
                 if sending:
-                    await self._abort_all(log)
+                    await self._abort_all(log, skip=e.unresponsive)
                 if e.stage == "finish":  # some engines may report `version` now: never reuse the number
                     self.version = max(self.version, version)
                 self._write_trace(trace)
@@ -365,8 +365,10 @@ class WeightSync:
         """Reset every engine's prefix cache now (e.g. once requests kept across a push have finished)."""
         return await self._reset_caches(self.log)
 
-    async def _abort_all(self, log: Any) -> None:
-        """End the failed round on every engine (shielded: runs even when the push was cancelled)."""
+    async def _abort_all(self, log: Any, skip: frozenset[str] = frozenset()) -> None:
+        """End the failed round on every engine (shielded: runs even when the push was cancelled), except
+        those in `skip`: they did not answer in time, and waiting for them again would hold the error back
+        by another timeout. They never finished the round, so they keep reporting the old version."""
         async def one(e: Engine) -> None:
             try:
                 with anyio.fail_after(self.timeout):
@@ -377,7 +379,8 @@ class WeightSync:
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
                 for e in self.engines:
-                    tg.start_soon(one, e)
+                    if e.name not in skip:
+                        tg.start_soon(one, e)
 
     async def _each_engine(self, method: str, *args: Any, stage: str) -> None:
         async def one(e: Engine) -> None:
@@ -426,5 +429,4 @@ class WeightSync:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._each_engine("resume", stage="resume")
-
 

@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda:"):  # this process's work (and torch.cuda._sleep) goes to that GPU
+        torch.cuda.set_device(args.device)
     from .models import StateModule, load_specs
 
     if args.fused:
