@@ -126,8 +126,8 @@ async def _failing_push(rig: Rig, sync: WeightSync, fault: Any, after: float, ou
 
     def fire() -> None:
         when.append(time.monotonic())
+        fired.set()  # before the fault: the push may fail (and this be read) before a SIGKILL's wait returns
         fault()
-        fired.set()
 
     timer = threading.Timer(after, fire)
     timer.start()
