@@ -357,9 +357,11 @@ class CaseResult:
     is_sender: bool = False
 
 
-def run_cases(rank: int, world_size: int, cases: Sequence[Case], ports: Mapping[str, int]) -> list[dict]:
+def run_cases(rank: int, world_size: int, cases: Sequence[Case],
+              receivers: Mapping[str, tuple[int, str]]) -> list[dict]:
     """Worker: for each case, set up parallel_state, build the model, load its HF weights, push (the sender into
-    the receiver at `ports[case.name]`, the other ranks with no engines) and report (`CaseResult` dicts)."""
+    the receiver at `receivers[case.name]`: (port, secret); the other ranks with no engines) and report
+    (`CaseResult` dicts)."""
     import anyio
     import torch.distributed as dist
 
@@ -378,7 +380,8 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case], ports: Mapping[
 
         async def main(case: Case = case, model: list = model, res: CaseResult = res,
                        hf: dict[str, torch.Tensor] = hf) -> dict[str, torch.Tensor]:
-            engines = [ReceiverEngine("127.0.0.1", ports[case.name], timeout=60)] if rank == 0 else []
+            port, secret = receivers[case.name]
+            engines = [ReceiverEngine("127.0.0.1", port, secret=secret, timeout=60)] if rank == 0 else []
             options = {"hf_config": case.model.hf_config(), "coalesce": case.coalesce}
             sync = WeightSync(engines, chunk_bytes=case.chunk_bytes, timeout=60, source_options=options)
             for i in range(case.pushes):
