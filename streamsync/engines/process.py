@@ -272,15 +272,16 @@ def _shut(conn: socket.socket) -> None:
 
 
 def _refuse(conn: socket.socket, rf: BinaryIO, wf: BinaryIO, error: str) -> None:
-    """Say why, then close. What the client still sends is read and dropped for up to a second, 64 KiB at a
-    time (closing with unread bytes would reset the connection, and the client could lose the reason)."""
+    """Say why, then close. What the client still sends is read and dropped, 64 KiB at a time, for up to a
+    second and 16 MiB (closing with unread bytes resets the connection, and the client could lose the reason)."""
     _send(wf, {"ok": False, "error": error})
     conn.shutdown(socket.SHUT_WR)
     conn.settimeout(1.0)
     deadline = time.monotonic() + 1.0
     try:
-        while time.monotonic() < deadline and conn.recv(1 << 16):
-            pass
+        for _ in range(256):
+            if time.monotonic() > deadline or not conn.recv(1 << 16):
+                break
     except OSError:
         pass
 
