@@ -179,6 +179,7 @@ class ReceiverServer:
             # The whole handshake within handshake_timeout (a per-read timeout would let a client that sends a
             # byte at a time hold its slot for hours): the watchdog shuts the socket, which ends any read.
             watchdog = threading.Timer(self.handshake_timeout, _shut, (conn,))
+            watchdog.daemon = True  # a pending handshake never delays the receiver's exit
             watchdog.start()
             try:
                 authenticated = self._handshake(conn, rf, wf)
