@@ -11,9 +11,12 @@ import json
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
 
+import anyio
 import psutil
 import pytest
 import torch
@@ -119,6 +122,62 @@ async def test_idle_connections_do_not_block_a_push(rx, mixed_specs_path):
     assert hostile.recv(100) == b""
     assert time.monotonic() - t0 < 10
     hostile.close()
+
+
+def test_a_client_trickling_bytes_is_dropped_when_the_handshake_time_is_up(rx):
+    s, _ = _hostile(rx)
+    t0 = time.monotonic()
+    with s:
+        try:
+            while time.monotonic() - t0 < 15:  # one byte a second: no single read ever waits long
+                s.sendall(b"{")
+                time.sleep(1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert time.monotonic() - t0 < 9  # the handshake as a whole gets 5 s
+
+
+async def test_waiting_handshakes_are_capped_and_the_slots_come_back(rx):
+    waiting = [_hostile(rx)[0] for _ in range(64)]
+    try:
+        s, hello = _hostile(rx)
+        with s:
+            assert hello == {"ok": False, "error": "too many connections waiting to authenticate; try again"}
+    finally:
+        for w in waiting:
+            w.close()
+    time.sleep(0.5)
+    engine = rx.engine()
+    assert await engine.call("ping") == "pong"
+    await engine.close()
+
+
+def test_a_receiver_started_by_hand_writes_its_secret_to_a_private_new_file(mixed_specs_path, tmp_path):
+    path = tmp_path / "secret"
+    cmd = [sys.executable, "-m", "streamsync.testing.receiver", "--specs", str(mixed_specs_path)]
+    env = {k: v for k, v in os.environ.items() if k != "STREAMSYNC_RECEIVER_SECRET"}
+    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "no secret" in refused.stderr
+    proc = subprocess.Popen([*cmd, "--secret-file", str(path)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline().split()[1])
+        assert path.stat().st_mode & 0o777 == 0o600
+        secret = path.read_text().strip()
+        assert len(secret) == 64 and secret not in " ".join(psutil.Process(proc.pid).cmdline())
+
+        async def ping() -> str:
+            engine = ReceiverEngine("127.0.0.1", port, secret=secret)
+            try:
+                return await engine.call("ping")
+            finally:
+                await engine.close()
+
+        assert anyio.run(ping) == "pong"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    again = subprocess.run([*cmd, "--secret-file", str(path)], env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "FileExistsError" in again.stderr  # never reuses a file someone may have placed
 
 
 def _rss(pid: int) -> int:
