@@ -143,6 +143,8 @@ async def test_waiting_handshakes_are_capped_and_the_slots_come_back(rx):
         s, hello = _hostile(rx)
         with s:
             assert hello == {"ok": False, "error": "too many connections waiting to authenticate; try again"}
+        with pytest.raises(EngineError, match="refused the connection: too many connections waiting"):
+            await rx.engine().get_version()
     finally:
         for w in waiting:
             w.close()

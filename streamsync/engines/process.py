@@ -316,6 +316,8 @@ class ReceiverEngine(Engine):
         self._buffered = BufferedByteReceiveStream(self._stream)
         hello = _json_line(self.name, await self._buffered.receive_until(b"\n", _HELLO_LINE))
         challenge = hello.get("challenge")
+        if hello.get("ok") is False:  # e.g. too many connections waiting to authenticate
+            raise EngineError(self.name, f"receiver refused the connection: {hello.get('error')}")
         if not isinstance(challenge, str):
             raise EngineError(self.name, "not a streamsync receiver: no authentication challenge")
         nonce = secrets.token_hex(16)
