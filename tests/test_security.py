@@ -294,6 +294,11 @@ async def test_vllm_serve_routes_refuse_requests_without_the_key(keyed_server):
 
     server, key = keyed_server
     assert key not in " ".join(psutil.Process(server.proc.pid).cmdline())  # not readable by other users
+    tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
+    listening = {(p.pid, c.laddr.ip, c.laddr.port) for p in tree for c in p.net_connections(kind="inet")
+                 if c.status == "LISTEN"}
+    assert (server.proc.pid, "127.0.0.1", server.port) in listening
+    assert {ip for _, ip, _ in listening} <= {"127.0.0.1", "::1"}, listening  # nothing on other interfaces
     async with aiohttp.ClientSession() as s:
         for method, path in ROUTES:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {key}"}):
