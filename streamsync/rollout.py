@@ -361,7 +361,9 @@ class StreamingRollout:
             try:
                 async with self.sync.paused(mode=self.pause_mode, clear_cache=self.clear_cache):
                     report = await self.sync.push(model, version=version)
-                    self._label = report.version
+                # Tokens that arrive from here on were sampled by the new weights (label them after resume:
+                # a token generated before the pause may still be on the wire while the engines are paused).
+                self._label = report.version
             except StreamSyncError:
                 self.stats.failed_updates += 1
                 raise
