@@ -1,0 +1,296 @@
+"""Faults with real processes: cancelled pushes, mixed weights after a failure, dead and frozen engines,
+versions, two syncs on one receiver, unreachable engines. docs/reliability.md holds the fault matrix these
+tests check. vLLM cases use the session's engines (tests/conftest.py) and one extra `vllm serve` that is
+killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import anyio
+import pytest
+
+from streamsync import EngineError, PushError, StreamSyncError, ValidationError, WeightSync
+from streamsync.checksum import digests
+from streamsync.engines.base import EngineState
+from streamsync.engines.process import ReceiverEngine
+from streamsync.errors import PushTimeout
+from streamsync.receiver import RoundOwned, WeightReceiver
+from streamsync.testing.models import StateModule
+from streamsync.testing.receiver import ReceiverProcess
+
+CHUNK = 1 << 20
+
+
+def tapped(cls: type) -> type:
+    """`cls` with an event set once the engine acknowledged its first chunk: a test cancels a push there,
+    mid-round, instead of at a guessed moment."""
+
+    class Tapped(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            self.first_ack = anyio.Event()
+
+        async def update(self, update_info) -> None:
+            await super().update(update_info)
+            self.first_ack.set()
+
+    return Tapped
+
+
+async def _cancel_after_first_chunk(sync: WeightSync, engine, model, how: str) -> None:
+    """Push `model` and cancel the push once the engine acknowledged a chunk, the way a user would."""
+    if how == "move_on_after":
+        async with anyio.create_task_group() as tg:
+            async def push() -> None:
+                with anyio.CancelScope() as scope:
+                    tg.start_soon(_cancel_at, engine.first_ack, scope)
+                    await sync.push(model)
+            tg.start_soon(push)
+    elif how == "fail_after":
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(60) as scope:
+                async with anyio.create_task_group() as tg:
+                    async def expire() -> None:
+                        await engine.first_ack.wait()
+                        scope.deadline = anyio.current_time()  # the deadline passes mid-push
+                    tg.start_soon(expire)
+                    await sync.push(model)
+    else:  # asyncio task.cancel()
+        task = asyncio.ensure_future(sync.push(model))
+        await engine.first_ack.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def _cancel_at(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+@pytest.fixture(scope="module")
+def slow_receiver(qwen_specs_path):
+    """A receiver taking 50 ms per chunk: a push is still running when a test cancels it. Every test leaves
+    it with no round open (that is what they check), so one serves the module."""
+    with ReceiverProcess(str(qwen_specs_path), delay=0.05, name="slow", threads=1) as rp:
+        yield rp
+
+
+@pytest.fixture(scope="module")
+def rx(qwen_specs_path):
+    """A receiver shared by the tests that use automatic versions."""
+    with ReceiverProcess(str(qwen_specs_path), name="rx", threads=1) as rp:
+        yield rp
+
+
+# ------------------------------------------------------------------------------------- cancellation
+
+
+@pytest.mark.parametrize("how", ["move_on_after", "fail_after", "task.cancel"])
+async def test_a_cancelled_push_ends_the_round_and_the_next_push_succeeds(slow_receiver, qwen_model, how):
+    engine = tapped(ReceiverEngine)("127.0.0.1", slow_receiver.port, name="slow")
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    await _cancel_after_first_chunk(sync, engine, qwen_model, how)
+    status = await engine.call("status")
+    assert status["updating"] is False  # the round was ended before the cancellation propagated
+    report = await sync.push(qwen_model)
+    assert await engine.get_version() == report.version
+    assert await engine.checksums() == digests(qwen_model.state_dict().items())
+    await sync.close()
+
+
+async def test_a_push_past_its_time_limit_says_what_was_running(slow_receiver, qwen_model):
+    sync = WeightSync([slow_receiver.engine()], chunk_bytes=CHUNK)
+    with pytest.raises(PushTimeout, match=r"did not finish within 0\.3 s \(.*chunk \d+ was running") as err:
+        await sync.push(qwen_model, time_limit=0.3)
+    assert isinstance(err.value, TimeoutError)
+    assert (await sync.engines[0].call("status"))["updating"] is False
+    await sync.close()
+
+
+# --------------------------------------------------------------------------------- mixed weights
+
+
+async def test_a_failed_push_leaves_the_engine_reporting_mixed_weights_not_its_old_version(rx, qwen_model):
+    engine = rx.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    old = (await sync.push(qwen_model)).version
+    sync.faults["pack"] = 4  # chunks 0-3 are applied
+    with pytest.raises(PushError):
+        await sync.push(qwen_model)
+    state = await engine.state()
+    assert state.mixed and state.version is None and await engine.get_version() is None  # not `old`
+    assert sync.mixed == {engine.name: old + 1}
+    sync.faults.clear()
+    await sync.push(qwen_model)  # the retry (same version) clears it
+    assert sync.mixed == {} and await engine.state() == EngineState(old + 1, updating=False)
+    await sync.close()
+
+
+async def test_a_push_failing_before_any_chunk_moved_leaves_the_engine_clean(rx, qwen_model):
+    engine = rx.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    old = (await sync.push(qwen_model)).version
+    sync.faults["gather"] = 0
+    with pytest.raises(PushError):
+        await sync.push(qwen_model)
+    assert sync.mixed == {} and await engine.get_version() == old
+    await sync.close()
+
+
+async def test_paused_keeps_an_engine_with_mixed_weights_paused(rx, qwen_model):
+    engine = rx.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK, faults={"pack": 4})
+    with pytest.raises(PushError):
+        async with sync.paused():
+            await sync.push(qwen_model)
+    assert (await engine.call("status"))["paused"] is True  # it would serve half-new weights
+    sync.faults.clear()
+    async with sync.paused():  # the next successful push clears the state, and it resumes
+        await sync.push(qwen_model)
+    assert (await engine.call("status"))["paused"] is False
+    await sync.close()
+
+
+async def test_paused_resumes_an_engine_with_mixed_weights_when_asked(rx, qwen_model):
+    engine = rx.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK, faults={"pack": 4})
+    with pytest.raises(PushError):
+        async with sync.paused(resume_on_failure=True):
+            await sync.push(qwen_model)
+    assert (await engine.call("status"))["paused"] is False
+    await sync.close()
+
+
+# ------------------------------------------------------------------------------- dead and frozen
+
+
+async def test_a_killed_receiver_is_reported_as_an_exited_process(qwen_specs_path, qwen_model):
+    with ReceiverProcess(str(qwen_specs_path), name="doomed") as rp:
+        sync = WeightSync([rp.engine(timeout=30)], chunk_bytes=CHUNK, timeout=30)
+        await sync.connect()
+        rp.kill()
+        t0 = time.monotonic()
+        with pytest.raises(PushError, match="engine process exited"):
+            await sync.push(qwen_model)
+        assert time.monotonic() - t0 < 5  # not the timeout, and the abort does not wait a timeout again
+        await sync.close()
+
+
+async def test_a_frozen_receiver_fails_within_the_timeout_plus_the_abort_bound(qwen_specs_path, qwen_model):
+    with ReceiverProcess(str(qwen_specs_path), name="frozen") as rp:
+        sync = WeightSync([rp.engine(timeout=3)], chunk_bytes=CHUNK, timeout=3, abort_timeout=1)
+        await sync.connect()
+        os.kill(rp.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(PushError, match=r"no reply in 3\.0 s"):
+                await sync.push(qwen_model)
+            assert time.monotonic() - t0 < 3 + 1 + 1
+            assert sync.open_rounds == {"frozen"}  # its round could not be ended: paused() keeps it paused
+        finally:
+            os.kill(rp.pid, signal.SIGCONT)
+        await sync.push(qwen_model)  # thawed, it takes the next push
+        assert sync.open_rounds == set()
+        await sync.close()
+
+
+# ------------------------------------------------------------------------------------------ versions
+
+
+@pytest.mark.parametrize("bad", ["abc", "3", 2.5, -1, True])
+async def test_a_version_that_is_not_a_non_negative_integer_is_refused(rx, qwen_model, bad):
+    sync = WeightSync([rx.engine()], chunk_bytes=CHUNK)
+    with pytest.raises(ValidationError, match="version"):
+        await sync.push(qwen_model, version=bad)
+    await sync.close()
+
+
+async def test_versions_must_move_forward(qwen_receiver, qwen_model):
+    sync = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK)
+    await sync.push(qwen_model, version=5)
+    for v in (5, 4):
+        with pytest.raises(ValidationError, match=f"version {v} does not move forward"):
+            await sync.push(qwen_model, version=v)
+    await sync.close()
+    later = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK)  # learns version 5 from the engine
+    with pytest.raises(ValidationError, match="does not move forward"):
+        await later.push(qwen_model, version=3)
+    await later.close()
+
+
+async def test_a_failed_push_may_be_retried_with_its_version(qwen_receiver, qwen_model):
+    engine = qwen_receiver.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK, faults={"send": 2})
+    with pytest.raises(PushError):
+        await sync.push(qwen_model, version=8)
+    sync.faults.clear()
+    await sync.push(qwen_model, version=8)
+    assert await engine.get_version() == 8
+    await sync.close()
+
+
+# ------------------------------------------------------------------------- two syncs, one receiver
+
+
+def test_a_round_refuses_another_owners_start_update_and_finish():
+    rx = WeightReceiver()
+    rx.start(owner="a" * 32, stale_after=60)
+    with pytest.raises(RoundOwned, match="another WeightSync"):
+        rx.start(owner="b" * 32)
+    with pytest.raises(RoundOwned, match="another WeightSync"):
+        rx.update({"owner": "b" * 32, "layout": {}, "handle": {}}, lambda w: None)
+    with pytest.raises(RoundOwned, match="another WeightSync"):
+        rx.finish(9, owner="b" * 32)
+    rx.finish(9, owner="a" * 32)  # the owner's round was not disturbed
+    assert rx.version == 9
+
+
+async def test_a_second_sync_cannot_push_into_a_round_another_sync_left_open(qwen_receiver, qwen_model):
+    first = qwen_receiver.engine(timeout=2)
+    a = WeightSync([first], chunk_bytes=CHUNK, timeout=2)
+    await a.connect()
+    await first.start_update()  # a's round is open ...
+    await first.close()  # ... and its connection gone (the receiver serves one connection at a time)
+    other = StateModule(qwen_model.specs(), fill="random", seed=99)
+    b = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK)
+    with pytest.raises(StreamSyncError, match="another WeightSync"):
+        await b.push(other)
+    await b.close()
+    await first.abort_update()  # a may still end its own round
+    assert (await first.call("status"))["updating"] is False
+    await first.close()
+
+
+async def test_a_round_its_owner_abandoned_is_taken_over_after_the_owners_timeout(qwen_receiver, qwen_model):
+    first = qwen_receiver.engine(timeout=1)  # the owner's timeout: its push would have failed by then
+    a = WeightSync([first], chunk_bytes=CHUNK, timeout=1)
+    await a.connect()
+    await first.start_update()
+    await first.close()  # a trainer that crashed mid-round
+    await anyio.sleep(1.2)
+    b = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK)
+    await b.push(qwen_model, version=3)
+    assert await b.engines[0].checksums() == digests(qwen_model.state_dict().items())
+    await b.close()
+
+
+# ----------------------------------------------------------------------------------------- connect
+
+
+async def test_connect_to_an_unreachable_engine_is_an_engine_error_naming_it(qwen_receiver):
+    from streamsync.engines.vllm import VllmHttpEngine
+    from streamsync.engines.vllm_server import free_port
+
+    http = VllmHttpEngine(f"http://127.0.0.1:{free_port()}", name="nobody", timeout=5)
+    sync = WeightSync([qwen_receiver.engine(), http])
+    with pytest.raises(EngineError, match=r"'nobody'.*cannot reach") as err:
+        await sync.connect()
+    assert isinstance(err.value, StreamSyncError) and not isinstance(err.value, BaseExceptionGroup)
+    assert http._session is None  # every session was closed
+    await sync.close()
