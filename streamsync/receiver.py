@@ -63,6 +63,11 @@ class WeightReceiver:
         """The version held whole: None from a round's first applied chunk until a round finishes."""
         return None if self.dirty else self.version
 
+    @property
+    def idle_s(self) -> float:
+        """Seconds since the open round's owner was last heard from."""
+        return time.monotonic() - self._touched
+
     def _owned_by_other(self, owner: str | None) -> bool:
         """An open, fresh round of another owner (a round opened without an owner is anyone's)."""
         if not self.updating or self.owner is None or owner == self.owner:

@@ -120,9 +120,9 @@ async def test_a_failed_push_leaves_the_engine_reporting_mixed_weights_not_its_o
     engine = rx.engine()
     sync = WeightSync([engine], chunk_bytes=CHUNK)
     old = (await sync.push(qwen_model)).version
-    sync.faults["pack"] = 4  # chunks 0-3 are applied
+    sync.faults["pack"] = 4
     with pytest.raises(PushError):
-        await sync.push(qwen_model)
+        await sync.push(qwen_model, max_inflight=1)  # one chunk at a time: chunks 0-3 were applied
     state = await engine.state()
     assert state.mixed and state.version is None and await engine.get_version() is None  # not `old`
     assert sync.mixed == {engine.name: old + 1}
@@ -145,7 +145,7 @@ async def test_a_push_failing_before_any_chunk_moved_leaves_the_engine_clean(rx,
 
 async def test_paused_keeps_an_engine_with_mixed_weights_paused(rx, qwen_model):
     engine = rx.engine()
-    sync = WeightSync([engine], chunk_bytes=CHUNK, faults={"pack": 4})
+    sync = WeightSync([engine], chunk_bytes=CHUNK, max_inflight=1, faults={"pack": 4})  # 0-3 applied
     with pytest.raises(PushError):
         async with sync.paused():
             await sync.push(qwen_model)
@@ -159,7 +159,7 @@ async def test_paused_keeps_an_engine_with_mixed_weights_paused(rx, qwen_model):
 
 async def test_paused_resumes_an_engine_with_mixed_weights_when_asked(rx, qwen_model):
     engine = rx.engine()
-    sync = WeightSync([engine], chunk_bytes=CHUNK, faults={"pack": 4})
+    sync = WeightSync([engine], chunk_bytes=CHUNK, max_inflight=1, faults={"pack": 4})  # 0-3 applied
     with pytest.raises(PushError):
         async with sync.paused(resume_on_failure=True):
             await sync.push(qwen_model)
@@ -373,6 +373,40 @@ async def test_a_cancelled_push_into_an_in_process_llm_ends_its_round(vllm_mod, 
     await sync.push(good)
     assert await engine.weight_digests() == expected_digests(good.state_dict(), await engine.packed_modules())
     await sync.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_a_second_sync_cannot_open_a_round_on_a_vllm_engine_another_sync_has_open(vllm_mod, llm, model_dir):
+    from streamsync.engines.vllm import VllmEngine
+    from streamsync.testing.vllm import trainer_from
+
+    first = VllmEngine(llm, name="llm")
+    a = WeightSync([first])
+    await a.connect()
+    await first.start_update()
+    b = WeightSync([VllmEngine(llm, name="llm")], chunk_bytes=1 << 20)
+    with pytest.raises(PushError, match="start refused: the open round belongs to another WeightSync"):
+        await b.push(trainer_from(model_dir, step=45))
+    await first.abort_update()  # the first sync's round was left alone: it ends it itself
+    await b.push(trainer_from(model_dir, step=45))
+    await b.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_a_vllm_round_abandoned_by_a_crashed_sync_is_taken_over_after_the_timeout(vllm_mod, llm, model_dir):
+    from streamsync.engines.vllm import VllmEngine
+    from streamsync.testing.vllm import trainer_from
+
+    first = VllmEngine(llm, name="llm")
+    await WeightSync([first]).connect()
+    await first.start_update()  # ... and the trainer holding it crashes
+    b = WeightSync([VllmEngine(llm, name="llm", timeout=3)], chunk_bytes=1 << 20, timeout=3)
+    await anyio.sleep(3.2)
+    report = await b.push(trainer_from(model_dir, step=46))
+    assert await b.engines[0].get_version() == report.version
+    await b.close()
 
 
 @pytest.fixture(scope="module")

@@ -167,7 +167,7 @@ async def test_a_push_failing_on_the_sender_side_leaves_the_engine_usable(llm, m
     engine = VllmEngine(llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
     await sync.push(trainer_from(model_dir, step=13), version=80)
-    failing = WeightSync([engine], chunk_bytes=1 << 20, faults={"pack": 3})
+    failing = WeightSync([engine], chunk_bytes=1 << 20, max_inflight=1, faults={"pack": 3})  # 0-2 applied
     with pytest.raises(PushError):
         await failing.push(trainer_from(model_dir, step=14), version=81)
     assert (await engine.state()).mixed and failing.mixed == {"llm": 81}

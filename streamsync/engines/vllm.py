@@ -87,6 +87,28 @@ class _Guarded(Engine):
     async def _finish(self, version: str | None) -> None:
         raise NotImplementedError
 
+    async def start_update(self) -> None:
+        """Open a round. vLLM refuses while one is active; a round that is ours (an abort that failed) or
+        that nobody touched for longer than our timeout (its owner crashed: its push has failed by now) is
+        ended and the start retried; a live round of another WeightSync is refused, naming it."""
+        try:
+            await self._start()
+            return
+        except EngineError as e:
+            if "already active" not in str(e):
+                raise
+            refused = e
+        round_ = (await self.rpc("streamsync_round"))[0]
+        owner, idle = round_.get("owner"), float(round_.get("idle_s") or 0.0)
+        if round_.get("open") and owner != self.owner and idle <= self.timeout:
+            raise EngineError(self.name, f"start refused: the open round belongs to another WeightSync (owner "
+                              f"{str(owner)[:8]}, active {idle:.1f} s ago)") from refused
+        await self._finish(None)
+        await self._start()
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
     async def update(self, update_info: dict[str, Any]) -> None:
         self._touched = True
         await self._update(update_info)
@@ -163,7 +185,7 @@ class VllmEngine(_Guarded):
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
         await self._call("init", self.llm.init_weight_transfer_engine, {"init_info": {"streamsync": init_info}})
 
-    async def start_update(self) -> None:
+    async def _start(self) -> None:
         await self._call("start_weight_update", self.llm.start_weight_update)
 
     async def _update(self, update_info: dict[str, Any]) -> None:
@@ -209,7 +231,7 @@ class AsyncVllmEngine(_Guarded):
         req = WeightTransferInitRequest(init_info={"streamsync": init_info})
         await self._run("init", self.engine.init_weight_transfer_engine, req)
 
-    async def start_update(self) -> None:
+    async def _start(self) -> None:
         await self._run("start_weight_update", self.engine.start_weight_update)
 
     async def _update(self, update_info: dict[str, Any]) -> None:
@@ -271,7 +293,7 @@ class VllmHttpEngine(_Guarded):
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
         await self._http("POST", "/init_weight_transfer_engine", json={"init_info": {"streamsync": init_info}})
 
-    async def start_update(self) -> None:
+    async def _start(self) -> None:
         await self._http("POST", "/start_weight_update")
 
     async def _update(self, update_info: dict[str, Any]) -> None:
