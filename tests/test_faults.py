@@ -252,16 +252,18 @@ def test_a_round_refuses_another_owners_start_update_and_finish():
 
 
 async def test_a_second_sync_cannot_push_into_a_round_another_sync_left_open(qwen_receiver, qwen_model):
-    first = qwen_receiver.engine(timeout=2)
-    a = WeightSync([first], chunk_bytes=CHUNK, timeout=2)
+    first = qwen_receiver.engine(timeout=30)  # its round counts as live for 30 s
+    a = WeightSync([first], chunk_bytes=CHUNK, timeout=30)
     await a.connect()
     await first.start_update()  # a's round is open ...
     await first.close()  # ... and its connection gone (the receiver serves one connection at a time)
     other = StateModule(qwen_model.specs(), fill="random", seed=99)
     b = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK)
-    with pytest.raises(StreamSyncError, match="another WeightSync"):
-        await b.push(other)
-    await b.close()
+    try:
+        with pytest.raises(StreamSyncError, match="another WeightSync"):
+            await b.push(other)
+    finally:
+        await b.close()
     await first.abort_update()  # a may still end its own round
     assert (await first.call("status"))["updating"] is False
     await first.close()

@@ -365,9 +365,9 @@ async def test_a_pipeline_failure_lets_the_round_opening_finish_before_the_abort
         await start()
         calls.append("started")
 
-    async def logged_abort() -> None:
+    async def logged_abort(version: int | None = None) -> None:
         calls.append("abort")
-        await abort()
+        await abort(version)
 
     engine.start_update, engine.abort_update = slow_start, logged_abort
     sync = WeightSync([engine], chunk_bytes=CHUNK, faults={"convert": 0})
