@@ -119,6 +119,7 @@ class WeightSync:
         self._hold_cache: tuple[list[ChunkPlan], dict[int, list[str]]] | None = None
         #: the last version pushed (or found on the engines at connect); versions only move forward
         self.version = 0
+        self._claimed = False  # `version` was pushed or found on an engine (else a first push may use 0)
         self._retry_version: int | None = None  # a failed push's version, which a retry may use again
         #: engine name -> version of the failed push that left part of its weights there. Such an engine
         #: reports itself mixed (`Engine.state()`), not its old version; the next successful push clears it.
@@ -157,7 +158,8 @@ class WeightSync:
                     with anyio.fail_after(self.timeout):
                         v = await e.get_version()
                     if v is not None:
-                        self.version = max(self.version, int(v))
+                        self.version = max(self.version, int(v)) if self._claimed else int(v)
+                        self._claimed = True
             except BaseException as exc:
                 with anyio.CancelScope(shield=True):
                     await self._close_quietly()
@@ -277,10 +279,10 @@ class WeightSync:
             raise ValidationError(f"version must be an integer, got {type(version).__name__} {version!r}") from None
         if v < 0:
             raise ValidationError(f"version must be >= 0, got {v}")
-        if v <= self.version and v != self._retry_version:
+        if self._claimed and v <= self.version and v != self._retry_version:
             raise ValidationError(f"version {v} does not move forward: version {self.version} was already pushed "
-                                  "(or found on the engines); pass a larger one, or assign sync.version to restart "
-                                  "the numbering")
+                                  "(or found on the engines); pass a larger one, or assign sync.version (the last "
+                                  "version: the next must be larger) to restart the numbering")
         return v
 
     async def push(self, model: object, *, version: int | None = None, max_inflight: int | None = None,
@@ -342,7 +344,7 @@ class WeightSync:
                 await self._failed(err, job, rounds, log, trace)
                 raise err
             seconds = time.perf_counter() - t0
-            self.version = version
+            self.version, self._claimed = version, True
             self._retry_version = None
             for e in self.engines:  # every tensor was overwritten and every round finished
                 self.mixed.pop(e.name, None)
@@ -379,7 +381,7 @@ class WeightSync:
             for name in rounds.finished:  # these report `version` now, whole
                 self.mixed.pop(name, None)
             if rounds.finished:  # some engines report `version` now: never reuse the number
-                self.version = max(self.version, version)
+                self.version, self._claimed = max(self.version, version), True
                 self._retry_version = None
             else:
                 self._retry_version = version
