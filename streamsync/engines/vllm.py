@@ -103,7 +103,7 @@ class _Guarded(Engine):
         if round_.get("open") and owner != self.owner and idle <= self.timeout:
             raise EngineError(self.name, f"start refused: the open round belongs to another WeightSync (owner "
                               f"{str(owner)[:8]}, active {idle:.1f} s ago)") from refused
-        await self._finish(None)
+        await self._finish(MIXED if owner is not None else None)  # a chunk claimed it: weights are mixed
         await self._start()
 
     async def _start(self) -> None:
