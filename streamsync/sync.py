@@ -307,6 +307,8 @@ class WeightSync:
         async with self._lock:  # one push at a time: rounds on an engine must not interleave
             if not self.connected:
                 await self.connect()
+            for e in self.engines:  # an engine client shared by two syncs carries the pushing one's id
+                e.owner = self.owner
             version = self._next_version(version)
             push_id = uuid.uuid4().hex[:8]
             source, plans = self.plan(model)

@@ -283,6 +283,17 @@ async def test_a_round_its_owner_abandoned_is_taken_over_after_the_owners_timeou
     await b.close()
 
 
+async def test_an_engine_client_shared_by_two_syncs_serves_whichever_pushes(rx, qwen_model):
+    engine = rx.engine()
+    a, b = WeightSync([engine], chunk_bytes=CHUNK), WeightSync([engine], chunk_bytes=CHUNK)
+    await a.connect()
+    await b.connect()
+    await a.push(qwen_model)  # not refused as b's round: one client, one owner at a time
+    await b.push(qwen_model)
+    assert await engine.checksums() == digests(qwen_model.state_dict().items())
+    await a.close()
+
+
 # ----------------------------------------------------------------------------------------- connect
 
 
