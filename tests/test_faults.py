@@ -292,6 +292,7 @@ async def test_an_engine_client_shared_by_two_syncs_serves_whichever_pushes(rx, 
     await b.push(qwen_model)
     assert await engine.checksums() == digests(qwen_model.state_dict().items())
     await a.close()
+    await b.close()
 
 
 # ----------------------------------------------------------------------------------------- connect
