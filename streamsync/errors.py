@@ -56,3 +56,7 @@ class PushError(StreamSyncError):
         self.chunk = chunk
         self.receiver = receiver
         self.push_id = push_id
+
+
+class PushTimeout(PushError, TimeoutError):
+    """A push did not finish within the time limit its caller gave (`push(time_limit=...)`)."""

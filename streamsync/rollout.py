@@ -187,7 +187,7 @@ class _HttpClient:
         if self.engine._session is None:
             self.engine._session = aiohttp.ClientSession()
         async with self.engine._session.post(self.engine.url + "/v1/completions", json=body,
-                                             headers=getattr(self.engine, "headers", None) or None,
+                                             headers=getattr(self.engine, "_headers", None) or None,
                                              timeout=aiohttp.ClientTimeout(total=None)) as r:
             if r.status >= 400:
                 raise EngineError(self.name, f"/v1/completions -> HTTP {r.status}: {(await r.text())[:300]}")
