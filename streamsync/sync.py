@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -22,6 +21,9 @@ from .pack import dtype_name
 from .sources import Source, as_source
 from .sources.base import ChunkPlan
 from .trace import Trace
+
+if TYPE_CHECKING:
+    from .trace.viewer import LiveViewer
 from .transports.base import Transport, transport_class
 
 MiB = 1 << 20
@@ -71,6 +73,8 @@ class WeightSync:
     max_inflight: credit window: chunks alive anywhere in the pipeline at once.
     timeout:      seconds any one wait may take (a stage on one chunk, an engine call).
     trace_dir:    where each push writes its Chrome-trace JSON (default: none written).
+    trace_live:   serve the trace viewer from this process and stream every push's spans to it while the
+                  push runs: True (127.0.0.1:8765) or "HOST:PORT" (port 0 picks one); see `viewer_url`.
     faults:       {stage: chunk} raises an InjectedFault there; for testing error paths only.
     reuse_plan:   keep the source and chunk plan for the next push of the same model (see `plan`).
     """
@@ -87,6 +91,7 @@ class WeightSync:
         faults: dict[str, int] | None = None,
         source_options: dict[str, Any] | None = None,
         reuse_plan: bool = True,
+        trace_live: bool | str = False,
     ) -> None:
         if max_inflight < 1:
             raise ValidationError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -104,6 +109,12 @@ class WeightSync:
         self.max_inflight = max_inflight
         self.timeout = timeout
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self.live: LiveViewer | None = None
+        if trace_live:
+            from .trace.viewer import LiveViewer
+
+            self.live = LiveViewer(trace_live if isinstance(trace_live, str) else "127.0.0.1:8765",
+                                   trace_dir=self.trace_dir)
         self.faults = dict(faults or {})
         self.source_options = dict(source_options or {})
         self.reuse_plan = reuse_plan
@@ -121,6 +132,8 @@ class WeightSync:
         """Pick the transport, set up every engine's receiving half, learn what the engines expect."""
         if self.connected:
             return
+        if self.live is not None:
+            await self.live.start()
         if self.transport is None:
             self.transport = transport_class(self._resolve_transport())()
         if self.engines:
@@ -151,7 +164,14 @@ class WeightSync:
             return "cuda_ipc"
         raise ValidationError(f"cannot choose a transport for engines on {sorted(kinds)}: pass transport=")
 
+    @property
+    def viewer_url(self) -> str | None:
+        """The live trace viewer's page (with `trace_live`, once connected)."""
+        return self.live.url if self.live is not None else None
+
     async def close(self) -> None:
+        if self.live is not None:
+            await self.live.stop()
         if self.transport is not None:
             await self.transport.close()
         for e in self.engines:
@@ -241,12 +261,15 @@ class WeightSync:
             source, plans = self.plan(model)
             source.begin_push()
             trace = Trace(push_id)
-            trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
-                              transport=getattr(self.transport, "name", None))
             total = sum(p.nbytes for p in plans)
+            trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
+                              transport=getattr(self.transport, "name", None), bytes=total,
+                              engines=[e.name for e in self.engines])
             log = self.log.bind(push=push_id, version=version)
             log.info("push start", chunks=len(plans), mib=round(total / MiB, 1), window=window)
-            t0 = time.perf_counter()
+            trace.begin()  # the report's seconds and the trace's wall time are one measurement
+            if self.live is not None:
+                self.live.add(trace)
             job = pipeline.Push(
                 push_id=push_id, version=version, source=source, transport=self.transport,
                 engines=self.engines, plans=plans, trace=trace, max_inflight=window,
@@ -267,9 +290,10 @@ class WeightSync:
                     await self._abort_all(log)
                 if e.stage == "finish":  # some engines may report `version` now: never reuse the number
                     self.version = max(self.version, version)
+                trace.fail(e.stage, e.chunk, e.receiver, str(e))
                 self._write_trace(trace)
                 raise
-            seconds = time.perf_counter() - t0
+            seconds = trace.end()
             self.version = version
             report = PushReport(
                 push_id=push_id, version=version, seconds=seconds, bytes=total, chunks=len(plans),

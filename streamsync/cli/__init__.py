@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
 
     trace_p = sub.add_parser("trace", help="pipeline trace viewer")
     trace_sub = trace_p.add_subparsers(dest="trace_cmd", required=True)
-    serve_p = trace_sub.add_parser("serve", help="serve the viewer for a trace file")
-    serve_p.add_argument("file", type=Path)
+    serve_p = trace_sub.add_parser("serve", help="serve the viewer for trace files or directories of them")
+    serve_p.add_argument("file", type=Path, nargs="+", help="trace files and/or directories (listed, compared)")
     serve_p.add_argument("--host", default="127.0.0.1")
     serve_p.add_argument("--port", type=int, default=8765)
     summ_p = trace_sub.add_parser("summary", help="print a trace's per-stage summary")
@@ -52,8 +52,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "trace":
         from ..trace import viewer
 
-        if not args.file.exists():
-            print(f"streamsync: no trace file {args.file}", file=sys.stderr)
+        missing = [str(f) for f in (args.file if isinstance(args.file, list) else [args.file]) if not f.exists()]
+        if missing:
+            print(f"streamsync: no trace file {', '.join(missing)}", file=sys.stderr)
             return 2
         if args.trace_cmd == "summary":
             print(viewer.summary(args.file))
