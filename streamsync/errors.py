@@ -46,6 +46,7 @@ class PushError(StreamSyncError):
         if push_id is not None:
             where.append(f"push={push_id}")
         super().__init__(f"push failed [{' '.join(where)}]: {message}")
+        self.message = message
         self.stage = stage
         self.chunk = chunk
         self.receiver = receiver

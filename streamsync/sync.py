@@ -290,7 +290,7 @@ class WeightSync:
                     await self._abort_all(log)
                 if e.stage == "finish":  # some engines may report `version` now: never reuse the number
                     self.version = max(self.version, version)
-                trace.fail(e.stage, e.chunk, e.receiver, str(e))
+                trace.fail(e.stage, e.chunk, e.receiver, e.message)
                 self._write_trace(trace)
                 raise
             seconds = trace.end()

@@ -102,7 +102,8 @@ class Browser:
         self._pages: list[Page] = []
 
     async def __aenter__(self) -> Browser:
-        self._profile = tempfile.TemporaryDirectory(prefix="streamsync-chromium-")
+        # Chromium's helper processes may still write to the profile as the browser exits
+        self._profile = tempfile.TemporaryDirectory(prefix="streamsync-chromium-", ignore_cleanup_errors=True)
         self._proc = subprocess.Popen([self.executable, *FLAGS, f"--user-data-dir={self._profile.name}",
                                        f"--window-size={self.width},{self.height}", "about:blank"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
