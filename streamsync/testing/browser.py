@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -106,7 +107,7 @@ class Browser:
         self._profile = tempfile.TemporaryDirectory(prefix="streamsync-chromium-", ignore_cleanup_errors=True)
         self._proc = subprocess.Popen([self.executable, *FLAGS, f"--user-data-dir={self._profile.name}",
                                        f"--window-size={self.width},{self.height}", "about:blank"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         port_file = Path(self._profile.name) / "DevToolsActivePort"
         for _ in range(600):  # the browser writes its port once it listens
             if port_file.exists() and len(port_file.read_text().splitlines()) >= 2:
@@ -137,12 +138,15 @@ class Browser:
             await p.ws.close()
         if self._session is not None:
             await self._session.close()
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:  # the browser and its helper processes: its own session's group
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(self._proc.pid, sig)
+                    self._proc.wait(timeout=10)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
         if self._profile is not None:
             self._profile.cleanup()

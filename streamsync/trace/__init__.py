@@ -180,7 +180,7 @@ class Trace:
             })
             if sp.receiver is None:
                 by_chunk.setdefault(sp.chunk, []).append((sp, tids[lane]))
-        # Flow events bind to the slice that encloses their timestamp on their thread ("bp": "e").
+        # Flow steps bind to the slice that encloses their timestamp on their thread (the end step too: "bp": "e").
         salt = zlib.crc32(self.push_id.encode()) << 20
         for chunk, steps in by_chunk.items():
             for i, (sp, t) in enumerate(steps):
@@ -188,7 +188,7 @@ class Trace:
                 if len(steps) == 1:
                     break
                 events.append({"ph": ph, "pid": pid, "tid": t, "name": f"chunk {chunk}", "cat": "chunk",
-                               "id": salt + chunk, "ts": us + sp.start * 1e6, "bp": "e"})
+                               "id": salt + chunk, "ts": us + sp.start * 1e6, **({"bp": "e"} if ph == "f" else {})})
         for sm in self.samples:
             events.append({"ph": "C", "pid": pid, "name": sm.name, "ts": us + sm.t * 1e6,
                            "args": {sm.name: sm.value}})

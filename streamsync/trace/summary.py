@@ -67,7 +67,7 @@ class Summary:
             lines.append(f"  {st:<8} {busy_s} {self.critical_ms.get(st, 0.0):12.1f}")
         if self.error:
             e = self.error
-            lines.append(f"  FAILED in {e['stage']} (chunk {e['chunk']}, engine {e['engine']}): {e['message']}")
+            lines.append(f"  FAILED in {e['stage']} (chunk {e['chunk']}, engine {e['engine'] or '-'}): {e['message']}")
         return "\n".join(lines)
 
 
