@@ -102,35 +102,40 @@ def critical_path(trace: Trace, window: int | None = None) -> list[Span]:
     return path
 
 
+def _int(v: object, default: int) -> int:
+    return int(v) if isinstance(v, int | float | str) and str(v).isdigit() else default
+
+
 def summarize(trace: Trace) -> Summary:
+    """The header numbers of a finished push, or of one still running (wall time up to now)."""
     spans = trace.stage_spans()
     meta = trace.meta
     window = meta.get("max_inflight")
     chunk_bytes: dict[int, int] = {}
     for s in spans:
         chunk_bytes[s.chunk] = max(chunk_bytes.get(s.chunk, 0), s.bytes)
-    nbytes = int(meta.get("bytes") or sum(chunk_bytes.values()))  # type: ignore[call-overload]
+    nbytes = _int(meta.get("bytes"), sum(chunk_bytes.values()))
     first = min((s.start for s in spans), default=0.0)
     last = max((s.end for s in spans), default=0.0)
+    # No wall time yet: a running push (a live trace, t0 on this process's clock), or an older file.
     wall = trace.wall if trace.wall is not None else (trace.now() if trace.t0 else last)
     busy = {st: 0.0 for st in STAGES}
     for s in spans:
-        busy[s.stage] = busy.get(s.stage, 0.0) + (s.end - s.start)
+        busy[s.stage] = busy.get(s.stage, 0.0) + s.end - s.start
     crit = {st: 0.0 for st in STAGES}
-    for s in critical_path(trace, int(window) if isinstance(window, int | str) and str(window).isdigit() else None):
-        crit[s.stage] = crit.get(s.stage, 0.0) + (s.end - s.start)
+    for s in critical_path(trace, _int(window, 0) or None):
+        crit[s.stage] = crit.get(s.stage, 0.0) + s.end - s.start
     crit["other"] = max(wall - sum(crit.values()), 0.0)
-    bound = max(STAGES, key=lambda st: crit[st]) if spans else None
     serial, ideal, pipe = sum(busy.values()), max(busy.values()), last - first
-    overlap = (serial - pipe) / (serial - ideal) if serial - ideal > 1e-9 else 1.0
+    overlap = (serial - pipe) / (serial - ideal) if serial - ideal > 1e-9 else 0.0
     engines = meta.get("engines") or sorted({s.receiver for s in trace.spans if s.receiver})
-    n_chunks = meta.get("chunks") or len(chunk_bytes)
-    gbps = nbytes / wall / 1e9 if wall > 0 and not trace.error else None
     return Summary(
-        push_id=trace.push_id, version=meta.get("version"), chunks=int(n_chunks),  # type: ignore[call-overload]
-        bytes=nbytes, wall_ms=wall * 1e3, gbps=gbps, bounding_stage=bound,
+        push_id=trace.push_id, version=meta.get("version"), chunks=_int(meta.get("chunks"), len(chunk_bytes)),
+        bytes=nbytes, wall_ms=wall * 1e3, gbps=nbytes / wall / 1e9 if wall > 0 and not trace.error else None,
+        bounding_stage=max(STAGES, key=lambda st: crit[st]) if spans else None,
         critical_ms={k: v * 1e3 for k, v in crit.items()}, busy_ms={k: v * 1e3 for k, v in busy.items()},
         pipeline_ms=pipe * 1e3, serial_ms=serial * 1e3, ideal_ms=ideal * 1e3, overlap=min(max(overlap, 0.0), 1.0),
-        window=window, transport=meta.get("transport"), engines=list(engines),  # type: ignore[arg-type]
+        window=window, transport=meta.get("transport"),
+        engines=[str(e) for e in engines] if isinstance(engines, list | tuple | set) else [],
         started=trace.epoch0, error=asdict(trace.error) if trace.error else None, done=trace.done,
     )

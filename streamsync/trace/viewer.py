@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import Trace, load
+from . import Trace, from_chrome, load
 from .summary import summarize
 
 SSE_TICK = 0.1  # seconds between live updates
@@ -90,8 +90,6 @@ def make_app(*paths: str | os.PathLike, live: LiveViewer | None = None) -> web.A
         if path is None:
             raise web.HTTPNotFound(text=f"no trace {name!r}")
         data = json.loads(path.read_text())
-        from . import from_chrome
-
         return web.json_response({"file": name, "trace": data, "summary": summarize(from_chrome(data)).to_dict()})
 
     app = web.Application()
