@@ -138,6 +138,28 @@ async def test_summary_command_prints_the_viewers_header(pushes, capsys):
     assert "bound by send" in out
 
 
+async def test_a_push_lines_up_inside_a_torch_profiler_trace_of_it(tmp_path, qwen_specs_path, qwen_model):
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with ReceiverProcess(str(qwen_specs_path), name="rx-prof", threads=1) as rx:
+        sync = WeightSync([rx.engine()], chunk_bytes=CHUNK, trace_dir=tmp_path)
+        await sync.connect()
+        with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("trainer push"):
+            report = await sync.push(qwen_model)
+        await sync.close()
+    prof.export_chrome_trace(str(tmp_path / "profiler.json"))
+    merged = tmp_path / "merged.json"
+    assert cli(["trace", "merge", str(tmp_path / "profiler.json"), report.trace_path, "-o", str(merged)]) == 0
+    events = json.loads(merged.read_text())["traceEvents"]
+    (outer,) = [e for e in events if e.get("name") == "trainer push" and e.get("ph") == "X"]
+    ours = [e for e in events if e.get("cat") == "streamsync"]
+    assert len(ours) == report.chunks * (len(STAGES) + 1)
+    assert {e["pid"] for e in ours} == {outer["pid"]}
+    # every stage span sits inside the trainer's profiler range around the push
+    assert outer["ts"] <= min(e["ts"] for e in ours)
+    assert max(e["ts"] + e["dur"] for e in ours) <= outer["ts"] + outer["dur"]
+
+
 # -- the page -------------------------------------------------------------------------------------------
 
 BARS = "Object.fromEntries([...new Set([...document.querySelectorAll('rect.bar')].map(r => r.dataset.lane))]" \

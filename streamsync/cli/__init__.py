@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--port", type=int, default=8765)
     summ_p = trace_sub.add_parser("summary", help="print a trace's per-stage summary")
     summ_p.add_argument("file", type=Path)
+    merge_p = trace_sub.add_parser("merge", help="put push traces into a torch.profiler trace, on its clock")
+    merge_p.add_argument("file", type=Path, nargs="+", help="the torch.profiler trace, then streamsync traces")
+    merge_p.add_argument("-o", "--out", type=Path, required=True)
 
     args = ap.parse_args(argv)
     from ..errors import StreamSyncError
@@ -58,6 +61,14 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 2
         if args.trace_cmd == "summary":
             print(viewer.summary(args.file))
+            return 0
+        if args.trace_cmd == "merge":
+            import json
+
+            from ..trace import merge
+
+            profiler, *ours = (json.loads(f.read_text()) for f in args.file)
+            args.out.write_text(json.dumps(merge(profiler, *ours)))
             return 0
         viewer.serve(args.file, args.host, args.port)
         return 0

@@ -250,3 +250,18 @@ def load(path: str | os.PathLike) -> Trace:
 def load_spans(path: str | os.PathLike) -> list[Span]:
     """Read the spans back from a Chrome-trace file written by `Trace.write`."""
     return load(path).spans
+
+
+def merge(profiler: dict, *traces: dict) -> dict:
+    """One Chrome-trace holding a `torch.profiler` trace and streamsync traces of the same process, on one clock.
+
+    Kineto writes `ts` as epoch microseconds less `baseTimeNanoseconds` (stored in the file); streamsync writes
+    plain epoch microseconds, so its events are shifted by that base. Both use the process's pid.
+    """
+    base_us = float(profiler.get("baseTimeNanoseconds", 0)) / 1e3
+    events = list(profiler.get("traceEvents", []))
+    for tr in traces:
+        events += [{**e, "ts": e["ts"] - base_us} if "ts" in e else e for e in tr.get("traceEvents", [])]
+    other = dict(profiler.get("otherData") or {})
+    other["streamsync"] = [tr.get("otherData", {}) for tr in traces]
+    return {**profiler, "traceEvents": events, "otherData": other}
