@@ -21,10 +21,10 @@ from .pack import dtype_name
 from .sources import Source, as_source
 from .sources.base import ChunkPlan
 from .trace import Trace
+from .transports.base import Transport, transport_class
 
 if TYPE_CHECKING:
     from .trace.viewer import LiveViewer
-from .transports.base import Transport, transport_class
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -261,10 +261,10 @@ class WeightSync:
             source, plans = self.plan(model)
             source.begin_push()
             trace = Trace(push_id)
-            total = sum(p.nbytes for p in plans)
             trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
-                              transport=getattr(self.transport, "name", None), bytes=total,
-                              engines=[e.name for e in self.engines])
+                              transport=getattr(self.transport, "name", None))
+            total = sum(p.nbytes for p in plans)
+            trace.meta.update(bytes=total, engines=[e.name for e in self.engines])
             log = self.log.bind(push=push_id, version=version)
             log.info("push start", chunks=len(plans), mib=round(total / MiB, 1), window=window)
             trace.begin()  # the report's seconds and the trace's wall time are one measurement
