@@ -28,7 +28,7 @@ IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 
 
 class Pushes:
-    """One trace directory: window 1 and window 4 into two receivers (rx-slow sleeps 20 ms per chunk), and a
+    """One trace directory: window 1 and window 4 into two receivers (rx-slow sleeps 40 ms per chunk), and a
     push that failed in send on chunk 2."""
 
     def __init__(self, root: Path) -> None:
@@ -43,7 +43,7 @@ class Pushes:
 async def pushes(tmp_path_factory, qwen_specs_path, qwen_model) -> Pushes:
     p = Pushes(tmp_path_factory.mktemp("traces"))
     with (ReceiverProcess(str(qwen_specs_path), name="rx-fast", threads=1) as fast,
-          ReceiverProcess(str(qwen_specs_path), name="rx-slow", threads=1, delay=0.02) as slow):
+          ReceiverProcess(str(qwen_specs_path), name="rx-slow", threads=1, delay=0.04) as slow):
         sync = WeightSync([fast.engine(), slow.engine()], chunk_bytes=CHUNK, trace_dir=p.dir)
         r1 = await sync.push(qwen_model, max_inflight=1)
         r4 = await sync.push(qwen_model, max_inflight=4)
@@ -192,16 +192,30 @@ async def test_page_draws_a_bar_per_chunk_on_every_lane_and_the_jsons_numbers(pu
     assert {"chunks_alive", "bytes_alive", "__gbps"} <= set(drawn) and any(c.startswith("queue") for c in drawn)
 
 
-async def test_zoom_narrows_the_time_axis(pushes, site, browser):
+def _step(ticks: list[str]) -> float:
+    return float(ticks[1].split()[0]) - float(ticks[0].split()[0])
+
+
+async def test_zoom_and_pan_move_the_time_axis(pushes, site, browser):
     page = await browser.page()
     await page.goto(f"{site}/view?f={pushes.w4.name}")
     ticks = "[...document.querySelectorAll('text.tick')].map(t => t.textContent)"
-    before = await page.eval(ticks)
+    whole = await page.eval(ticks)
+    assert whole[0] == "0 ms"
     await page.eval("document.querySelector('#zin').click(); document.querySelector('#zin').click()")
-    after = await page.eval(ticks)
-    assert before[-1].endswith(" ms") and after != before
-    step = lambda ts: float(ts[1].split()[0]) - float(ts[0].split()[0])  # noqa: E731
-    assert step(after) < step(before)
+    assert _step(await page.eval(ticks)) < _step(whole)
+    await page.eval("document.querySelector('#zreset').click()")
+    assert await page.eval(ticks) == whole
+    await page.eval("document.querySelector('svg').dispatchEvent(new WheelEvent('wheel', "
+                    "{deltaY: -600, clientX: 700, clientY: 200, bubbles: true, cancelable: true}))")
+    zoomed = await page.eval(ticks)
+    assert _step(zoomed) < _step(whole)
+    await page.eval("""(() => { const s = document.querySelector('svg');
+        s.dispatchEvent(new MouseEvent('mousedown', {clientX: 700, clientY: 200, bubbles: true}));
+        window.dispatchEvent(new MouseEvent('mousemove', {clientX: 400, clientY: 200}));
+        window.dispatchEvent(new MouseEvent('mouseup', {clientX: 400, clientY: 200})); })()""")
+    panned = await page.eval(ticks)  # dragged left: later times come into view
+    assert float(panned[0].split()[0]) > float(zoomed[0].split()[0])
 
 
 async def test_compare_draws_window_1_and_4_on_one_time_scale(pushes, site, browser):
