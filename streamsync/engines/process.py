@@ -151,7 +151,8 @@ class ReceiverEngine(Engine):
                     line = await self._buffered.receive_until(b"\n", _MAX_LINE)
             except TimeoutError:
                 await self._drop()
-                raise EngineError(self.name, f"{op} timed out after {timeout or self.timeout:.1f}s") from None
+                raise EngineError(self.name, f"{op} timed out after {timeout or self.timeout:.1f}s",
+                                  unresponsive=True) from None
             except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as e:
                 await self._drop()
                 raise EngineError(self.name, f"{op} failed: connection lost ({type(e).__name__}); "

@@ -26,18 +26,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--delay", type=float, default=0.0, help="sleep per update (tests of slow receivers)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--tie", action="store_true", help="with --fused: lm_head is the embedding's Parameter")
     ap.add_argument("--fused", action="store_true", help="hold vLLM-style fused parameters (streamsync.testing.fused)")
     ap.add_argument("--gpu-delay-ms", type=float, default=0.0, help="keep the GPU busy ~this long before each "
                     "update's copies (tests that a sender waits for the receiver on the device)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda:"):  # this process's work (and torch.cuda._sleep) goes to that GPU
+        torch.cuda.set_device(args.device)
     from .models import StateModule, load_specs
 
     if args.fused:
         from .fused import FusedModel
 
-        module: torch.nn.Module = FusedModel(load_specs(args.specs), fill="zeros", device=args.device)
+        module: torch.nn.Module = FusedModel(load_specs(args.specs), fill="zeros", device=args.device,
+                                             tie=args.tie)
     else:
         module = StateModule(load_specs(args.specs), fill="zeros", device=args.device)
     sock = socket.create_server((args.host, args.port))
@@ -59,10 +63,11 @@ class ReceiverProcess:
     """Start `python -m streamsync.testing.receiver` and wait for it to listen."""
 
     def __init__(self, specs_path: str, *, delay: float = 0.0, threads: int = 0, start_timeout: float = 60.0,
-                 name: str = "receiver", device: str = "cpu", fused: bool = False, gpu_delay_ms: float = 0.0) -> None:
+                 name: str = "receiver", device: str = "cpu", fused: bool = False, gpu_delay_ms: float = 0.0,
+                 tie: bool = False) -> None:
         cmd = [sys.executable, "-m", "streamsync.testing.receiver", "--specs", str(specs_path),
                "--delay", str(delay), "--threads", str(threads), "--device", device,
-               "--gpu-delay-ms", str(gpu_delay_ms)] + (["--fused"] if fused else [])
+               "--gpu-delay-ms", str(gpu_delay_ms)] + (["--fused"] if fused else []) + (["--tie"] if tie else [])
         self.name = name
         self.device = device
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
