@@ -19,7 +19,7 @@ from streamsync import PushError, WeightSync
 from streamsync.cli import main as cli
 from streamsync.testing.browser import Browser, ensure_chromium
 from streamsync.testing.receiver import ReceiverProcess
-from streamsync.trace import STAGES, load
+from streamsync.trace import STAGES, Trace, load
 from streamsync.trace.summary import summarize
 from streamsync.trace.viewer import make_app
 
@@ -124,6 +124,38 @@ async def test_a_slow_engine_makes_send_the_bounding_stage(pushes):
     s = summarize(load(pushes.w4))
     assert s.bounding_stage == "send"
     assert s.critical_ms["send"] > s.wall_ms / 2
+
+
+def _scheduled(ms: dict[str, float], chunks: int, window: int) -> Trace:
+    """The spans of an ideal pipeline with these stage times: each span starts as soon as its chunk's previous
+    stage, its stage's previous chunk and (for a gather) the credit from `window` chunks back allow."""
+    tr = Trace("sched", t0=1.0)
+    tr.meta["max_inflight"] = window
+    end: dict[tuple[str, int], float] = {}
+    for i in range(chunks):
+        for k, st in enumerate(STAGES):
+            ready = [end.get((STAGES[k - 1], i), 0.0) if k else 0.0, end.get((st, i - 1), 0.0)]
+            if k == 0:
+                ready.append(end.get(("release", i - window), 0.0))
+            start = max(ready)
+            end[st, i] = start + ms[st] / 1e3
+            tr.add_span(st, i, start, end[st, i], 1 << 20)
+    tr.wall = max(end.values())
+    return tr
+
+
+@pytest.mark.parametrize("slow", STAGES)
+def test_the_bounding_stage_is_the_one_that_sets_the_pace(slow):
+    ms = {st: 3.0 if st == slow else 1.0 for st in STAGES}
+    s = summarize(_scheduled(ms, chunks=12, window=4))
+    assert s.bounding_stage == slow
+    assert s.overlap > 0.5
+
+
+def test_a_serial_schedule_overlaps_nothing_and_is_bound_by_its_longest_stage():
+    s = summarize(_scheduled({"gather": 1, "convert": 1, "pack": 2, "send": 4, "release": 1}, chunks=6, window=1))
+    assert s.overlap == 0.0 and s.bounding_stage == "send"
+    assert s.critical_ms["send"] == pytest.approx(6 * 4)
 
 
 async def test_window_1_overlaps_nothing_and_window_4_overlaps(pushes):
