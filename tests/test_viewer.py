@@ -296,9 +296,11 @@ async def test_live_page_follows_a_push_while_it_runs(browser, qwen_specs_path, 
         page = await browser.page()
         await page.goto(sync.viewer_url)  # the page is subscribed once it says it waits
         assert await page.eval("document.body.dataset.state") == "waiting"
+        chunks = len(sync.plan(qwen_model)[1])
         push = asyncio.ensure_future(sync.push(qwen_model))
         count = "document.querySelectorAll('rect.bar').length"
-        mid = await page.wait_for(f"document.body.dataset.state === 'running' && {count}")
+        # a third of the bars (each chunk has six): a few chunks sent, most still to go (100 ms each)
+        mid = await page.wait_for(f"document.body.dataset.state === 'running' && {count} >= {2 * chunks} && {count}")
         assert not push.done()  # drawn while the push runs
         await page.screenshot(IMG / "viewer-live.png")
         report = await push
