@@ -308,6 +308,12 @@ async def test_live_page_follows_a_push_while_it_runs(browser, qwen_specs_path, 
         final = await page.eval(count)
         assert mid < final == report.chunks * (len(STAGES) + 1)
         assert float(await page.eval(_field("wall") + ".dataset.value")) == report.seconds * 1e3
+        # and it stays listed (with no trace_dir: from memory), to open and compare later
+        await page.goto(sync.viewer_url.replace("/live", "/"))
+        assert await page.eval("[...document.querySelectorAll('#pushes a')].map(a => a.textContent)") == [
+            f"live:{report.push_id}"]
+        await page.goto(sync.viewer_url.replace("/live", f"/view?f=live:{report.push_id}"))
+        assert await page.eval(count) == final
         await sync.close()
 
 

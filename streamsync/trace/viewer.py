@@ -81,11 +81,21 @@ def make_app(*paths: str | os.PathLike, live: LiveViewer | None = None) -> web.A
     async def info(_: web.Request) -> web.Response:
         return web.json_response({"live": live is not None})
 
+    def in_memory() -> dict[str, Trace]:  # a live viewer's finished pushes, also without a trace_dir
+        return {f"live:{t.push_id}": t for t in (live.traces if live is not None else ()) if t.done}
+
     async def listing(_: web.Request) -> web.Response:
-        return web.json_response(traces.listing())
+        rows = traces.listing()
+        on_disk = {r.get("push_id") for r in rows}
+        rows += [{"file": key, **summarize(t).to_dict()} for key, t in in_memory().items()
+                 if t.push_id not in on_disk]
+        return web.json_response(sorted(rows, key=lambda r: r.get("started", 0.0)))
 
     async def trace(req: web.Request) -> web.Response:
         name = req.query.get("f", "")
+        mem = in_memory().get(name)
+        if mem is not None:
+            return web.json_response({"file": name, "trace": mem.to_chrome(), "summary": summarize(mem).to_dict()})
         path = traces.files().get(name)
         if path is None:
             raise web.HTTPNotFound(text=f"no trace {name!r}")
