@@ -303,7 +303,7 @@ class _Tamper(ReceiverEngine):
 @gpu
 async def test_a_handle_for_another_gpu_is_refused(cuda_mixed):
     model, rp = cuda_mixed
-    engine = _Tamper("127.0.0.1", rp.port, name="tamper", device="cuda")
+    engine = _Tamper("127.0.0.1", rp.port, secret=rp.secret, name="tamper", device="cuda")
     sync = WeightSync([engine], chunk_bytes=2048)
     with pytest.raises(PushError, match="not visible"):
         await sync.push(model)

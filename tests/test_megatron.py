@@ -63,7 +63,7 @@ def _run(cases: list[Case], world: int) -> dict[str, list[dict]]:
     with ThreadPoolExecutor(len(cases)) as pool:
         receivers = list(pool.map(start, range(len(cases)), cases))
     try:
-        per_rank = launch(run_cases, world, cases, {r.name: r.port for r in receivers}, timeout=150,
+        per_rank = launch(run_cases, world, cases, {r.name: (r.port, r.secret) for r in receivers}, timeout=150,
                           collective_timeout=60)
     finally:
         for r in receivers:
@@ -200,7 +200,7 @@ def colocated() -> dict[str, list[dict]]:
     with ThreadPoolExecutor(len(keys)) as pool:
         receivers = list(pool.map(start, range(len(keys))))
     try:
-        per_rank = launch(run_cases, 2, COLOCATED, {r.name: r.port for r in receivers}, timeout=150,
+        per_rank = launch(run_cases, 2, COLOCATED, {r.name: (r.port, r.secret) for r in receivers}, timeout=150,
                           collective_timeout=60)
     finally:
         for r in receivers:

@@ -184,10 +184,10 @@ async def test_bad_configuration_is_refused_clearly():
 
 
 async def test_unreachable_engine_is_an_engine_error():
-    from streamsync.engines.process import ReceiverEngine
+    from streamsync.engines.process import ReceiverEngine, new_secret
 
     with pytest.raises(EngineError, match="cannot connect"):
-        await ReceiverEngine("127.0.0.1", 1, name="nobody").get_version()
+        await ReceiverEngine("127.0.0.1", 1, secret=new_secret(), name="nobody").get_version()
 
 
 def test_meta_tensors_are_refused_before_anything_moves():
@@ -253,9 +253,8 @@ def test_shm_handles_must_name_a_streamsync_segment():
 
 def test_a_malformed_message_does_not_kill_the_receiver(qwen_receiver):
     import json as _json
-    import socket
 
-    with socket.create_connection(("127.0.0.1", qwen_receiver.port), timeout=10) as s:
+    with qwen_receiver.raw_socket() as s:
         s.sendall(b"[1]\n")
         reply = _json.loads(s.makefile().readline())
         assert reply["ok"] is False and "JSON object" in reply["error"]

@@ -292,7 +292,7 @@ def _hf_state(tiny: Any, rank: int, device: str, smoke: bool) -> dict[str, torch
     return out
 
 
-def _tp2_worker(rank: int, world: int, key: str, shape: dict[str, Any], ports: dict[str, int],
+def _tp2_worker(rank: int, world: int, key: str, shape: dict[str, Any], ports: dict[str, tuple[int, str]],
                 args: argparse.Namespace) -> dict[str, Any]:
     import anyio
 
@@ -331,8 +331,8 @@ def _tp2_worker(rank: int, world: int, key: str, shape: dict[str, Any], ports: d
 
     async def main() -> None:
         # -- remote: rank 0 -> receiver on GPU 1 over NCCL; rank 1 only gathers. Coalesced vs per-parameter.
-        engines = [ReceiverEngine("127.0.0.1", ports["remote"], timeout=600, name="rx-remote",
-                                  device=setup.rx_device[1])] if rank == 0 else []
+        engines = [ReceiverEngine("127.0.0.1", ports["remote"][0], secret=ports["remote"][1], timeout=600,
+                                  name="rx-remote", device=setup.rx_device[1])] if rank == 0 else []
         transport = CollectiveTransport(setup.backend, device=setup.dev[0], group_timeout=120) if rank == 0 else None
         sync = WeightSync(engines, transport=transport, chunk_bytes=chunk, timeout=600)
         await sync.connect()
@@ -360,7 +360,8 @@ def _tp2_worker(rank: int, world: int, key: str, shape: dict[str, Any], ports: d
         await sync.close()
 
         # -- colocated: every rank -> receiver on its own GPU by CUDA IPC, after one set of gathers.
-        mine = ReceiverEngine("127.0.0.1", ports[f"colocated{rank}"], timeout=600, name=f"rx-colocated{rank}",
+        mine = ReceiverEngine("127.0.0.1", ports[f"colocated{rank}"][0], secret=ports[f"colocated{rank}"][1],
+                              timeout=600, name=f"rx-colocated{rank}",
                               device=setup.rx_device[rank])
         csync = WeightSync([mine], transport=setup.colocated_transport(dev), chunk_bytes=chunk, timeout=600)
         source = MegatronSource(model, every_rank_sends=True, **options)
@@ -404,7 +405,7 @@ def tp2(setup: Setup, key: str, args: argparse.Namespace) -> list[dict[str, Any]
         with ThreadPoolExecutor(len(where)) as pool:  # started together: each allocates a whole model
             futures = {k: pool.submit(start, k) for k in where}
         rx = {k: f.result() for k, f in futures.items()}
-        ranks = launch(_tp2_worker, 2, key, shape, {k: r.port for k, r in rx.items()}, args,
+        ranks = launch(_tp2_worker, 2, key, shape, {k: (r.port, r.secret) for k, r in rx.items()}, args,
                        timeout=args.tp2_timeout, collective_timeout=300, backend=setup.backend)
     finally:
         for f in futures.values():

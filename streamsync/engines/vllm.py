@@ -227,10 +227,15 @@ class AsyncVllmEngine(_Guarded):
 
 
 class VllmHttpEngine(_Guarded):
-    """`vllm serve` started with VLLM_SERVER_DEV_MODE=1 and `--weight-transfer-config '{"backend":"streamsync"}'`."""
+    """`vllm serve` started with VLLM_SERVER_DEV_MODE=1 and `--weight-transfer-config '{"backend":"streamsync"}'`.
 
-    def __init__(self, url: str, *, name: str | None = None, timeout: float = 300.0, device: str = "cpu") -> None:
+    `api_key`: sent as `Authorization: Bearer <key>` on every request (a server started with `--api-key` and
+    `--middleware streamsync.vllm.auth.RequireApiKey` refuses the weight-transfer routes without it)."""
+
+    def __init__(self, url: str, *, name: str | None = None, timeout: float = 300.0, device: str = "cpu",
+                 api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.name = name or self.url
         self.timeout = timeout
         self.device = device
@@ -240,7 +245,8 @@ class VllmHttpEngine(_Guarded):
         import aiohttp
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                                  headers=self._headers)
 
         async def go() -> Any:
             try:

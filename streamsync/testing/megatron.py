@@ -339,7 +339,7 @@ class Case:
     chunk_bytes: int = 32 << 10
     coalesce: bool = True
     pushes: int = 1
-    every_rank_sends: bool = False  # each rank pushes into its own receiver (`ports[f"{name}@{rank}"]`)
+    every_rank_sends: bool = False  # each rank pushes into its own receiver (`receivers[f"{name}@{rank}"]`)
 
 
 @dataclass
@@ -362,10 +362,12 @@ class CaseResult:
     is_sender: bool = False
 
 
-def run_cases(rank: int, world_size: int, cases: Sequence[Case], ports: Mapping[str, int]) -> list[dict]:
+def run_cases(rank: int, world_size: int, cases: Sequence[Case],
+              receivers: Mapping[str, tuple[int, str]]) -> list[dict]:
     """Worker: for each case, set up parallel_state, build the model, load its HF weights, push (the sender into
-    the receiver at `ports[case.name]`, the other ranks with no engines; with `every_rank_sends` each rank into
-    the receiver at `ports[f"{case.name}@{rank}"]`) and report (`CaseResult` dicts)."""
+    the receiver at `receivers[case.name]`, the other ranks with no engines; with `every_rank_sends` each rank
+    into the receiver at `receivers[f"{case.name}@{rank}"]`; each a (port, secret)) and report (`CaseResult`
+    dicts)."""
     import anyio
     import torch.distributed as dist
 
@@ -385,10 +387,11 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case], ports: Mapping[
         async def main(case: Case = case, model: list = model, res: CaseResult = res,
                        hf: dict[str, torch.Tensor] = hf) -> dict[str, torch.Tensor]:
             if case.every_rank_sends:
-                port = ports.get(f"{case.name}@{rank}")
+                target = receivers.get(f"{case.name}@{rank}")
             else:
-                port = ports[case.name] if rank == 0 else None
-            engines = [ReceiverEngine("127.0.0.1", port, timeout=60)] if port is not None else []
+                target = receivers[case.name] if rank == 0 else None
+            engines = ([ReceiverEngine("127.0.0.1", target[0], secret=target[1], timeout=60)]
+                       if target is not None else [])
             options = {"hf_config": case.model.hf_config(), "coalesce": case.coalesce,
                        "every_rank_sends": case.every_rank_sends}
             sync = WeightSync(engines, chunk_bytes=case.chunk_bytes, timeout=60, source_options=options)
