@@ -274,7 +274,28 @@ async def _send(push: Push, w: Work) -> None:
     if w.plan.index in push.hold:  # layers that continue in a later chunk: receivers must not keep views
         info["hold"] = push.hold[w.plan.index]
     push.sent_any = True
-    await push.transport.send(w.buf, info, push.engines)
+    await push.transport.send(w.buf, info, [_TracedEngine(e, push.trace, w.plan) for e in push.engines])
+
+
+class _TracedEngine:
+    """An engine whose `update` records a send span of its own: one lane per engine in the trace, so a slow
+    engine shows. Everything else is the engine's (transports read `name`, `device`, ...)."""
+
+    __slots__ = ("_engine", "_plan", "_trace")
+
+    def __init__(self, engine: Engine, trace: Trace, plan: ChunkPlan) -> None:
+        self._engine, self._trace, self._plan = engine, trace, plan
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def update(self, update_info: dict[str, Any]) -> None:
+        start = self._trace.now()
+        try:
+            await self._engine.update(update_info)
+        finally:
+            self._trace.add_span("send", self._plan.index, start, self._trace.now(), self._plan.nbytes,
+                                 self._engine.name)
 
 
 def _free(push: Push, buf: SendBuffer) -> None:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 import operator
 import os
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -25,6 +24,9 @@ from .sources import Source, as_source
 from .sources.base import ChunkPlan
 from .trace import Trace
 from .transports.base import Transport, transport_class
+
+if TYPE_CHECKING:
+    from .trace.viewer import LiveViewer
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -91,6 +93,8 @@ class WeightSync:
     abort_timeout: seconds ending a failed round may take per engine (default min(10, timeout)): a failed
                   push raises within `timeout` plus this, not twice the timeout.
     trace_dir:    where each push writes its Chrome-trace JSON (default: none written).
+    trace_live:   serve the trace viewer from this process and stream every push's spans to it while the
+                  push runs: True (127.0.0.1:8765) or "HOST:PORT" (port 0 picks one); see `viewer_url`.
     faults:       {stage: chunk} raises an InjectedFault there; for testing error paths only.
     reuse_plan:   keep the source and chunk plan for the next push of the same model (see `plan`).
     check_finite: refuse a push whose weights hold NaN or inf, naming the tensors, before any byte moves
@@ -119,6 +123,7 @@ class WeightSync:
         reuse_plan: bool = True,
         reset_prefix_cache: bool = True,
         check_finite: bool = True,
+        trace_live: bool | str = False,
     ) -> None:
         if max_inflight < 1:
             raise ValidationError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -139,6 +144,12 @@ class WeightSync:
         self.timeout = timeout
         self.abort_timeout = min(10.0, timeout) if abort_timeout is None else abort_timeout
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self.live: LiveViewer | None = None
+        if trace_live:
+            from .trace.viewer import LiveViewer
+
+            self.live = LiveViewer(trace_live if isinstance(trace_live, str) else "127.0.0.1:8765",
+                                   trace_dir=self.trace_dir)
         self.faults = dict(faults or {})
         self.source_options = dict(source_options or {})
         self.reuse_plan = reuse_plan
@@ -171,6 +182,8 @@ class WeightSync:
         closed every engine's connection."""
         if self.connected:
             return
+        if self.live is not None:
+            await self.live.start()
         if self.transport is None:
             self.transport = transport_class(self._resolve_transport())()
         if self.engines:
@@ -222,7 +235,14 @@ class WeightSync:
             return "cuda_ipc"
         raise ValidationError(f"cannot choose a transport for engines on {sorted(kinds)}: pass transport=")
 
+    @property
+    def viewer_url(self) -> str | None:
+        """The live trace viewer's page (with `trace_live`, once connected)."""
+        return self.live.url if self.live is not None else None
+
     async def close(self) -> None:
+        if self.live is not None:
+            await self.live.stop()
         if self.transport is not None:
             await self.transport.close()
         for e in self.engines:
@@ -352,9 +372,12 @@ class WeightSync:
             trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
                               transport=getattr(self.transport, "name", None))
             total = sum(p.nbytes for p in plans)
+            trace.meta.update(bytes=total, engines=[e.name for e in self.engines])
             log = self.log.bind(push=push_id, version=version)
             log.info("push start", chunks=len(plans), mib=round(total / MiB, 1), window=window)
-            t0 = time.perf_counter()
+            trace.begin()  # the report's seconds and the trace's wall time are one measurement
+            if self.live is not None:
+                self.live.add(trace)
             job = pipeline.Push(
                 push_id=push_id, version=version, source=source, transport=self.transport,
                 engines=self.engines, plans=plans, trace=trace, max_inflight=window,
@@ -383,7 +406,7 @@ class WeightSync:
                                   stage=_running_stage(job), chunk=_running_chunk(job), push_id=push_id)
                 await self._failed(err, job, rounds, log, trace)
                 raise err
-            seconds = time.perf_counter() - t0
+            seconds = trace.end()
             self.version, self._claimed = version, True
             self._retry_version = None
             for e in self.engines:  # every tensor was overwritten and every round finished
@@ -431,6 +454,10 @@ class WeightSync:
                 self._retry_version = version
             if self.mixed:
                 log.warning("engines hold mixed weights until the next successful push", mixed=sorted(self.mixed))
+            if isinstance(err, PushError):  # drawn by the viewer: the failing stage, chunk, engine and message
+                trace.fail(err.stage, err.chunk, err.receiver, err.message)
+            else:
+                trace.fail(_running_stage(job), _running_chunk(job), None, f"cancelled ({_running(job)})")
             self._write_trace(trace)
 
     async def _run_started(self, job: pipeline.Push, rounds: _Rounds) -> None:
