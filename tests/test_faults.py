@@ -93,7 +93,7 @@ def rx(qwen_specs_path):
 
 @pytest.mark.parametrize("how", ["move_on_after", "fail_after", "task.cancel"])
 async def test_a_cancelled_push_ends_the_round_and_the_next_push_succeeds(slow_receiver, qwen_model, how):
-    engine = tapped(ReceiverEngine)("127.0.0.1", slow_receiver.port, name="slow")
+    engine = tapped(ReceiverEngine)("127.0.0.1", slow_receiver.port, secret=slow_receiver.secret, name="slow")
     sync = WeightSync([engine], chunk_bytes=CHUNK)
     await _cancel_after_first_chunk(sync, engine, qwen_model, how)
     status = await engine.call("status")

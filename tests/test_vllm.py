@@ -26,6 +26,12 @@ def _greedy(llm, prompt_ids, n=12):
     return greedy(llm, prompt_ids, n)
 
 
+async def _next_version(sync) -> int:
+    """A version after whatever the session's shared engines already hold (versions only move forward)."""
+    await sync.connect()
+    return sync.version + 1
+
+
 async def _assert_bit_exact(engine, trainer):
     got = await engine.weight_digests()
     want = expected_digests(trainer.state_dict(), await engine.packed_modules())
@@ -36,9 +42,10 @@ async def test_llm_push_is_bit_exact_and_reports_the_version(llm, model_dir):
     engine = VllmEngine(llm, name="llm")
     trainer = trainer_from(model_dir, step=1)
     sync = WeightSync([engine], chunk_bytes=1 << 20)
-    report = await sync.push(trainer, version=11)
+    v = await _next_version(sync)
+    report = await sync.push(trainer, version=v)
     assert report.chunks > 3
-    assert await engine.get_version() == 11
+    assert await engine.get_version() == v
     await _assert_bit_exact(engine, trainer)
     await sync.close()
 
@@ -64,13 +71,14 @@ async def _refused_before_any_byte_moves(engine, model_dir, bad, match):
     previous push exactly, and the next good push lands."""
     sync = WeightSync([engine], chunk_bytes=1 << 20)
     good = trainer_from(model_dir, step=3)
-    await sync.push(good, version=20)
+    v = await _next_version(sync)
+    await sync.push(good, version=v)
     with pytest.raises(ValidationError, match=match):
-        await sync.push(bad, version=21)
-    assert await engine.get_version() == 20
+        await sync.push(bad, version=v + 1)
+    assert await engine.get_version() == v
     await _assert_bit_exact(engine, good)  # not one byte of `bad` arrived
     again = trainer_from(model_dir, step=5)
-    await sync.push(again, version=22)
+    await sync.push(again, version=v + 2)
     await _assert_bit_exact(engine, again)
     await sync.close()
 
@@ -119,8 +127,9 @@ async def test_http_client_against_vllm_serve(server, model_dir):
     engine = VllmHttpEngine(server.url, name="serve")
     trainer = trainer_from(model_dir, step=6)
     sync = WeightSync([engine], chunk_bytes=1 << 20)
-    await sync.push(trainer, version=31)
-    assert await engine.get_version() == 31
+    v = await _next_version(sync)
+    await sync.push(trainer, version=v)
+    assert await engine.get_version() == v
     await _assert_bit_exact(engine, trainer)
     await sync.close()
 
@@ -138,10 +147,11 @@ async def test_fan_out_to_two_engines_is_bit_exact_on_both(async_llm, server, mo
     a, b = AsyncVllmEngine(async_llm, name="async"), VllmHttpEngine(server.url, name="serve")
     trainer = trainer_from(model_dir, step=7)
     sync = WeightSync([a, b], chunk_bytes=1 << 20)
-    report = await sync.push(trainer, version=41)
+    v = await _next_version(sync)
+    report = await sync.push(trainer, version=v)
     assert len([s for s in report.trace.spans if s.stage == "pack"]) == report.chunks  # packed once
     for e in (a, b):
-        assert await e.get_version() == 41
+        assert await e.get_version() == v
         await _assert_bit_exact(e, trainer)
     await sync.close()
 
@@ -150,7 +160,8 @@ async def test_partial_rollout_pause_keep_push_resume(async_llm, model_dir):
     """A request in flight is frozen, the weights change under it, and it finishes on the new version."""
     engine = AsyncVllmEngine(async_llm, name="async")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
-    await sync.push(trainer_from(model_dir, step=8), version=50)
+    v = await _next_version(sync)
+    await sync.push(trainer_from(model_dir, step=8), version=v)
     params = vllm.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     outputs = []
     started = anyio.Event()
@@ -165,12 +176,12 @@ async def test_partial_rollout_pause_keep_push_resume(async_llm, model_dir):
         await started.wait()
         async with sync.paused(mode="keep"):
             assert await async_llm.is_paused()
-            await sync.push(trainer_from(model_dir, step=9), version=51)
+            await sync.push(trainer_from(model_dir, step=9), version=v + 1)
         assert not await async_llm.is_paused()
     final = outputs[-1].outputs[0]
     assert len(final.token_ids) == 200  # the frozen request was not lost
     versions = [span.version for span in (final.weight_versions or [])]
-    assert versions[0] == "50" and versions[-1] == "51", versions
+    assert versions[0] == str(v) and versions[-1] == str(v + 1), versions
     await sync.close()
 
 
@@ -180,9 +191,10 @@ async def test_http_pause_push_resume(server, model_dir):
     trainer = trainer_from(model_dir, step=10)
     async with sync.paused(mode="wait"):
         assert await engine.is_paused()
-        await sync.push(trainer, version=60)
+        v = await _next_version(sync)
+        await sync.push(trainer, version=v)
     assert not await engine.is_paused()
-    assert await engine.get_version() == 60
+    assert await engine.get_version() == v
     await _assert_bit_exact(engine, trainer)
     await sync.close()
 
@@ -193,7 +205,8 @@ async def test_layers_split_across_chunks_arrive_intact(llm, model_dir):
     engine = VllmEngine(llm, name="llm")
     trainer = trainer_from(model_dir, step=12)
     sync = WeightSync([engine], chunk_bytes=200_000, max_inflight=1)
-    report = await sync.push(trainer, version=70)
+    v = await _next_version(sync)
+    report = await sync.push(trainer, version=v)
     assert report.chunks > 20
     await _assert_bit_exact(engine, trainer)
     await sync.close()
@@ -205,15 +218,16 @@ async def test_a_push_failing_on_the_sender_side_leaves_the_engine_usable(llm, m
     serves the next push."""
     engine = VllmEngine(llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
-    await sync.push(trainer_from(model_dir, step=13), version=80)
+    v = await _next_version(sync)
+    await sync.push(trainer_from(model_dir, step=13), version=v)
     failing = WeightSync([engine], chunk_bytes=1 << 20, max_inflight=1, faults={"pack": 3})  # 0-2 applied
     with pytest.raises(PushError):
-        await failing.push(trainer_from(model_dir, step=14), version=81)
+        await failing.push(trainer_from(model_dir, step=14), version=v + 1)
     assert (await engine.state()).mixed and failing.mixed == {"llm": 81}
     tok = llm.get_tokenizer()
     _greedy(llm, tok.encode(PROMPT), n=4)  # the engine generates again after the failed round
     good = trainer_from(model_dir, step=15)
-    await sync.push(good, version=82)
+    await sync.push(good, version=v + 2)
     await _assert_bit_exact(engine, good)
     await sync.close()
     await failing.close()
