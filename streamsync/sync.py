@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -16,8 +18,10 @@ import anyio
 from . import pipeline
 from .chunking import split_layers
 from .engines.base import Engine
-from .errors import EngineError, PushError, ValidationError
+from .errors import EngineError, PushError, StreamSyncError, ValidationError
 from .log import get_logger
+from .metrics import DEFAULT as DEFAULT_METRICS
+from .metrics import Metrics
 from .pack import dtype_name
 from .sources import Source, as_source
 from .sources.base import ChunkPlan
@@ -26,6 +30,18 @@ from .transports.base import Transport, transport_class
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkDone:
+    """What `on_chunk` receives once a chunk was acknowledged by every engine and its buffer freed."""
+
+    push_id: str
+    version: int
+    chunk: int
+    chunks: int
+    bytes: int
+    tensors: int
 
 
 @dataclass
@@ -73,6 +89,13 @@ class WeightSync:
     trace_dir:    where each push writes its Chrome-trace JSON (default: none written).
     faults:       {stage: chunk} raises an InjectedFault there; for testing error paths only.
     reuse_plan:   keep the source and chunk plan for the next push of the same model (see `plan`).
+    on_chunk:     called with a `ChunkDone` after each chunk was acknowledged and freed (sender only).
+    on_push:      called with the `PushReport` after each successful push (every rank).
+                  A hook that raises is logged as a warning; it does not fail the push.
+    metrics:      where Prometheus metrics go (default `streamsync.metrics.DEFAULT`); None records none.
+
+    One event loop for the sync's life: engines keep connections bound to the loop `connect` ran in. From
+    synchronous code use `BlockingWeightSync`, not `anyio.run(sync.push, ...)` per step.
     """
 
     def __init__(
@@ -87,6 +110,9 @@ class WeightSync:
         faults: dict[str, int] | None = None,
         source_options: dict[str, Any] | None = None,
         reuse_plan: bool = True,
+        on_chunk: Callable[[ChunkDone], object] | None = None,
+        on_push: Callable[[PushReport], object] | None = None,
+        metrics: Metrics | None = DEFAULT_METRICS,
     ) -> None:
         if max_inflight < 1:
             raise ValidationError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -114,6 +140,10 @@ class WeightSync:
         self._expected: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
         self._lock = anyio.Lock()
         self.log = get_logger()
+        self.on_chunk = on_chunk
+        self.on_push = on_push
+        self.metrics = metrics
+        self._loop: object | None = None  # the event loop `connect` ran in
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -136,10 +166,22 @@ class WeightSync:
                         v = await e.get_version()
                     if v is not None:
                         self.version = max(self.version, int(v))
+                        if self.metrics is not None:
+                            self.metrics.engine_version.labels(engine=e.name).set(int(v))
             except TimeoutError:
                 raise EngineError(",".join(e.name for e in self.engines),
                                   f"connect timed out after {self.timeout}s") from None
+        self._loop = _event_loop()
         self.connected = True
+
+    def _check_loop(self) -> None:
+        """Engine connections, locks and sessions belong to the loop `connect` ran in: refuse another one
+        with a message saying what to do, rather than fail every other push with 'Event loop is closed'."""
+        if self.connected and self.engines and self._loop is not None and _event_loop() is not self._loop:
+            raise StreamSyncError(
+                "this WeightSync was connected in another event loop (its engine connections belong to it); "
+                "keep one loop for its life (one anyio.run/asyncio.run around the training loop), or use "
+                "streamsync.BlockingWeightSync from synchronous code")
 
     def _resolve_transport(self) -> str:
         if isinstance(self._transport_arg, str) and self._transport_arg != "auto":
@@ -233,25 +275,30 @@ class WeightSync:
         window = self.max_inflight if max_inflight is None else int(max_inflight)
         if window < 1:
             raise ValidationError(f"max_inflight must be >= 1, got {window}")
+        self._check_loop()
         async with self._lock:  # one push at a time: rounds on an engine must not interleave
             if not self.connected:
                 await self.connect()
             version = self.version + 1 if version is None else int(version)
             push_id = uuid.uuid4().hex[:8]
             source, plans = self.plan(model)
+            if self.engines and not source.is_sender:
+                raise ValidationError(
+                    f"rank {_rank()} was given engines {[e.name for e in self.engines]} but does not send: only "
+                    "global rank 0 sends a Megatron model; pass engines=[] on the other ranks")
             source.begin_push()
             trace = Trace(push_id)
             trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
                               transport=getattr(self.transport, "name", None))
             total = sum(p.nbytes for p in plans)
-            log = self.log.bind(push=push_id, version=version)
+            log = (self.log if source.is_sender else _quiet(self.log)).bind(push=push_id, version=version)
             log.info("push start", chunks=len(plans), mib=round(total / MiB, 1), window=window)
             t0 = time.perf_counter()
             job = pipeline.Push(
                 push_id=push_id, version=version, source=source, transport=self.transport,
                 engines=self.engines, plans=plans, trace=trace, max_inflight=window,
                 timeout=self.timeout, faults=self.faults, hold=self._hold(plans),
-                on_chunk=lambda i, n: log.debug("chunk released", chunk=i, of=n),
+                on_chunk=self._chunk_hook(push_id, version, plans, log),
             )
             sending = source.is_sender and bool(self.engines)
             try:
@@ -263,6 +310,8 @@ class WeightSync:
                     await pipeline.run(job)
             except PushError as e:
                 log.error("push failed", stage=e.stage, chunk=e.chunk, receiver=e.receiver, error=str(e))
+                if self.metrics is not None:
+                    self.metrics.observe_failure(e.stage)
                 if sending:
                     await self._abort_all(log)
                 if e.stage == "finish":  # some engines may report `version` now: never reuse the number
@@ -279,8 +328,25 @@ class WeightSync:
             )
             trace.count("collectives", source.collectives)
             report.trace_path = self._write_trace(trace)
-            log.info("push done", ms=round(seconds * 1e3, 1), gbps=round(report.gbps, 2))
+            log.info("push done", ms=round(seconds * 1e3, 1), mib=round(total / MiB, 1), gbps=round(report.gbps, 2),
+                     chunks=len(plans), stage_ms={k: round(v * 1e3, 1) for k, v in report.stage_seconds.items()})
+            if self.metrics is not None and source.is_sender:
+                self.metrics.observe_push(report)
+            if self.on_push is not None:
+                _call_hook(self.on_push, report, log, "on_push")
             return report
+
+    def _chunk_hook(self, push_id: str, version: int, plans: Sequence[ChunkPlan],
+                    log: Any) -> Callable[[int, int], None]:
+        hook = self.on_chunk
+
+        def done(i: int, n: int) -> None:
+            log.debug("chunk released", chunk=i, of=n)
+            if hook is not None:
+                p = plans[i]
+                _call_hook(hook, ChunkDone(push_id, version, i, n, p.nbytes, len(p.specs)), log, "on_chunk")
+
+        return done
 
     async def _run_started(self, job: pipeline.Push) -> None:
         """start_update on every engine, concurrently with the pipeline; the first send waits for it."""
@@ -364,3 +430,41 @@ class WeightSync:
                 await self._each_engine("resume", stage="resume")
 
 
+
+
+def _call_hook(hook: Callable[[Any], object], arg: object, log: Any, name: str) -> None:
+    try:
+        hook(arg)
+    except Exception as err:  # the weights moved: a hook's own bug must not fail the push
+        log.warning(f"{name} hook failed", error=f"{type(err).__name__}: {err}")
+
+
+def _event_loop() -> object | None:
+    """The running event loop (asyncio) or trio run, as an identity."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            return trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+    return None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _quiet(log: Any) -> Any:
+    """Ranks that only take part in gathers log warnings and errors only, unless STREAMSYNC_LOG_ALL_RANKS=1:
+    N ranks repeating the sender's progress lines bury it."""
+    if os.environ.get("STREAMSYNC_LOG_ALL_RANKS") == "1":
+        return log
+    from .log import quiet_logger
+
+    return quiet_logger()

@@ -41,6 +41,8 @@ TWO = [
     Case("qwen3 dp2 (unsharded)", QWEN3, seed=7),
     Case("qwen3 tp2 1 MiB chunks", QWEN3, tp=2, seed=8, chunk_bytes=1 << 20),
     Case("qwen3 tp2 1 MiB chunks per-parameter", QWEN3, tp=2, seed=9, chunk_bytes=1 << 20, coalesce=False),
+    # BlockingWeightSync on every rank from a plain loop: three pushes, no anyio.run in the trainer
+    Case("qwen3 tp2 blocking", QWEN3, tp=2, seed=10, pushes=3, blocking=True),
 ]
 FOUR = [
     Case("qwen3 tp2 pp2", QWEN3_4L, tp=2, pp=2, seed=11),
