@@ -301,6 +301,7 @@ class WeightSync:
                 on_chunk=self._chunk_hook(push_id, version, plans, log),
             )
             sending = source.is_sender and bool(self.engines)
+            push_range = pipeline.ProfilerRange(f"streamsync.push v{version}").__enter__()
             try:
                 if sending:  # gathers and packs need no engine: they start while the engines open the round
                     job.started = anyio.Event()
@@ -318,6 +319,8 @@ class WeightSync:
                     self.version = max(self.version, version)
                 self._write_trace(trace)
                 raise
+            finally:
+                push_range.__exit__()
             seconds = time.perf_counter() - t0
             self.version = version
             report = PushReport(
