@@ -263,7 +263,8 @@ class WeightSync:
                 problems.append(f"{len(missing)} parameter(s) missing from the push, e.g. {missing[:3]}")
             if problems:
                 more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-                raise ValidationError(f"model does not match engine {engine!r}: " + "; ".join(problems[:5]) + more)
+                raise ValidationError(f"model does not match engine {engine!r}: " + "; ".join(problems[:5]) + more
+                                      + _vocab_hint(plans, expected))
 
     async def push(self, model: object, *, version: int | None = None,
                    max_inflight: int | None = None) -> PushReport:
@@ -471,3 +472,20 @@ def _quiet(log: Any) -> Any:
     from .log import quiet_logger
 
     return quiet_logger()
+
+
+_VOCAB_NAMES = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _vocab_hint(plans: Sequence[ChunkPlan], expected: dict[str, tuple[str, tuple[int, ...]]]) -> str:
+    """Megatron pads its vocabulary (to a multiple of `make_vocab_size_divisible_by` x TP): when only
+    the row count of an embedding or lm_head differs, say which option drops the padding rows."""
+    for p in plans:
+        for s in p.specs:
+            exp = expected.get(s.name)
+            if (s.name.endswith(_VOCAB_NAMES) and exp is not None and len(exp[1]) == 2 and len(s.shape) == 2
+                    and exp[1][1] == s.shape[1] and exp[1][0] != s.shape[0]):
+                return (f". {s.name} has {s.shape[0]} rows, the engine {exp[1][0]}: a Megatron model pads its "
+                        "vocabulary; pass WeightSync(..., source_options={'hf_config': <the served model's config>})"
+                        f" (or {{'vocab_size': {exp[1][0]}}}) so the padding rows are dropped")
+    return ""

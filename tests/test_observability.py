@@ -9,10 +9,9 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
-from streamsync import ChunkDone, PushReport, ValidationError, WeightSync
+from streamsync import ChunkDone, PushReport, WeightSync
 from streamsync.log import _timestamp, quiet_logger
 from streamsync.metrics import Metrics
-from streamsync.sources import ModuleSource
 from streamsync.trace import STAGES
 
 # Without engines a push still runs all five stages (packing into shared memory, sending to nobody).
@@ -97,18 +96,3 @@ def test_the_quiet_logger_of_non_sender_ranks_keeps_warnings_only():
         quiet_logger().info("push start")
         quiet_logger().warning("abort failed")
     assert [e["event"] for e in logs] == ["abort failed"]
-
-
-class _Replica(ModuleSource):
-    """A data-parallel replica's view of the model: it holds the weights but another rank sends them."""
-
-    @property
-    def is_sender(self) -> bool:
-        return False
-
-
-async def test_engines_on_a_rank_that_does_not_send_are_an_error_naming_the_rank(receiver, mixed_model):
-    sync = WeightSync([receiver.engine()], metrics=None)
-    with pytest.raises(ValidationError, match=r"rank 0 was given engines .* does not send"):
-        await sync.push(_Replica(mixed_model))
-    await sync.close()
