@@ -168,9 +168,18 @@ class WeightSync:
                         self.version = max(self.version, int(v))
                         if self.metrics is not None:
                             self.metrics.engine_version.labels(engine=e.name).set(int(v))
-            except TimeoutError:
-                raise EngineError(",".join(e.name for e in self.engines),
-                                  f"connect timed out after {self.timeout}s") from None
+            except BaseException as exc:
+                # One error naming the engine, not an ExceptionGroup from the transport's task group, and no
+                # session left open (HTTP clients, sockets, a half-built process group).
+                with anyio.CancelScope(shield=True):
+                    await self._close_quietly()
+                if isinstance(exc, TimeoutError):
+                    raise EngineError(",".join(e.name for e in self.engines),
+                                      f"connect timed out after {self.timeout}s") from None
+                if isinstance(exc, BaseExceptionGroup):
+                    err = _connect_error(exc, self.engines)
+                    raise err from err.__cause__
+                raise
         self._loop = _event_loop()
         self.connected = True
 
@@ -199,6 +208,12 @@ class WeightSync:
         for e in self.engines:
             await e.close()
         self.connected = False
+
+    async def _close_quietly(self) -> None:
+        try:
+            await self.close()
+        except Exception as err:  # closing after a failure: report, don't mask the failure
+            self.log.warning("close after a failed connect failed", error=f"{type(err).__name__}: {err}")
 
     async def __aenter__(self) -> WeightSync:
         await self.connect()
@@ -489,3 +504,29 @@ def _vocab_hint(plans: Sequence[ChunkPlan], expected: dict[str, tuple[str, tuple
                         "vocabulary; pass WeightSync(..., source_options={'hf_config': <the served model's config>})"
                         f" (or {{'vocab_size': {exp[1][0]}}}) so the padding rows are dropped")
     return ""
+
+
+def _connect_error(eg: BaseExceptionGroup, engines: Sequence[Engine]) -> BaseException:
+    """The first failure of a group raised while connecting: a StreamSyncError as is (an EngineError names its
+    engine), anything else as an EngineError of all engines; cancellation and interrupts pass through."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for x in e.exceptions:
+                walk(x)
+        else:
+            leaves.append(e)
+
+    walk(eg)
+    for e in leaves:
+        if isinstance(e, StreamSyncError):
+            return e
+    for e in leaves:
+        if not isinstance(e, Exception):
+            return e
+    first = leaves[0] if leaves else eg
+    msg = f"connect failed: {type(first).__name__}: {first}"
+    err = EngineError(",".join(e.name for e in engines), msg)
+    err.__cause__ = first
+    return err

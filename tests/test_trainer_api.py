@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamsync import ValidationError, WeightSync
+from streamsync import EngineError, ValidationError, WeightSync
+from streamsync.engines.vllm import VllmHttpEngine
 from streamsync.sources import ModuleSource
 from streamsync.testing.models import StateModule, qwen3_specs, save_specs
 from streamsync.testing.receiver import ReceiverProcess
@@ -35,3 +36,13 @@ async def test_a_padded_vocabulary_error_names_the_option_that_drops_the_padding
         with pytest.raises(ValidationError, match=r"source_options=\{'hf_config'.*'vocab_size': 101"):
             await sync.push(trainer)
         await sync.close()
+
+
+async def test_connect_to_an_unreachable_server_is_one_engine_error_with_its_session_closed(free_tcp_port):
+    engine = VllmHttpEngine(f"http://127.0.0.1:{free_tcp_port}", name="rollout-0")
+    sync = WeightSync([engine], timeout=10, metrics=None)
+    with pytest.raises(EngineError, match=r"rollout-0.*cannot reach server") as info:
+        await sync.connect()
+    assert not isinstance(info.value, BaseExceptionGroup)
+    assert engine._session is None or engine._session.closed  # no "Unclosed client session" at exit
+    assert not sync.connected
