@@ -4,18 +4,23 @@
 and feeds them to a loader: the vLLM model protocol `load_weights(iterable)` or `ModuleLoader`, which copies
 into a plain module's parameters. It closes the chunk's handle before returning, so returning from the
 update call is the acknowledgement the sender waits for.
+
+Tensors larger than the sender's chunk budget arrive as row parts in consecutive chunks; the receiver copies
+each part into a staging tensor and hands the loader the whole tensor once its last row arrived (so every
+receiver, vLLM's included, loads whole tensors, bit for bit what the sender holds).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .errors import ValidationError
-from .pack import Layout, dtype_name
+from .pack import Layout, TensorMeta, dtype_name
 from .transports.base import Receiver, make_receiver
 
 Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
@@ -24,6 +29,12 @@ Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 class UnknownLayout(ValidationError):
     """An update named its layout by key only, and this receiver has not seen (or no longer keeps) that key.
     Clients that strip known layouts resend the update with its layout."""
+
+
+@dataclass
+class _Staged:
+    tensor: torch.Tensor
+    rows: int = 0  # rows filled so far
 
 
 class WeightReceiver:
@@ -43,6 +54,7 @@ class WeightReceiver:
         self.bytes = 0
         self._layouts: dict[str, Layout] = {}
         self._open_sized = True
+        self._staged: dict[str, _Staged] = {}  # tensors split across chunks, being reassembled
 
     def init(self, init_info: dict[str, Any]) -> None:
         if self.transport is not None:
@@ -56,6 +68,7 @@ class WeightReceiver:
             self.transport.end_round()  # the previous round failed half-way: drop what it mapped
         self.updating = True
         self.chunks = self.bytes = 0
+        self._staged.clear()
 
     def update(self, update_info: dict[str, Any], load: Loader) -> int:
         if self.transport is None:
@@ -68,7 +81,10 @@ class WeightReceiver:
             if buf.numel() < layout.nbytes:
                 raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
             self.dirty = True
-            load(self.transport.views(buf, layout))
+            views = self.transport.views(buf, layout)
+            if any(m.part is not None for m in layout.metas):
+                views = self._assemble(views, layout.metas)
+            load(views)
             del buf
         self.chunks += 1
         self.bytes += layout.nbytes
@@ -89,10 +105,36 @@ class WeightReceiver:
                 self._layouts[key] = layout
         return layout
 
+    def _assemble(self, views: Iterable[tuple[str, torch.Tensor]],
+                  metas: Iterable[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Whole tensors as they are, parts copied into their tensor's staging copy; a tensor is yielded when
+        its last row arrived. Parts must come in row order (the sender plans them so)."""
+        for (name, t), m in zip(views, metas, strict=True):
+            if m.part is None:
+                yield name, t
+                continue
+            row0, rows = m.part
+            staged = self._staged.get(name)
+            if staged is None:
+                staged = self._staged[name] = _Staged(torch.empty((rows, *t.shape[1:]), dtype=t.dtype,
+                                                                  device=t.device))
+            if row0 != staged.rows or tuple(staged.tensor.shape) != (rows, *t.shape[1:]):
+                raise ValidationError(f"tensor {name!r}: part at row {row0} of {rows} does not continue the "
+                                      f"{staged.rows} rows received")
+            staged.tensor[row0:row0 + t.shape[0]].copy_(t)
+            staged.rows += t.shape[0]
+            if staged.rows == rows:
+                del self._staged[name]
+                yield name, staged.tensor
+
     def finish(self, version: int | None) -> None:
         """End the round. `version` may be None where the engine keeps its own (vLLM does)."""
         if not self.updating:
             raise ValidationError("finish outside a round: call start_update first")
+        if self._staged:  # never claim a version with a tensor half-loaded
+            names = sorted(self._staged)
+            raise ValidationError(f"round finished with {len(names)} tensor(s) split across chunks still "
+                                  f"incomplete, e.g. {names[:3]}")
         self.updating = False
         self.dirty = False
         self.version = None if version is None else int(version)
@@ -104,6 +146,7 @@ class WeightReceiver:
         if self.updating and self.transport is not None:
             self.transport.end_round()
         self.updating = False
+        self._staged.clear()
 
     def close(self) -> None:
         if self.transport is not None:

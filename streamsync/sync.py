@@ -258,8 +258,12 @@ class WeightSync:
         if not plans:
             raise ValidationError("nothing to push: the source planned no chunks")
         seen: dict[str, int] = {}
+        parts: set[tuple[str, int]] = set()
         for p in plans:
             for s in p.specs:
+                if s.part is not None and s.part[0] > 0 and (s.name, s.part[0]) not in parts:
+                    parts.add((s.name, s.part[0]))  # a later part of a tensor split by rows
+                    continue
                 if s.name in seen:
                     raise ValidationError(f"tensor {s.name!r} appears in chunks {seen[s.name]} and {p.index}")
                 seen[s.name] = p.index
@@ -270,9 +274,9 @@ class WeightSync:
                     exp = expected.get(s.name)
                     if exp is None:
                         problems.append(f"unknown parameter {s.name!r} (chunk {p.index})")
-                    elif exp != (dtype_name(s.dtype), s.shape):
-                        problems.append(f"parameter {s.name!r} (chunk {p.index}) is {dtype_name(s.dtype)}{s.shape}, "
-                                        f"engine holds {exp[0]}{exp[1]}")
+                    elif exp != (dtype_name(s.dtype), s.full_shape):
+                        problems.append(f"parameter {s.name!r} (chunk {p.index}) is {dtype_name(s.dtype)}"
+                                        f"{s.full_shape}, engine holds {exp[0]}{exp[1]}")
             missing = sorted(set(expected) - set(seen))
             if missing:
                 problems.append(f"{len(missing)} parameter(s) missing from the push, e.g. {missing[:3]}")
@@ -498,9 +502,10 @@ def _vocab_hint(plans: Sequence[ChunkPlan], expected: dict[str, tuple[str, tuple
     for p in plans:
         for s in p.specs:
             exp = expected.get(s.name)
-            if (s.name.endswith(_VOCAB_NAMES) and exp is not None and len(exp[1]) == 2 and len(s.shape) == 2
-                    and exp[1][1] == s.shape[1] and exp[1][0] != s.shape[0]):
-                return (f". {s.name} has {s.shape[0]} rows, the engine {exp[1][0]}: a Megatron model pads its "
+            shape = s.full_shape
+            if (s.name.endswith(_VOCAB_NAMES) and exp is not None and len(exp[1]) == 2 and len(shape) == 2
+                    and exp[1][1] == shape[1] and exp[1][0] != shape[0]):
+                return (f". {s.name} has {shape[0]} rows, the engine {exp[1][0]}: a Megatron model pads its "
                         "vocabulary; pass WeightSync(..., source_options={'hf_config': <the served model's config>})"
                         f" (or {{'vocab_size': {exp[1][0]}}}) so the padding rows are dropped")
     return ""
