@@ -44,17 +44,23 @@ def _named_parameters(trainer: Any) -> list[tuple[str, torch.nn.Parameter]]:
     return [(f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
 
 
-def training_step(trainer: Any, model_dir: Path, tokenizer: Any, text: str, lr: float) -> float:
-    """One real AdamW step on `text`. A megatron-core forward needs CUDA, so on CPU the step is computed by
-    a transformers twin holding the same weights and imported into the megatron shards through the
-    HF -> Megatron converter. Returns the mean absolute weight change."""
+def hf_twin(trainer: Any, model_dir: Path) -> torch.nn.Module:
+    """The transformers model the training steps run on: the trainer itself, or for a megatron trainer a twin
+    holding the same weights (a megatron-core forward needs CUDA). Kept across steps, so they accumulate."""
+    if hasattr(trainer, "generate"):
+        return trainer
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+
+
+def training_step(trainer: Any, hf: torch.nn.Module, tokenizer: Any, text: str, lr: float) -> float:
+    """One real AdamW step on `text`, computed by `hf` (see hf_twin) and, for a megatron trainer, imported
+    into its shards through the HF -> Megatron converter. Returns the mean absolute weight change."""
     named = _named_parameters(trainer)
     before = {n: p.detach().clone() for n, p in named}
-    hf = trainer if hasattr(trainer, "generate") else AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16)
     hf.train()
+    hf.zero_grad(set_to_none=True)
     ids = torch.tensor([tokenizer.encode(text)])
     opt = torch.optim.AdamW(hf.parameters(), lr=lr)
     hf(input_ids=ids, labels=ids).loss.backward()
@@ -115,16 +121,17 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
     config = json.loads((model_dir / "config.json").read_text())
     options = {} if hasattr(trainer, "generate") else {"dtype": torch.bfloat16, "hf_config": config}
     sync = make_sync([engine], scfg, work, source_options=options)
+    twin = hf_twin(trainer, model_dir)
     reports: list[PushReport] = []
     for step in range(scfg.pushes):
         _say("5/7", f"training step {step + 1}/{scfg.pushes}, then push")
-        delta = training_step(trainer, model_dir, tok, mcfg.train_text, mcfg.lr)
+        delta = training_step(trainer, twin, tok, mcfg.train_text, mcfg.lr)
         report = await sync.push(trainer)
         reports.append(report)
         print(f"      mean |dW| = {delta:.4f}; {report.summary()}", flush=True)
 
     _say("6/7", "checking the engine against the trainer")
-    hf_state = await _hf_state(trainer)
+    hf_state = await _hf_state(trainer, config)
     exact = True
     if spec.check.bit_exact:
         got = await engine.weight_digests()
@@ -150,13 +157,13 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
     return reports
 
 
-async def _hf_state(trainer: Any) -> dict[str, torch.Tensor]:
+async def _hf_state(trainer: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The trainer's HF export (for a megatron trainer, through the converter)."""
     if hasattr(trainer, "generate"):
         return dict(trainer.state_dict())
     from ..testing.megatron_hf import export_hf_async
 
-    state = await export_hf_async(trainer, dtype=torch.bfloat16)
+    state = await export_hf_async(trainer, dtype=torch.bfloat16, hf_config=config)
     assert state is not None  # this process is rank 0
     return state
 
