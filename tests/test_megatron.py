@@ -60,7 +60,9 @@ def _run(cases: list[Case], world: int) -> dict[str, list[dict]]:
     work = Path(tempfile.mkdtemp(prefix="streamsync-megatron-"))
 
     def start(i: int, c: Case) -> ReceiverProcess:
-        return ReceiverProcess(str(save_specs(c.model.hf_specs(), work / f"case{i}.json")), name=c.name)
+        # ten receivers start at once: on a loaded 2-core machine that took over a minute
+        return ReceiverProcess(str(save_specs(c.model.hf_specs(), work / f"case{i}.json")), name=c.name,
+                               start_timeout=180)
 
     with ThreadPoolExecutor(len(cases)) as pool:
         receivers = list(pool.map(start, range(len(cases)), cases))
