@@ -137,8 +137,10 @@ async def test_viewer_serves_the_page_and_the_trace(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_async_trainer_example_runs_as_written():
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "async_trainer.py")], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin"})
+@pytest.mark.parametrize("example", ["async_trainer.py", "sync_trainer.py"])
+def test_the_trainer_examples_run_as_written(example):
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / example)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300,
+                       env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert "receiver at version 3, bit-exact: True" in r.stdout
