@@ -16,11 +16,15 @@ class TransportError(StreamSyncError):
 
 
 class EngineError(StreamSyncError):
-    """An engine (receiver) refused a call, failed it, or did not answer in time."""
+    """An engine (receiver) refused a call, failed it, or did not answer in time.
 
-    def __init__(self, engine: str, message: str) -> None:
+    `unresponsive`: it did not answer in time (frozen, dead, or too slow); a failed push does not wait for
+    it again to abort its round (it never reports the new version: it did not finish the round)."""
+
+    def __init__(self, engine: str, message: str, *, unresponsive: bool = False) -> None:
         super().__init__(f"engine {engine!r}: {message}")
         self.engine = engine
+        self.unresponsive = unresponsive
 
 
 class PushError(StreamSyncError):
@@ -46,6 +50,8 @@ class PushError(StreamSyncError):
         if push_id is not None:
             where.append(f"push={push_id}")
         super().__init__(f"push failed [{' '.join(where)}]: {message}")
+        #: engines that did not answer in time (from an unresponsive EngineError); not asked to abort
+        self.unresponsive: frozenset[str] = frozenset()
         self.stage = stage
         self.chunk = chunk
         self.receiver = receiver

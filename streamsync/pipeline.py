@@ -134,6 +134,8 @@ def _wrap(push: Push, stage: str, chunk: int | None, e: Exception) -> PushError:
         msg = f"timed out after {push.timeout:.1f}s"
     err = PushError(msg, stage=stage, chunk=chunk, receiver=receiver, push_id=push.push_id)
     err.__cause__ = e
+    if isinstance(e, EngineError) and e.unresponsive:
+        err.unresponsive = frozenset(e.engine.split(","))
     return err
 
 

@@ -7,12 +7,15 @@ import threading
 import time
 from typing import Any
 
+import anyio
 import pytest
 
 from streamsync import PushError, WeightSync
 from streamsync.checksum import digests
 from streamsync.engines.base import Engine
 from streamsync.errors import TransportError, ValidationError
+from streamsync.testing import faults
+from streamsync.testing.faults import Rig
 from streamsync.testing.models import StateModule, perturb_
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.transports.collective import CollectiveReceiver, CollectiveTransport
@@ -114,8 +117,112 @@ def test_receiver_refuses_malformed_init_info():
 
 def test_a_handle_whose_size_disagrees_with_its_layout_is_refused_before_the_receive_buffer_grows():
     rx = object.__new__(CollectiveReceiver)  # past the rendezvous: only the handle checks run here
-    rx.group, rx._seq, rx._pg, rx._buf = "g", 0, object(), None
+    rx.group, rx._seq, rx._pg, rx._bufs, rx.backend = "g", 0, object(), [None, None], "gloo"
     with pytest.raises(ValidationError, match="its layout 4096"), rx.open(
             {"handle": {"group": "g", "seq": 0, "nbytes": 1 << 40}}, 4096):
         pass
-    assert rx._buf is None and rx._seq == 0
+    assert rx._bufs == [None, None] and rx._seq == 0
+
+
+# ------------------------------------------------------------------------------- never hang (issue 10)
+# The same scenarios run on NCCL between two GPUs in tests/test_gpu.py.
+
+GROUP_TIMEOUT = 3.0
+CLOSE_BOUND = 10.0
+
+
+@pytest.fixture
+def rig(qwen_specs_path, qwen_specs):
+    return Rig("gloo", StateModule(qwen_specs, fill="random", seed=11), str(qwen_specs_path),
+               group_timeout=GROUP_TIMEOUT)
+
+
+async def test_close_returns_promptly_while_receivers_live_and_a_new_group_can_be_made(rig):
+    out = await faults.close_with_live_receivers(rig)
+    assert out.exact_before and out.close_s < CLOSE_BOUND
+    assert out.exact_after
+
+
+async def test_close_returns_promptly_while_receivers_shut_down_at_the_same_time(rig):
+    out = await faults.close_while_receivers_shut_down(rig)
+    assert out.exact_before and out.close_s < CLOSE_BOUND
+
+
+async def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_and_the_transport_reconnects(rig):
+    out = await faults.killed_receiver(rig)
+    assert out.notes["fault_fired"] and out.error is not None
+    assert out.error.stage == "send" and out.error.chunk is not None and out.error.receiver == "doomed"
+    assert out.fail_s < GROUP_TIMEOUT + 5 and out.close_s < CLOSE_BOUND
+    assert out.exact_after
+
+
+async def test_a_receiver_frozen_mid_broadcast_fails_the_push_within_the_group_timeout(rig):
+    out = await faults.frozen_receiver(rig)
+    assert out.notes["fault_fired"] and out.error is not None
+    assert out.error.stage == "send" and out.error.chunk is not None and out.error.receiver == "frozen"
+    assert GROUP_TIMEOUT - 1 < out.fail_s < GROUP_TIMEOUT + 5
+    assert out.close_s < CLOSE_BOUND  # while the receiver is still stopped
+    assert out.exact_after
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as the kernel lists them) of TCP sockets listening on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    found.append(local.rsplit(":", 1)[0])
+    return found
+
+
+async def test_the_rendezvous_store_listens_only_on_the_address_asked_for(receiver):
+    transport = _gloo()
+    sync = WeightSync([receiver.engine()], transport=transport, timeout=30)
+    await sync.connect()
+    assert _listening(transport._store.port) == ["0100007F"]  # 127.0.0.1 only; 0.0.0.0 would be 00000000
+    await sync.close()
+
+
+def test_a_handle_must_say_plainly_whether_it_is_device_ordered():
+    rx = object.__new__(CollectiveReceiver)  # past the rendezvous: only the handle checks run here
+    rx.group, rx._seq, rx._pg, rx._bufs, rx.backend = "g", 0, object(), [None, None], "gloo"
+    with pytest.raises(ValidationError, match="device_ordered"), rx.open(
+            {"handle": {"group": "g", "seq": 0, "nbytes": 64, "device_ordered": "yes"}}, 64):
+        pass
+    with pytest.raises(ValidationError, match="ordering"):
+        CollectiveTransport("nccl", ordering="sometimes")
+
+
+class _StuckGroup:
+    """A process group whose abort never returns (as a communicator whose kernel cannot be stopped). The one
+    stand-in here: such a failure cannot be produced on purpose with a real group."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def abort(self) -> None:
+        self.release.wait(60)
+
+
+async def test_close_abandons_a_group_whose_abort_hangs_and_returns_within_its_bound():
+    transport = CollectiveTransport("gloo", close_timeout=0.5)
+    stuck = _StuckGroup()
+    transport._pg = stuck
+    ticks = 0
+
+    async def tick() -> None:  # the event loop keeps running while close waits
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.05)
+            ticks += 1
+
+    t0 = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        await transport.close()
+        tg.cancel_scope.cancel()
+    assert time.monotonic() - t0 < 2 and ticks >= 5
+    assert transport._pg is None
+    stuck.release.set()

@@ -18,6 +18,8 @@ from streamsync import PushError, WeightSync
 from streamsync.checksum import device_digests, digests
 from streamsync.engines.process import ReceiverEngine
 from streamsync.errors import ValidationError
+from streamsync.testing import faults
+from streamsync.testing.faults import Rig
 from streamsync.testing.fused import FusedModel
 from streamsync.testing.models import StateModule, mixed_specs, qwen3_specs, save_specs
 from streamsync.testing.receiver import ReceiverProcess
@@ -160,6 +162,25 @@ async def test_ipc_into_fused_receiver_and_buffers_are_freed_after_receivers_let
     assert torch.cuda.memory_allocated() <= base + (64 << 10)
 
 
+@gpu
+async def test_a_tied_fused_receivers_head_is_the_pushed_embedding_on_the_gpu(tmp_path):
+    """On CUDA vLLM's tied head multiplies by the embedding's Parameter itself (no packed copy): the fused
+    stand-in holds it the same way, and after each push its head equals the new embedding."""
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768,
+                        tie=True)
+    model = StateModule(specs, fill="random", seed=4, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "t.json")), device="cuda", fused=True, tie=True) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], transport=CudaIpcTransport(), chunk_bytes=CHUNK)
+        for step in (1, 2):
+            _perturb(model, step)
+            await sync.push(model)
+            got = await engine.checksums(device=True)
+            want = device_digests([("lm_head.weight", model.state_dict()["model.embed_tokens.weight"])])
+            assert got["lm_head.weight"] == want["lm_head.weight"]
+        await sync.close()
+
+
 @pytest.mark.parametrize("release", ["event", "sync"])
 @gpu
 async def test_float32_weights_are_cast_to_the_receivers_dtype_by_the_pack_copy(tmp_path, release):
@@ -282,7 +303,7 @@ class _Tamper(ReceiverEngine):
 @gpu
 async def test_a_handle_for_another_gpu_is_refused(cuda_mixed):
     model, rp = cuda_mixed
-    engine = _Tamper("127.0.0.1", rp.port, name="tamper", device="cuda")
+    engine = _Tamper("127.0.0.1", rp.port, secret=rp.secret, name="tamper", device="cuda")
     sync = WeightSync([engine], chunk_bytes=2048)
     with pytest.raises(PushError, match="not visible"):
         await sync.push(model)
@@ -304,12 +325,17 @@ async def test_collective_with_cuda_tensors_over_gloo(cuda_mixed):
     await sync.close()
 
 
+# ------------------------------------------------------------------------------- NCCL between two GPUs
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (it refuses two ranks on one)")
+QWEN_SMALL = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+
+
 @gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (it refuses two ranks on one)")
+@two_gpus
 async def test_collective_over_nccl_between_two_gpus(tmp_path):
-    specs = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
-    model = StateModule(specs, fill="random", seed=5, device="cuda:0")
-    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda:1", fused=True) as rp:
+    model = StateModule(QWEN_SMALL, fill="random", seed=5, device="cuda:0")
+    with ReceiverProcess(str(save_specs(QWEN_SMALL, tmp_path / "q.json")), device="cuda:1", fused=True) as rp:
         engine = rp.engine()
         transport = CollectiveTransport("nccl", group_timeout=60)
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK, timeout=120)
@@ -317,4 +343,89 @@ async def test_collective_over_nccl_between_two_gpus(tmp_path):
             _perturb(model, window)
             await sync.push(model, max_inflight=window)
             assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
+        with anyio.fail_after(15):  # it used to hang here forever (ProcessGroupNCCL.shutdown on the loop)
+            await sync.close()
+
+
+@gpu
+@two_gpus
+async def test_nccl_buffers_are_not_reused_before_a_slow_receiver_gpu_unpacked_them(tmp_path):
+    # The receiver's GPU is busy ~5 ms before each chunk's copies, and the trainer's stream is busy when each
+    # push starts: only the device-side waits (ready, sent, the receiver's two slots) keep the bits right.
+    model = StateModule(QWEN_SMALL, fill="random", seed=6, device="cuda:0")
+    with ReceiverProcess(str(save_specs(QWEN_SMALL, tmp_path / "q.json")), device="cuda:1", fused=True,
+                         gpu_delay_ms=5) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], transport=CollectiveTransport("nccl", group_timeout=60), chunk_bytes=CHUNK // 2,
+                          timeout=120)
+        for step, window in enumerate((4, 2, 1, 4)):
+            _perturb(model, 30 + step)
+            torch.cuda._sleep(int(40e6))
+            report = await sync.push(model, max_inflight=window)
+            assert report.chunks > 8
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), window
         await sync.close()
+
+
+@gpu
+@two_gpus
+async def test_nccl_ordering_can_change_between_pushes(tmp_path):
+    # Device-ordered and host-ordered pushes (the handle says which) alternate on one group and one pair of
+    # receive buffers, with a slow receiver GPU: a missed wait when switching would show in the bits.
+    model = StateModule(QWEN_SMALL, fill="random", seed=7, device="cuda:0")
+    with ReceiverProcess(str(save_specs(QWEN_SMALL, tmp_path / "q.json")), device="cuda:1", fused=True,
+                         gpu_delay_ms=2) as rp:
+        engine = rp.engine()
+        transport = CollectiveTransport("nccl", group_timeout=60)
+        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK, timeout=120)
+        for step, ordering in enumerate(("device", "host", "device", "host")):
+            transport.ordering = ordering
+            _perturb(model, 40 + step)
+            await sync.push(model, max_inflight=4)
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), ordering
+        await sync.close()
+
+
+NCCL_GROUP_TIMEOUT = 10.0  # NCCL's communicator set-up on a fresh group takes a few seconds
+
+
+@pytest.fixture
+def nccl_rig(tmp_path):
+    model = StateModule(QWEN_SMALL, fill="random", seed=12, device="cuda:0")
+    return Rig("nccl", model, str(save_specs(QWEN_SMALL, tmp_path / "q.json")), rx_device="cuda:1", fused=True,
+               group_timeout=NCCL_GROUP_TIMEOUT)
+
+
+@gpu
+@two_gpus
+async def test_nccl_close_returns_promptly_while_receivers_live_and_a_new_group_can_be_made(nccl_rig):
+    out = await faults.close_with_live_receivers(nccl_rig)
+    assert out.exact_before and out.close_s < 10
+    assert out.exact_after
+
+
+@gpu
+@two_gpus
+async def test_nccl_close_returns_promptly_while_receivers_shut_down_at_the_same_time(nccl_rig):
+    out = await faults.close_while_receivers_shut_down(nccl_rig)
+    assert out.exact_before and out.close_s < 10
+
+
+@gpu
+@two_gpus
+async def test_nccl_receiver_killed_mid_broadcast_fails_the_push_naming_it_and_the_transport_reconnects(nccl_rig):
+    out = await faults.killed_receiver(nccl_rig)
+    assert out.notes["fault_fired"] and out.error is not None, out
+    assert out.error.stage == "send" and out.error.chunk is not None and out.error.receiver == "doomed", out.error
+    assert out.fail_s < NCCL_GROUP_TIMEOUT + 5 and out.close_s < 10
+    assert out.exact_after
+
+
+@gpu
+@two_gpus
+async def test_nccl_receiver_frozen_mid_broadcast_fails_the_push_within_the_group_timeout(nccl_rig):
+    out = await faults.frozen_receiver(nccl_rig)
+    assert out.notes["fault_fired"] and out.error is not None, out
+    assert out.error.stage == "send" and out.error.chunk is not None and out.error.receiver == "frozen", out.error
+    assert out.fail_s < NCCL_GROUP_TIMEOUT + 5 and out.close_s < 10
+    assert out.exact_after

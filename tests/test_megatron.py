@@ -67,7 +67,7 @@ def _run(cases: list[Case], world: int) -> dict[str, list[dict]]:
     with ThreadPoolExecutor(len(cases)) as pool:
         receivers = list(pool.map(start, range(len(cases)), cases))
     try:
-        per_rank = launch(run_cases, world, cases, {r.name: r.port for r in receivers}, timeout=150,
+        per_rank = launch(run_cases, world, cases, {r.name: (r.port, r.secret) for r in receivers}, timeout=150,
                           collective_timeout=60)
     finally:
         for r in receivers:
@@ -181,3 +181,42 @@ def test_data_parallel_replicas_issue_nothing(four: dict[str, list[dict]]) -> No
     ranks = four["qwen3 tp2 dp2"]
     assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["events"]
     assert ranks[2]["events"] == ranks[3]["events"] == []
+
+
+# Colocated engines (one per trainer GPU, each loading full tensors, as vLLM TP workers do): every rank sends
+# what the same one set of all-gathers brought it. On CPU the transport is shared memory; tests/test_gpu.py's
+# two-GPU benchmark runs the same with CUDA IPC on NCCL.
+COLOCATED = [
+    Case("qwen3 tp2 every rank sends", QWEN3_4L, tp=2, seed=21, pushes=2, every_rank_sends=True),
+    Case("qwen3-moe tp2 ep2 every rank sends", MOE, tp=2, ep=2, etp=1, seed=22, every_rank_sends=True),
+]
+
+
+@pytest.fixture(scope="module")
+def colocated() -> dict[str, list[dict]]:
+    work = Path(tempfile.mkdtemp(prefix="streamsync-megatron-colocated-"))
+    keys = [(c, r) for c in COLOCATED for r in range(2)]
+
+    def start(i: int) -> ReceiverProcess:
+        c, r = keys[i]
+        return ReceiverProcess(str(save_specs(c.model.hf_specs(), work / f"case{i}.json")), name=f"{c.name}@{r}")
+
+    with ThreadPoolExecutor(len(keys)) as pool:
+        receivers = list(pool.map(start, range(len(keys))))
+    try:
+        per_rank = launch(run_cases, 2, COLOCATED, {r.name: (r.port, r.secret) for r in receivers}, timeout=150,
+                          collective_timeout=60)
+    finally:
+        for r in receivers:
+            r.stop()
+    return {c.name: [per_rank[rank][i] for rank in range(2)] for i, c in enumerate(COLOCATED)}
+
+
+@pytest.mark.parametrize("name", [c.name for c in COLOCATED])
+def test_every_rank_sends_full_tensors_to_its_own_receiver_after_one_set_of_gathers(colocated, name):
+    ranks = colocated[name]
+    for r in ranks:
+        assert r["is_sender"]
+        assert r["exact"], f"rank {r['rank']}: {len(r['mismatched'])} tensors differ, e.g. {r['mismatched'][:5]}"
+    assert ranks[0]["events"] == ranks[1]["events"]  # the same collectives, issued once per (chunk, group, dtype)
+    assert max(Counter(map(tuple, ranks[0]["events"])).values()) == 1

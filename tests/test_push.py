@@ -184,10 +184,10 @@ async def test_bad_configuration_is_refused_clearly():
 
 
 async def test_unreachable_engine_is_an_engine_error():
-    from streamsync.engines.process import ReceiverEngine
+    from streamsync.engines.process import ReceiverEngine, new_secret
 
     with pytest.raises(EngineError, match="cannot connect"):
-        await ReceiverEngine("127.0.0.1", 1, name="nobody").get_version()
+        await ReceiverEngine("127.0.0.1", 1, secret=new_secret(), name="nobody").get_version()
 
 
 def test_meta_tensors_are_refused_before_anything_moves():
@@ -253,9 +253,8 @@ def test_shm_handles_must_name_a_streamsync_segment():
 
 def test_a_malformed_message_does_not_kill_the_receiver(qwen_receiver):
     import json as _json
-    import socket
 
-    with socket.create_connection(("127.0.0.1", qwen_receiver.port), timeout=10) as s:
+    with qwen_receiver.raw_socket() as s:
         s.sendall(b"[1]\n")
         reply = _json.loads(s.makefile().readline())
         assert reply["ok"] is False and "JSON object" in reply["error"]
@@ -389,3 +388,23 @@ async def test_a_source_written_before_convert_took_cast_still_pushes(qwen_recei
     await sync.push(Older(qwen_model))
     assert await engine.checksums() == digests(qwen_model.state_dict().items())
     await sync.close()
+
+
+async def test_a_tied_receivers_output_layer_computes_with_the_pushed_embedding(tmp_path):
+    """A tied model sends its embedding once; the receiver's head is that Parameter (vLLM's tie_weights), so
+    what its output matmul multiplies by is the new embedding after every push."""
+    from streamsync.testing.models import qwen3_specs, save_specs
+
+    specs = qwen3_specs(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, tie=True)
+    assert not any(name == "lm_head.weight" for name, _, _ in specs)
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "tied.json")), fused=True, tie=True) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], chunk_bytes=64 << 10)
+        model = StateModule(specs, fill="random", seed=5)
+        for step in (1, 2):
+            perturb_(model, step)
+            await sync.push(model)
+            got = await engine.checksums()
+            embed = digests([("w", model.state_dict()["model.embed_tokens.weight"])])["w"]
+            assert got["lm_head.weight"] == embed == got["model.embed_tokens.weight"]
+        await sync.close()

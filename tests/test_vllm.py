@@ -11,7 +11,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from streamsync import PushError, WeightSync  # noqa: E402
+from streamsync import PushError, ValidationError, WeightSync  # noqa: E402
 from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, VllmHttpEngine  # noqa: E402
 from streamsync.testing.vllm import LOGPROB_TOL, greedy, trainer_from  # noqa: E402
 from streamsync.verify import compare_generation, load_reference, reference_logprobs  # noqa: E402
@@ -59,20 +59,60 @@ async def test_llm_generations_match_a_reference_holding_the_trainer_weights(llm
     await sync.close()
 
 
-async def test_a_shape_mismatch_fails_the_push_and_keeps_the_old_version(llm, model_dir):
-    engine = VllmEngine(llm, name="llm")
+async def _refused_before_any_byte_moves(engine, model_dir, bad, match):
+    """`bad` is refused up front (ValidationError naming the tensor), the engine still holds and reports the
+    previous push exactly, and the next good push lands."""
     sync = WeightSync([engine], chunk_bytes=1 << 20)
-    await sync.push(trainer_from(model_dir, step=3), version=20)
+    good = trainer_from(model_dir, step=3)
+    await sync.push(good, version=20)
+    with pytest.raises(ValidationError, match=match):
+        await sync.push(bad, version=21)
+    assert await engine.get_version() == 20
+    await _assert_bit_exact(engine, good)  # not one byte of `bad` arrived
+    again = trainer_from(model_dir, step=5)
+    await sync.push(again, version=22)
+    await _assert_bit_exact(engine, again)
+    await sync.close()
+
+
+async def test_vllm_engines_report_the_weights_they_hold(llm, server, model_dir):
+    for engine in (VllmEngine(llm, name="llm"), VllmHttpEngine(server.url, name="serve")):
+        expected = await engine.expected_weights()
+        assert expected["model.layers.0.self_attn.v_proj.weight"] == ("bfloat16", (64, 256))
+        assert set(expected) == set(trainer_from(model_dir, step=0).state_dict())
+        await engine.close()
+
+
+async def test_a_mis_shaped_tensor_is_refused_before_any_byte_moves(llm, model_dir):
     bad = trainer_from(model_dir, step=4)
     bad.model.norm.weight = torch.nn.Parameter(torch.ones(7, dtype=torch.bfloat16))
-    with pytest.raises(PushError) as err:
-        await sync.push(bad, version=21)
-    assert err.value.receiver == "llm" and err.value.stage == "send"
-    assert await engine.get_version() == 20
-    good = trainer_from(model_dir, step=5)  # the engine recovers with the next good push
-    await sync.push(good, version=22)
-    await _assert_bit_exact(engine, good)
-    await sync.close()
+    await _refused_before_any_byte_moves(VllmEngine(llm, name="llm"), model_dir, bad,
+                                         r"model\.norm\.weight.*engine holds bfloat16\(256,\)")
+
+
+async def test_a_push_missing_a_tensor_is_refused_before_any_byte_moves(server, model_dir):
+    """Without the check the engine claimed the new version while its fused qkv held neither old nor new v."""
+    bad = trainer_from(model_dir, step=4)
+    del bad.model.layers[0].self_attn.v_proj
+    await _refused_before_any_byte_moves(VllmHttpEngine(server.url, name="serve"), model_dir, bad,
+                                         r"missing.*model\.layers\.0\.self_attn\.v_proj\.weight")
+
+
+async def test_a_push_with_an_unknown_tensor_is_refused_before_any_byte_moves(llm, model_dir):
+    bad = trainer_from(model_dir, step=4)
+    bad.model.extra = torch.nn.Linear(4, 4, dtype=torch.bfloat16)
+    await _refused_before_any_byte_moves(VllmEngine(llm, name="llm"), model_dir, bad,
+                                         r"unknown parameter 'model\.extra\.weight'")
+
+
+async def test_non_finite_weights_are_refused_before_any_byte_moves(llm, model_dir):
+    bad = trainer_from(model_dir, step=4)
+    with torch.no_grad():
+        bad.model.layers[2].mlp.down_proj.weight[3, 5] = float("nan")
+        bad.model.layers[1].self_attn.o_proj.weight[0, 0] = float("inf")
+    await _refused_before_any_byte_moves(
+        VllmEngine(llm, name="llm"), model_dir, bad,
+        r"non-finite.*model\.layers\.1\.self_attn\.o_proj\.weight.*model\.layers\.2\.mlp\.down_proj\.weight")
 
 
 async def test_http_client_against_vllm_serve(server, model_dir):

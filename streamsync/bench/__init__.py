@@ -3,7 +3,9 @@
 CPU (default): a ~1 GB Qwen3-shaped bf16 model made locally, pushed over shared memory into a receiver
 process. Sender and receiver each get one intra-op thread, so on a 2-core machine the pipeline's
 overlap (pack of chunk i+1 while the receiver loads chunk i) is what the ratio measures.
-`--device cuda` runs the GPU benchmark (see streamsync.bench.cuda).
+`--device cuda` runs the GPU benchmark: with two GPUs visible the two-GPU cases (streamsync.bench.two_gpu:
+NCCL push against a raw broadcast, TP=2 trainers), else the one-GPU colocated benchmark (streamsync.bench.cuda);
+`--gpus 1|2` picks one explicitly.
 """
 
 from __future__ import annotations
@@ -128,10 +130,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--chunk-mib", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--gpus", choices=["auto", "1", "2"], default="auto",
+                    help="--device cuda: the one-GPU benchmark (1), the two-GPU cases (2), or 2 where two GPUs are "
+                    "visible (auto)")
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.device == "cuda":
+    gpus = getattr(args, "gpus", "auto")
+    if args.device == "cuda" and (gpus == "2" or (gpus == "auto" and torch.cuda.device_count() >= 2)):
+        from .two_gpu import run_defaults
+
+        result = run_defaults(args)
+    elif args.device == "cuda":
         from .cuda import run as run_cuda
 
         result = run_cuda(args)

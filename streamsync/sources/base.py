@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +62,11 @@ class Source(ABC):
 
     @abstractmethod
     async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Sequence[torch.Tensor]: ...
+
+    def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every weight this rank holds and will contribute, for checks before a push
+        (names as the trainer knows them). Empty where a source cannot say."""
+        return iter(())
 
     def begin_push(self) -> None:  # noqa: B027 - optional hook
         """A push of this source's plan starts (a plan is reused across pushes): reset per-push counters."""

@@ -285,6 +285,10 @@ class MegatronSource(Source):
                  then takes one collective per bucket, all in flight together. Gloo runs concurrent
                  collectives on several threads, so on CPU a few MiB buckets beat one large message;
                  NCCL wants one large message (default None: no cap).
+    every_rank_sends: colocated engines (one per trainer GPU, as vLLM TP workers that each load full
+                 tensors): every rank keeps the full tensors its all-gathers brought and sends them to
+                 its own engine, after the same one set of gathers. Needs PP = 1, and expert TP = 1
+                 when EP > 1 (then every rank takes part in every all-gather).
 
     Construction is collective when the model is sharded: every rank of the default group must construct
     it (as `push` does) at the same point. Raises ValidationError for parameters no table entry maps, or a
@@ -293,8 +297,9 @@ class MegatronSource(Source):
 
     def __init__(self, model: object, *, arch: str | None = None, dtype: torch.dtype | str | None = None,
                  coalesce: bool = True, bucket_bytes: int | None = None, hf_config: object = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, every_rank_sends: bool = False) -> None:
         self.chunks = unwrap_chunks(model)
+        self.every_rank_sends = every_rank_sends
         first = self.chunks[0]
         cfg = first.config
         self.coalesce = coalesce
@@ -341,7 +346,13 @@ class MegatronSource(Source):
             get_logger().warning(
                 "no HF vocabulary size: sending the megatron model's vocabulary whole (padding rows included)",
                 rows=int(first.vocab_size), fix="source_options={'hf_config': <the served model's config>}")
-        if self.is_sender and self.coords.rank != 0:
+        g = self.groups
+        if every_rank_sends and (g.pp_size > 1 or (g.ep_size > 1 and g.etp_size > 1)
+                                 or not (self.coords.dense_writer and self.coords.expert_writer)):
+            raise ValidationError("every_rank_sends needs PP = 1, expert TP = 1 when EP > 1, and no data-parallel "
+                                  f"replicas (got pp {g.pp_size}, ep {g.ep_size}, etp {g.etp_size}, "
+                                  f"coords {self.coords})")
+        if self.is_sender and self.coords.rank != 0 and not every_rank_sends:
             raise ValidationError(f"rank {self.coords.rank} has all parallel ranks 0 but is not global rank 0: "
                                   "unsupported rank order")
         self._stream: Any = None
@@ -393,7 +404,7 @@ class MegatronSource(Source):
 
     @property
     def is_sender(self) -> bool:
-        return self.coords.pp == 0 and self.coords.leads()
+        return self.every_rank_sends or (self.coords.pp == 0 and self.coords.leads())
 
     @property
     def sent(self) -> list[str]:
@@ -418,6 +429,9 @@ class MegatronSource(Source):
             items.append(Item(name, nbytes, unit, ("experts", r.layer) if info.expert else None))
         return [ChunkPlan(i, tuple(s for k in keys for s in self._specs[k]), tuple(keys))  # type: ignore[index]
                 for i, keys in enumerate(plan_chunks(items, chunk_bytes))]
+
+    def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((n, p.detach()) for n, (p, _) in self._local.items())
 
     def begin_push(self) -> None:
         self._collectives = 0
@@ -521,7 +535,8 @@ class MegatronSource(Source):
         """Round 1: shards of this stage's dense tensors (TP group) and local experts (expert-TP group) ->
         full tensors, on the ranks that use them: stage leaders, and the ranks of the EP round."""
         c, g = self.coords, self.groups
-        merge = {False: c.leads(), True: c.leads() or (g.ep_size > 1 and c.etp == 0)}
+        every = self.every_rank_sends
+        merge = {False: c.leads() or every, True: c.leads() or every or (g.ep_size > 1 and c.etp == 0)}
         pending = []
         for expert, group, size, label in ((False, g.tp, g.tp_size, "tp"), (True, g.etp, g.etp_size, "etp")):
             keys = [i.name for i in split if i.expert == expert]
@@ -556,7 +571,7 @@ class MegatronSource(Source):
             pending.append((_all_gather(out, send, group=g.ep, async_op=True), out))
             self._count(chunk, "ep", b.dtype)
         self._wait([p[0] for p in pending], stream)
-        if not c.leads():
+        if not (c.leads() or self.every_rank_sends):
             return
         for j, (_, out) in enumerate(pending):
             rows = out.view(g.ep_size, mine[j].numel)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import anyio
 import torch
@@ -47,6 +47,9 @@ class ModuleSource(Source):
     @property
     def device(self) -> torch.device:
         return self._device
+
+    def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((n, t.detach()) for n, t in self._tensors.items())
 
     def _spec(self, name: str) -> TensorSpec:
         t = self._tensors[name]

@@ -76,7 +76,7 @@ class FusedModel(torch.nn.Module):
     """Parameters fused like vLLM's; `load_weights` is the vLLM model protocol."""
 
     def __init__(self, specs: Iterable[Spec], *, device: str | torch.device = "cpu", fill: str = "zeros",
-                 seed: int = 0) -> None:
+                 seed: int = 0, tie: bool = False) -> None:
         super().__init__()
         specs = list(specs)
         self.slots: dict[str, Slot] = {}
@@ -107,6 +107,12 @@ class FusedModel(torch.nn.Module):
             elif fill == "zeros":
                 t.zero_()
             self._register(name, t)
+        # A tied head is the embedding's Parameter itself, as vLLM's `ParallelLMHead.tie_weights` makes it: on
+        # GPU the output matmul reads that Parameter, so loading the embedding updates the head by construction.
+        self.tied = tie and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors
+        if self.tied:
+            self.add_module("lm_head", torch.nn.Module())
+            self.lm_head.register_parameter("weight", self.get_parameter("model.embed_tokens.weight"))
         self.hf_specs_: list[Spec] = [(n, d, tuple(s)) for n, d, s in specs]
         # Where each HF tensor lands, resolved once: a chunk's load is then lookups and copies only.
         params = dict(self.named_parameters())
@@ -196,5 +202,11 @@ class FusedModel(torch.nn.Module):
         params = dict(self.named_parameters())
         for name, _, _ in self.hf_specs_:
             yield name, self._target(name, params)
+        if self.tied:
+            yield "lm_head.weight", self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer as an engine computes it (tied or not)."""
+        return hidden @ self.get_parameter("lm_head.weight").t()
 
 

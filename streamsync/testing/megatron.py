@@ -208,14 +208,15 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
                                  expert_tensor_parallel_size=etp, create_gloo_process_groups=False)
 
 
-def build_model(tiny: TinyModel, *, divisible_by: int = 8) -> list[torch.nn.Module]:
-    """This rank's GPTModel chunks (one per virtual pipeline stage) under the current parallel_state."""
+def build_model(tiny: TinyModel, *, divisible_by: int = 8, **config: Any) -> list[torch.nn.Module]:
+    """This rank's GPTModel chunks (one per virtual pipeline stage) under the current parallel_state.
+    `config` overrides TransformerConfig fields (e.g. `use_cpu_initialization=False` to build on the GPU)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    cfg = tiny.transformer_config()
+    cfg = tiny.transformer_config(**config)
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -249,14 +250,16 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable[..., Any], args: tuple,
-            results: Any) -> None:
+            results: Any, backend: str = "gloo") -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
@@ -267,8 +270,9 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable[
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-           collective_timeout: float = 60.0) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` in `world_size` spawned processes joined by gloo; results by rank.
+           collective_timeout: float = 60.0, backend: str = "gloo") -> list[Any]:
+    """Run `fn(rank, world_size, *args)` in `world_size` spawned processes joined by gloo (or NCCL, rank r on
+    GPU r); results by rank.
 
     `fn` must be importable (module level). Raises StreamSyncError with the workers' tracebacks if any
     failed, or after `timeout` seconds (the workers are killed). Collectives time out after
@@ -279,7 +283,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, collective_timeout, fn, args, results),
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, collective_timeout, fn, args, results, backend),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -335,6 +339,7 @@ class Case:
     chunk_bytes: int = 32 << 10
     coalesce: bool = True
     pushes: int = 1
+    every_rank_sends: bool = False  # each rank pushes into its own receiver (`receivers[f"{name}@{rank}"]`)
     blocking: bool = False  # push through BlockingWeightSync from plain Python (no anyio.run) on every rank
 
 
@@ -358,9 +363,12 @@ class CaseResult:
     is_sender: bool = False
 
 
-def run_cases(rank: int, world_size: int, cases: Sequence[Case], ports: Mapping[str, int]) -> list[dict]:
+def run_cases(rank: int, world_size: int, cases: Sequence[Case],
+              receivers: Mapping[str, tuple[int, str]]) -> list[dict]:
     """Worker: for each case, set up parallel_state, build the model, load its HF weights, push (the sender into
-    the receiver at `ports[case.name]`, the other ranks with no engines) and report (`CaseResult` dicts)."""
+    the receiver at `receivers[case.name]`, the other ranks with no engines; with `every_rank_sends` each rank
+    into the receiver at `receivers[f"{case.name}@{rank}"]`; each a (port, secret)) and report (`CaseResult`
+    dicts)."""
     import anyio
     import torch.distributed as dist
 
@@ -377,8 +385,14 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case], ports: Mapping[
         hf = case.model.hf_state(seed=case.seed)
         load_hf_weights(model, hf)
         res = CaseResult(case.name, rank)
-        engines = [ReceiverEngine("127.0.0.1", ports[case.name], timeout=60)] if rank == 0 else []
-        options = {"hf_config": case.model.hf_config(), "coalesce": case.coalesce}
+        if case.every_rank_sends:
+            target = receivers.get(f"{case.name}@{rank}")
+        else:
+            target = receivers[case.name] if rank == 0 else None
+        engines = ([ReceiverEngine("127.0.0.1", target[0], secret=target[1], timeout=60)]
+                   if target is not None else [])
+        options = {"hf_config": case.model.hf_config(), "coalesce": case.coalesce,
+                   "every_rank_sends": case.every_rank_sends}
 
         def record(i: int, report: PushReport, source: MegatronSource, case: Case = case,
                    res: CaseResult = res) -> None:

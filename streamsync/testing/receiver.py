@@ -1,12 +1,20 @@
 """A receiver process holding a model built from specs (tests and benchmarks).
 
-    python -m streamsync.testing.receiver --specs model.json [--host 127.0.0.1] [--port 0] [--fused]
+    STREAMSYNC_RECEIVER_SECRET=... python -m streamsync.testing.receiver --specs model.json [--host 127.0.0.1]
+        [--port 0] [--fused]
+    python -m streamsync.testing.receiver --specs model.json --secret-file DIR/secret   # generates one, mode 0600
+
+The secret comes from the environment (how `ReceiverProcess` hands it over) or is generated and written to a
+new file only its owner can read; never from the command line, which every local user can read.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -14,58 +22,84 @@ import threading
 
 import torch
 
-from ..engines.process import ReceiverEngine, ReceiverServer
+from ..engines.process import SECRET_ENV, ReceiverEngine, ReceiverServer, new_secret, proof
 from ..errors import StreamSyncError
+
+
+def write_secret_file(path: str, secret: str) -> None:
+    """Create `path` readable and writable by its owner only; refuse an existing file or a symlink (someone
+    else may have placed it to read what is written)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--specs", required=True, help="JSON list of [name, dtype, shape]")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="the one address to listen on (default: loopback only)")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--delay", type=float, default=0.0, help="sleep per update (tests of slow receivers)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--tie", action="store_true", help="with --fused: lm_head is the embedding's Parameter")
     ap.add_argument("--fused", action="store_true", help="hold vLLM-style fused parameters (streamsync.testing.fused)")
     ap.add_argument("--gpu-delay-ms", type=float, default=0.0, help="keep the GPU busy ~this long before each "
                     "update's copies (tests that a sender waits for the receiver on the device)")
+    ap.add_argument("--secret-file", help=f"without {SECRET_ENV}: generate a secret and write it to this new file")
+    ap.add_argument("--max-wait", type=float, default=600.0, help="longest wait a client may ask for (seconds)")
     args = ap.parse_args(argv)
+    secret = os.environ.pop(SECRET_ENV, None)  # not inherited by anything this process starts
+    if secret is None:
+        if not args.secret_file:
+            ap.error(f"no secret: set {SECRET_ENV} or pass --secret-file")
+        secret = new_secret()
+        write_secret_file(args.secret_file, secret)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda:"):  # this process's work (and torch.cuda._sleep) goes to that GPU
+        torch.cuda.set_device(args.device)
     from .models import StateModule, load_specs
 
     if args.fused:
         from .fused import FusedModel
 
-        module: torch.nn.Module = FusedModel(load_specs(args.specs), fill="zeros", device=args.device)
+        module: torch.nn.Module = FusedModel(load_specs(args.specs), fill="zeros", device=args.device,
+                                             tie=args.tie)
     else:
         module = StateModule(load_specs(args.specs), fill="zeros", device=args.device)
-    sock = socket.create_server((args.host, args.port))
-    print(f"LISTENING {sock.getsockname()[1]}", flush=True)
-    server = ReceiverServer(module, args.device, args.delay, args.gpu_delay_ms)
     profile_to = os.environ.get("STREAMSYNC_RECEIVER_PROFILE")  # benchmarks: where the receiver's time goes
-    if not profile_to:
-        server.serve(sock)
-        return
     import cProfile
 
-    with cProfile.Profile() as prof:
-        server.serve(sock)
-    prof.dump_stats(profile_to)
+    prof = cProfile.Profile() if profile_to else None
+    server = ReceiverServer(module, args.device, args.delay, args.gpu_delay_ms, secret=secret,
+                            max_wait_s=args.max_wait, profiler=prof)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: every chunk is unmapped before exiting
+        signal.signal(sig, lambda *_: server.stop())
+    server.serve(args.host, args.port, ready=lambda port: print(f"LISTENING {port}", flush=True))
+    if prof is not None and profile_to:
+        prof.dump_stats(profile_to)
 
 
 
 class ReceiverProcess:
-    """Start `python -m streamsync.testing.receiver` and wait for it to listen."""
+    """Start `python -m streamsync.testing.receiver` and wait for it to listen.
+
+    A fresh secret is generated here and handed to the child in its environment; `engine()` uses it, and
+    `secret` is there for clients built by hand (e.g. in other processes of a multi-rank job)."""
 
     def __init__(self, specs_path: str, *, delay: float = 0.0, threads: int = 0, start_timeout: float = 60.0,
-                 name: str = "receiver", device: str = "cpu", fused: bool = False, gpu_delay_ms: float = 0.0) -> None:
+                 name: str = "receiver", device: str = "cpu", fused: bool = False, gpu_delay_ms: float = 0.0,
+                 tie: bool = False, host: str = "127.0.0.1") -> None:
         cmd = [sys.executable, "-m", "streamsync.testing.receiver", "--specs", str(specs_path),
-               "--delay", str(delay), "--threads", str(threads), "--device", device,
-               "--gpu-delay-ms", str(gpu_delay_ms)] + (["--fused"] if fused else [])
+               "--delay", str(delay), "--threads", str(threads), "--device", device, "--host", host,
+               "--gpu-delay-ms", str(gpu_delay_ms)] + (["--fused"] if fused else []) + (["--tie"] if tie else [])
         self.name = name
         self.device = device
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self.host = host
+        self.secret = new_secret()
+        env = {**os.environ, SECRET_ENV: self.secret}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         self.port = self._wait_port(start_timeout)
 
     def _wait_port(self, timeout: float) -> int:
@@ -80,11 +114,25 @@ class ReceiverProcess:
         return int(line.split()[1])
 
     def engine(self, timeout: float = 60.0) -> ReceiverEngine:
-        return ReceiverEngine("127.0.0.1", self.port, name=self.name, timeout=timeout, device=self.device)
+        return ReceiverEngine(self.host, self.port, secret=self.secret, name=self.name, timeout=timeout,
+                              device=self.device)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def raw_socket(self, timeout: float = 10.0) -> socket.socket:
+        """A blocking socket that has authenticated (tests of the wire protocol itself)."""
+        s = socket.create_connection((self.host, self.port), timeout=timeout)
+        rf = s.makefile("rb")
+        challenge = json.loads(rf.readline())["challenge"]
+        nonce = secrets.token_hex(16)
+        mac = proof(self.secret, "client", challenge, nonce)
+        s.sendall(json.dumps({"op": "auth", "nonce": nonce, "mac": mac}).encode() + b"\n")
+        if not json.loads(rf.readline()).get("ok"):
+            s.close()
+            raise StreamSyncError(f"receiver {self.name} refused the secret")
+        return s
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -92,13 +140,12 @@ class ReceiverProcess:
         self.proc.wait(10)
 
     def stop(self) -> None:
+        """SIGTERM (the receiver unmaps every chunk and exits), SIGKILL if it has not within 10 s."""
         if self.proc.poll() is None:
+            self.proc.terminate()
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
-                    s.sendall(b'{"op": "shutdown"}\n')
-                    s.recv(100)
                 self.proc.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 pass
         self.kill()
 

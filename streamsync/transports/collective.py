@@ -1,9 +1,10 @@
 """Remote transport: one broadcast per packed chunk over a dedicated process group.
 
 The group holds the sending rank (rank 0) and every engine worker (ranks 1..N). It is made by a stateless
-rendezvous: the sender hosts a `TCPStore`, every side builds a `ProcessGroupNCCL` / `ProcessGroupGloo`
-object directly on a prefixed view of it. No `init_process_group`, so neither the trainer's default group
-nor vLLM's is touched, and a trainer may hold several such groups (one per `WeightSync`).
+rendezvous: the sender hosts a `TCPStore` (listening on `master_addr` only), every side builds a
+`ProcessGroupNCCL` / `ProcessGroupGloo` object directly on a prefixed view of it. No `init_process_group`, so
+neither the trainer's default group nor vLLM's is touched, and a trainer may hold several such groups (one
+per `WeightSync`).
 
 NCCL moves CUDA buffers between GPUs and nodes; gloo is the same code for CPU buffers (and also accepts
 CUDA tensors, staging them through host memory). NCCL cannot put two ranks on one GPU.
@@ -13,14 +14,36 @@ update enters the matching broadcast into its own buffer, loads the chunk, and r
 issued in chunk order on every rank (the send stage is sequential); each handle carries a sequence number
 so a receiver that got out of step refuses before it enters a collective.
 
-Nothing waits forever: the rendezvous and every collective have the group timeout, and the sender's
-blocking calls run in worker threads that a failed push abandons. A push that fails in the middle of a
-broadcast leaves the group unusable: later pushes raise until `WeightSync` connects again.
+With NCCL nothing waits on a host for a copy or a broadcast in the middle of a push; streams wait on events:
+
+  sender    pack stream:   [sent(i-w) of this buffer] pack i -> ready(i)
+            comm stream:   [ready(i)] broadcast i -> sent(i)         (launched from a worker thread)
+            send(i) returns when every engine acknowledged and broadcast i-1 finished (the last chunk: i)
+  receiver  recv stream:   [free(slot)] broadcast i into slot i % 2 -> got(i)
+            load stream:   [got(i)] copies into the parameters -> free(slot)   (the update returns here)
+            end of round:  waits (bounded) for both streams before the new version is reported
+
+So the pack of chunk i+1 and the receiver's unpack of chunk i-1 overlap broadcast i, and the receiver
+posts the next broadcast into its second buffer while it still unpacks the previous one. gloo keeps the
+plain protocol (each side waits for its broadcast in a thread; the receiver loads, then acknowledges).
+
+Nothing waits forever: the rendezvous, every collective and every acknowledgement have the group timeout,
+and the sender's blocking calls run in worker threads that a failed push abandons. NCCL groups are built
+with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (abort the communicator on a timeout, keep the process): torch's
+default takes the whole process down when a collective times out, i.e. a frozen receiver would kill the
+trainer. A push that fails in the middle of a broadcast leaves the group unusable: later pushes raise until
+the transport connects again (`WeightSync.close()` then a push or `connect()`). `close()` aborts the group
+(`abort`, not `shutdown`: NCCL's graceful finalize waits for peers that may be dead, frozen or gone) in a
+daemon thread and returns within `close_timeout` whatever the peers do.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
+import socket
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -30,7 +53,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import torch
 
-from ..errors import TransportError, ValidationError
+from ..errors import EngineError, TransportError, ValidationError
+from ..log import get_logger
+from ..pack import Layout, pack_into, unpack
 from ..sources.base import ChunkPlan
 from .base import Receiver, SendBuffer, Transport
 from .pool import BufferPool, PoolBuffer
@@ -39,6 +64,7 @@ if TYPE_CHECKING:
     from ..engines.base import Engine
 
 BACKENDS = ("gloo", "nccl")
+CLOSE_TIMEOUT = 10.0
 T = TypeVar("T")
 
 
@@ -57,6 +83,31 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def host_store(addr: str, port: int, world: int, timeout: timedelta) -> Any:
+    """The rendezvous `TCPStore`, listening on `addr` only.
+
+    TCPStore's own server binds every interface whatever host name it is given; a socket bound here and
+    handed over (`master_listen_fd`) keeps the store off the other interfaces."""
+    import torch.distributed as dist
+
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(max(128, 2 * world))
+            bound = sock.getsockname()[1]
+        except OSError:
+            sock.close()
+            raise
+        # The store owns the descriptor from here on (it closes it when it goes).
+        return dist.TCPStore(addr, bound, world, True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=sock.detach())
+    except (RuntimeError, OSError) as e:
+        raise TransportError(f"cannot host the rendezvous on {addr}:{port}: {e}") from e
+
+
 def make_group(backend: str, store: Any, rank: int, world_size: int, timeout: timedelta,
                host: str) -> Any:
     """A process-group backend object over `store` (never registered as a torch.distributed group)."""
@@ -65,6 +116,20 @@ def make_group(backend: str, store: Any, rank: int, world_size: int, timeout: ti
     if seq is not None:  # as torch does for its own groups (keeps c10d's desync debugging consistent)
         seq()
     return pg
+
+
+@contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _new_backend(backend: str, store: Any, rank: int, world_size: int, timeout: timedelta, host: str) -> Any:
@@ -84,30 +149,73 @@ def _new_backend(backend: str, store: Any, rank: int, world_size: int, timeout: 
             raise TransportError("this torch build has no NCCL; use backend='gloo'")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        # The broadcasts are the critical path: their kernels go before the pack and unpack copies that
+        # overlap them (those run on ordinary streams).
+        opts.is_high_priority_stream = True
+        # Read by the constructor: on a timed-out collective abort this group's communicator and raise in
+        # the waiter (2), instead of terminating the process (torch's default, 3).
+        with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+            return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     raise ValidationError(f"collective backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def broadcast(pg: Any, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
-    """Blocking broadcast from rank 0. CUDA: returns when the bytes are in place on the device."""
+def _bcast_opts() -> Any:
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
+    return opts
+
+
+def broadcast(pg: Any, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+    """Blocking broadcast from rank 0. CUDA: returns when the bytes are in place on the device."""
     if not tensor.is_cuda:
-        pg.broadcast([tensor], opts).wait()
+        pg.broadcast([tensor], _bcast_opts()).wait()
         return
     with torch.cuda.device(tensor.device):
         s = stream or torch.cuda.current_stream(tensor.device)
         with torch.cuda.stream(s):
-            work = pg.broadcast([tensor], opts)
+            work = pg.broadcast([tensor], _bcast_opts())
             work.wait()  # makes `s` wait for the collective's stream
         s.synchronize()
 
 
-def _shutdown(pg: Any) -> None:
-    for method in ("shutdown", "abort"):
+def launch_broadcast(pg: Any, tensor: torch.Tensor, stream: torch.cuda.Stream,
+                     after: torch.cuda.Event | None = None) -> torch.cuda.Event:
+    """Queue a broadcast of a CUDA tensor behind `after` on `stream`; returns the event that marks its end.
+    Blocks no host: NCCL's stream waits for `stream`, `stream` then waits for NCCL's."""
+    with torch.cuda.device(tensor.device), torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        work = pg.broadcast([tensor], _bcast_opts())
+        work.wait()
+        tensor.record_stream(stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
+
+
+class Stalled(TransportError):
+    """A collective did not finish in time: a peer died or froze."""
+
+
+def wait_event(ev: torch.cuda.Event, timeout: float, what: str) -> None:
+    """Wait for `ev` from the host for at most `timeout` seconds (polling: a stuck collective never returns
+    from `synchronize`). Polls at most 100 us apart: the sender's next broadcast launch waits on this."""
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while not ev.query():
+        if time.monotonic() > deadline:
+            raise Stalled(f"{what} did not finish within {timeout:.1f}s (a peer died or froze?)")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-4)
+
+
+def _abort(pg: Any) -> None:
+    """Tear the group down locally. `abort` first: `shutdown` finalizes NCCL communicators, which waits for
+    every peer and never returns when one is dead or frozen."""
+    for method in ("abort", "shutdown"):
         fn = getattr(pg, method, None)
         if fn is not None:
             try:
@@ -117,28 +225,62 @@ def _shutdown(pg: Any) -> None:
                 pass
 
 
+def dispose(*objs: Any) -> threading.Thread:
+    """Abort process groups (and drop stores) in a daemon thread that holds the last references, so that no
+    destructor runs on the caller's thread either. Join it with a timeout; if it hangs, it is abandoned."""
+    box = [o for o in objs if o is not None]
+
+    def run() -> None:
+        while box:
+            o = box.pop()
+            if hasattr(o, "abort") or hasattr(o, "shutdown"):
+                _abort(o)
+            del o
+
+    t = threading.Thread(target=run, name="streamsync-collective-close", daemon=True)
+    t.start()
+    return t
+
+
+async def _join(t: threading.Thread, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while t.is_alive() and time.monotonic() < deadline:
+        await anyio.sleep(0.005)
+    return not t.is_alive()
+
+
 # ------------------------------------------------------------------------------------------------ sender
 
 
 class CollectiveTransport(Transport):
     """backend: "nccl", "gloo" or "auto" (NCCL when every engine is on CUDA and this torch has CUDA).
     master_addr/master_port: where the sender's rendezvous store listens (port 0: any free port); engines
-    must reach it. device: where send buffers live (default: CUDA for NCCL, CPU for gloo).
+    must reach it; nothing else can. device: where send buffers live (default: CUDA for NCCL, CPU for gloo).
+    group_timeout: the rendezvous, every collective and every acknowledgement (default: the sync's timeout).
+    close_timeout: `close()` returns within this many seconds whatever the receivers do.
+    ordering: "device" (NCCL with CUDA buffers: streams wait on events, module doc) or "host" (each side
+    waits for every broadcast and copy on the host, the first version's protocol; kept for comparison). Each
+    handle says which, so it may change between pushes.
     An engine with several workers says so with an int attribute `workers` (default 1)."""
 
     name = "collective"
 
     def __init__(self, backend: str = "auto", *, master_addr: str = "127.0.0.1", master_port: int = 0,
                  device: torch.device | str | None = None, keep_pool: bool = True,
-                 group_timeout: float | None = None) -> None:
+                 group_timeout: float | None = None, close_timeout: float = CLOSE_TIMEOUT,
+                 ordering: str = "device") -> None:
         if backend not in (*BACKENDS, "auto"):
             raise ValidationError(f"collective backend must be one of {(*BACKENDS, 'auto')}, got {backend!r}")
+        if ordering not in ("device", "host"):
+            raise ValidationError(f"ordering must be 'device' or 'host', got {ordering!r}")
+        self.ordering = ordering
         self.backend = backend
         self.master_addr = master_addr
         self.master_port = master_port
         self._device = torch.device(device) if device is not None else None
         self.keep_pool = keep_pool
         self.group_timeout = group_timeout
+        self.close_timeout = close_timeout
         self._pool: BufferPool | None = None
         self._pg: Any = None
         self._store: Any = None
@@ -146,6 +288,10 @@ class CollectiveTransport(Transport):
         self._seq = 0
         self._broken: str | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._timeout = 60.0
+        self._last_chunk = -1
+        self._prev_sent: torch.cuda.Event | None = None
+        self._group: str | None = None
 
     # -- setup -----------------------------------------------------------------------------------------
 
@@ -160,7 +306,8 @@ class CollectiveTransport(Transport):
 
     async def connect(self, engines: Sequence[Engine], timeout: float) -> None:
         """Rendezvous with every engine worker: the engines' init calls and the sender's own group
-        construction run together and must all finish within `timeout`."""
+        construction run together and must all finish within `timeout`. Also after a failed push: the old
+        group is aborted and a new one made."""
         import torch.distributed as dist
 
         await self.close()
@@ -170,11 +317,8 @@ class CollectiveTransport(Transport):
             raise ValidationError(f"every engine needs at least one worker, got {workers}")
         world = 1 + sum(workers)
         gtimeout = timedelta(seconds=self.group_timeout or timeout)
-        try:
-            self._store = dist.TCPStore(self.master_addr, self.master_port, world, True, timeout=gtimeout,
-                                        wait_for_workers=False)
-        except (RuntimeError, OSError) as e:
-            raise TransportError(f"cannot host the rendezvous on {self.master_addr}:{self.master_port}: {e}") from e
+        self._timeout = gtimeout.total_seconds()
+        self._store = host_store(self.master_addr, self.master_port, world, gtimeout)
         group = f"streamsync-{uuid.uuid4().hex[:12]}"
         self._infos, offset = [], 1
         for w in workers:
@@ -187,10 +331,10 @@ class CollectiveTransport(Transport):
             offset += w
         self._group, self._backend, self._seq, self._broken = group, backend, 0, None
         prefixed = dist.PrefixStore(group, self._store)
+        device = self.device  # here: a worker thread's current CUDA device is its own (0)
 
         def join() -> Any:
             pg = make_group(backend, prefixed, 0, world, gtimeout, self.master_addr)
-            device = self.device
             # First collective: NCCL builds its communicator here, not in the middle of the first push.
             broadcast(pg, torch.zeros(1, dtype=torch.uint8, device=device if backend == "nccl" else "cpu"))
             return pg
@@ -230,49 +374,106 @@ class CollectiveTransport(Transport):
             self._pool = BufferPool(self.device, keep=self.keep_pool)
         return self._pool
 
+    def _streamed(self, t: torch.Tensor) -> bool:
+        """Device-ordered protocol (module doc): NCCL with CUDA buffers."""
+        return t.is_cuda and getattr(self, "_backend", self.backend) == "nccl" and self.ordering == "device"
+
     # -- per push --------------------------------------------------------------------------------------
 
     def begin_push(self, plans: Sequence[ChunkPlan], push_id: str) -> None:
         self.pool.begin(max(p.nbytes for p in plans))
+        self._last_chunk = max(p.index for p in plans)
+        self._prev_sent = None
 
     def allocate(self, chunk: ChunkPlan, push_id: str) -> SendBuffer:
         pb = self.pool.take(chunk.nbytes)
         return SendBuffer(chunk.index, pb.size, pb.tensor[: chunk.nbytes], {"nbytes": chunk.nbytes}, {"pb": pb})
 
-    async def pack(self, buf: SendBuffer, layout: Any, tensors: Sequence[torch.Tensor]) -> None:
+    async def pack(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+        if self._streamed(buf.tensor):
+            self._pack_streamed(buf, layout, tensors)
+            return
         await super().pack(buf, layout, tensors)
         if buf.tensor.device.type == "cpu":  # device-to-host copies may still be in flight: wait for them
             for dev in {t.device for t in tensors if t.is_cuda}:
                 await anyio.to_thread.run_sync(torch.cuda.current_stream(dev).synchronize)
+
+    def _pack_streamed(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+        """Queue the copies on the pack stream behind the producer's writes and behind the last broadcast out
+        of this buffer; return at once (the broadcast waits for `ready` on the device)."""
+        pb: PoolBuffer = buf.state["pb"]
+        dev = buf.tensor.device
+        stream = self._side_stream(dev)
+        with torch.cuda.device(dev):
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            sent = pb.extra.get("sent")
+            if sent is not None:
+                stream.wait_event(sent)
+            with torch.cuda.stream(stream):
+                pack_into(buf.tensor, layout, tensors)
+                for t in tensors:  # conversion temporaries may be freed before these copies ran
+                    if t.is_cuda:
+                        t.record_stream(stream)
+                buf.tensor.record_stream(stream)  # a failed push drops the buffer while copies may be queued
+                ready = pb.extra.get("ready")
+                if ready is None:
+                    ready = pb.extra["ready"] = torch.cuda.Event()
+                ready.record(stream)
 
     async def send(self, buf: SendBuffer, update_info: dict[str, Any], engines: Sequence[Engine]) -> None:
         if self._pg is None:
             raise TransportError("collective transport is not connected")
         if self._broken is not None:
             raise TransportError(f"collective group is unusable ({self._broken}); "
-                                 "close the WeightSync and connect a new one")
+                                 "close the WeightSync (or transport) and connect again")
         seq = self._seq
         self._seq += 1
-        info = {**update_info, "handle": {"group": self._group, "seq": seq, "nbytes": buf.tensor.numel()}}
-        done = False
+        chunk = update_info.get("chunk")
+        streamed = self._streamed(buf.tensor)
+        info = {**update_info, "handle": {"group": self._group, "seq": seq, "nbytes": buf.tensor.numel(),
+                                          "device_ordered": streamed}}
+        pending = {e.name for e in engines}
+        ok = False
 
         async def bcast() -> None:
-            nonlocal done
             try:
-                await _in_thread(broadcast, self._pg, buf.tensor, self._side_stream_for(buf.tensor))
-            except RuntimeError as e:  # c10d's errors name no chunk: say which broadcast failed
-                raise TransportError(f"broadcast of chunk {update_info.get('chunk')} (seq {seq}) failed: {e}") from e
-            done = True
+                if streamed:
+                    pb: PoolBuffer = buf.state["pb"]
+                    comm = self._side_stream_for(buf.tensor)
+                    pb.extra["sent"] = sent = await _in_thread(launch_broadcast, self._pg, buf.tensor, comm,
+                                                               pb.extra.get("ready"))
+                    # Bounded host work: the previous broadcast has finished (the last chunk: this one too).
+                    for ev in (self._prev_sent, sent if chunk == self._last_chunk else None):
+                        if ev is not None:
+                            await _in_thread(wait_event, ev, self._timeout, f"broadcast before chunk {chunk}")
+                    self._prev_sent = sent
+                else:
+                    await _in_thread(broadcast, self._pg, buf.tensor, self._side_stream_for(buf.tensor))
+            except RuntimeError as e:  # c10d's errors name no chunk or peer: say which broadcast, and who owes it
+                # Engines that had not acknowledged are dead, frozen, or inside the broken collective until
+                # its timeout: the failed push does not wait for them again (unresponsive).
+                who = ",".join(sorted(pending)) or ",".join(eng.name for eng in engines)
+                raise EngineError(who, f"broadcast of chunk {chunk} (seq {seq}) failed: {e}",
+                                  unresponsive=bool(pending) or isinstance(e, Stalled)) from e
+
+        async def update(e: Engine) -> None:
+            await e.update(info)
+            pending.discard(e.name)
 
         try:
-            async with anyio.create_task_group() as tg:
-                for e in engines:
-                    tg.start_soon(e.update, info)
-                tg.start_soon(bcast)
-        except BaseException:
-            if not done:  # some rank may still sit in this broadcast: the group's sequence is lost
-                self._broken = f"chunk {update_info.get('chunk')} failed during its broadcast"
-            raise
+            with anyio.fail_after(self._timeout):
+                async with anyio.create_task_group() as tg:
+                    for e in engines:
+                        tg.start_soon(update, e)
+                    tg.start_soon(bcast)
+            ok = True
+        except TimeoutError:
+            who = ",".join(sorted(pending)) or ",".join(e.name for e in engines)
+            raise EngineError(who, f"chunk {chunk}: no acknowledgement of its broadcast within the group timeout "
+                                   f"({self._timeout:.1f}s): receiver frozen or dead?", unresponsive=True) from None
+        finally:
+            if not ok:  # some rank may still sit in this broadcast: the group's sequence is lost
+                self._broken = f"chunk {chunk} failed during its broadcast"
 
     def _side_stream_for(self, t: torch.Tensor) -> torch.cuda.Stream | None:
         if not t.is_cuda:
@@ -290,13 +491,27 @@ class CollectiveTransport(Transport):
     def end_push(self) -> None:
         self.pool.end()
 
+    @property
+    def broken(self) -> str | None:
+        """Why the group cannot be used any more (a push failed during a broadcast), or None."""
+        return self._broken
+
     async def close(self) -> None:
-        if self._pg is not None:
-            _shutdown(self._pg)
-        self._pg = None
-        self._store = None
+        """Abort the group and drop the store; returns within `close_timeout` whatever the receivers do
+        (alive, closing at the same time, killed or frozen)."""
+        pg, store = self._pg, self._store
+        self._pg = self._store = None
+        if pg is not None or store is not None:
+            t = dispose(pg, store)
+            del pg, store
+            if not await _join(t, self.close_timeout):
+                get_logger().warning("collective: group abort did not finish; abandoned", group=self._group,
+                                     timeout_s=self.close_timeout)
         if self._pool is not None:
             self._pool.release()
+        # Fresh streams for the next group: an aborted broadcast must not stand in front of new work.
+        self._prev_sent = self._stream = None
+        self.__dict__.pop("_streams", None)
 
 
 # ---------------------------------------------------------------------------------------------- receiver
@@ -319,9 +534,14 @@ class CollectiveReceiver(Receiver):
     Rank: `rank_offset` + this worker's rank within its engine. Engines of one worker have rank 0; in a
     multi-worker engine (`workers` > 1) that is `init_info["worker_rank"]` if given, else the worker's rank
     in its engine's default torch.distributed group (how vLLM numbers its workers).
+
+    NCCL: two receive buffers; `open` posts the chunk's broadcast into one of them on a receive stream and
+    returns at once, the loader's copies (on the caller's current stream) wait for it on the device, and the
+    next chunk's broadcast goes into the other buffer meanwhile (module doc). `end_round` waits for all of it.
     """
 
     name = "collective"
+    SLOTS = 2
 
     def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cpu") -> None:
         super().__init__(init_info, device)
@@ -344,16 +564,27 @@ class CollectiveReceiver(Receiver):
         port = _field(init_info, "master_port", int, lo=1)
         timeout = timedelta(seconds=_field(init_info, "timeout_s", float))
         self.rank, self.world_size, self.backend = rank, world, backend
+        self.timeout = timeout.total_seconds()
+        self.close_timeout = CLOSE_TIMEOUT
+        self._pg: Any = None
         try:
             store = dist.TCPStore(addr, port, world, False, timeout=timeout)
             self._pg = make_group(backend, dist.PrefixStore(self.group, store), rank, world, timeout, addr)
             broadcast(self._pg, torch.zeros(1, dtype=torch.uint8, device=self.device if backend == "nccl" else "cpu"))
         except RuntimeError as e:
+            if self._pg is not None:
+                dispose(self._pg).join(self.close_timeout)
+                self._pg = None
             raise TransportError(f"cannot join collective group {self.group} as rank {rank}/{world} via "
                                  f"{addr}:{port}: {e}") from e
         self._store = store
         self._seq = 0
-        self._buf: torch.Tensor | None = None
+        self._bufs: list[torch.Tensor | None] = [None] * self.SLOTS
+        self._free: list[torch.cuda.Event | None] = [None] * self.SLOTS  # a slot's last load finished
+        self._views: dict[tuple[int, Layout], list[tuple[str, torch.Tensor]]] = {}
+        self._recv_stream: torch.cuda.Stream | None = None
+        self._load_streams: set[torch.cuda.Stream] = set()
+        self._queued = False  # device-ordered work may be queued (drained by end_round)
 
     @staticmethod
     def _worker_rank(info: dict[str, Any], workers: int) -> int:
@@ -372,11 +603,19 @@ class CollectiveReceiver(Receiver):
             raise ValidationError(f"worker rank {r} outside an engine of {workers} workers")
         return r
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        if self._buf is None or self._buf.numel() < nbytes:
-            self._buf = None  # free the old one first: at most one receive buffer alive
-            self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._buf[:nbytes]
+    @property
+    def _nccl(self) -> bool:
+        return self.backend == "nccl"
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        buf = self._bufs[slot]
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None and self._nccl:  # its broadcast or loads may still be queued
+                self._drain()
+            self._bufs[slot] = None  # free the old one first
+            self._views.clear()
+            self._bufs[slot] = buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
 
     @contextmanager
     def open(self, update_info: dict[str, Any], nbytes: int | None = None) -> Iterator[torch.Tensor]:
@@ -392,9 +631,18 @@ class CollectiveReceiver(Receiver):
             raise ValidationError(f"collective chunk size must be a positive int, got {size!r:.40}")
         if nbytes is not None and size != nbytes:  # before the receive buffer grows to what a handle claims
             raise ValidationError(f"collective chunk {seq} is {size} bytes, its layout {nbytes}")
+        ordered = h.get("device_ordered", False)
+        if type(ordered) is not bool:
+            raise ValidationError(f"collective handle device_ordered must be a bool, got {ordered!r:.40}")
         if self._pg is None:
             raise TransportError("collective receiver is closed")
-        buf = self._buffer(size)
+        if ordered and self._nccl:
+            with self._open_streamed(seq, size) as buf:
+                yield buf
+            return
+        if self._queued:  # the host protocol right after device-ordered chunks: their work is done first
+            self._drain()
+        buf = self._buffer(0, size)
         self._seq += 1
         try:
             broadcast(self._pg, buf)
@@ -406,12 +654,59 @@ class CollectiveReceiver(Receiver):
             if buf.is_cuda:  # the loader's copies out of the buffer finish before the ack
                 torch.cuda.current_stream(buf.device).synchronize()
 
+    @contextmanager
+    def _open_streamed(self, seq: int, size: int) -> Iterator[torch.Tensor]:
+        slot = seq % self.SLOTS
+        buf = self._buffer(slot, size)
+        if self._recv_stream is None:
+            self._recv_stream = torch.cuda.Stream(self.device)
+        self._seq += 1
+        self._queued = True
+        try:
+            got = launch_broadcast(self._pg, buf, self._recv_stream, self._free[slot])
+        except RuntimeError as e:
+            raise TransportError(f"broadcast of chunk {seq} failed: {e}") from e
+        load = torch.cuda.current_stream(self.device)
+        self._load_streams.add(load)
+        load.wait_event(got)
+        try:
+            yield buf
+        finally:
+            # The ack: the loader's copies are queued on `load`; the next broadcast into this slot waits for them.
+            ev = self._free[slot] = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+
+    def views(self, buf: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
+        """The chunk's views, made once per (receive buffer, layout): a steady push unpacks nothing."""
+        key = (buf.data_ptr(), layout)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            views = self._views[key] = list(unpack(buf, layout))
+        return views
+
+    def _drain(self) -> None:
+        """Every queued broadcast and load has finished (bounded by the group timeout)."""
+        for s in [self._recv_stream, *self._load_streams]:
+            if s is not None:
+                ev = torch.cuda.Event()
+                ev.record(s)
+                wait_event(ev, self.timeout, f"collective receive of group {self.group}")
+        self._queued = False
+
     def end_round(self) -> None:
-        pass  # the receive buffer is kept for the next round
+        """Before a round's end is acknowledged, every broadcast and copy into the parameters has finished."""
+        if self._nccl and self._pg is not None:
+            self._drain()
 
     def close(self) -> None:
-        if self._pg is not None:
-            _shutdown(self._pg)
-        self._pg = None
-        self._store = None
-        self._buf = None
+        """Abort the group (bounded: returns within `close_timeout` whatever the sender does)."""
+        pg, store = self._pg, getattr(self, "_store", None)
+        self._pg = self._store = None
+        if pg is not None or store is not None:
+            dispose(pg, store).join(self.close_timeout)
+            del pg, store
+        self._bufs = [None] * self.SLOTS
+        self._free = [None] * self.SLOTS
+        self._views.clear()

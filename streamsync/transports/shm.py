@@ -8,11 +8,12 @@ between pushes. A memfd has no name in /dev/shm and lives exactly as long as som
 no segment can be left behind by a push, a failed push, a crashed receiver or a crashed trainer.
 
 Receivers open a segment through `/proc/<sender pid>/fd/<fd>` (same host, same user), check that it is
-the memfd named with the handle's token and large enough, and keep the mapping while the token is live.
+exactly the memfd named with the handle's token and large enough, and keep the mapping while the token is live.
 """
 
 from __future__ import annotations
 
+import hmac
 import mmap
 import os
 import secrets
@@ -106,8 +107,10 @@ class ShmReceiver(Receiver):
             raise TransportError(f"shared-memory segment {path} is gone (sender exited?)") from None
         except PermissionError as e:
             raise TransportError(f"cannot open {path}: {e} (sender and receiver must share host and user)") from e
-        if not target.startswith(f"/memfd:{MEMFD_PREFIX}{token}"):
-            raise ValidationError(f"{path} is not the streamsync segment of token {token} (it is {target!r})")
+        # Exact match (a prefix test let one right character pass), and the real name stays out of the error:
+        # it holds the segment's token, which is what proves a handle came from the sender.
+        if not hmac.compare_digest(target.encode(), f"/memfd:{MEMFD_PREFIX}{token} (deleted)".encode()):
+            raise ValidationError(f"{path} is not the streamsync segment this handle names (token mismatch)")
         try:
             f = os.open(path, os.O_RDWR)
         except FileNotFoundError:

@@ -109,6 +109,41 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
         self._reloading = False
         finalize_layerwise_reload(self.model, self.model_config)
+        refresh_shared_kernels(self.model)
 
     def shutdown(self) -> None:
         self.rx.close()
+
+
+def refresh_shared_kernels(model: torch.nn.Module) -> list[str]:
+    """Rebuild what a module derives from a Parameter it shares with another module (a tied lm_head).
+
+    Layerwise reload processes a module only when weights arrive for it. A tied lm_head gets none: its
+    Parameter is the embedding's, whose data the embedding's reload overwrote, and reload puts that same
+    Parameter back, but the head's own weight processing is never re-run. On CPU that processing packs the
+    weight into a oneDNN copy that the output matmul uses, so the engine kept generating with the old head.
+    Unquantized embedding/head processing is a pure function of the weight (re-running it is safe); a
+    quantized tied head would need its scales reloaded and is refused loudly instead of served stale.
+    Returns the names of the modules refreshed.
+    """
+    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for mod_name, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod_name, mod))
+    refreshed: list[str] = []
+    for mods in owners.values():
+        if len(mods) < 2:
+            continue
+        for mod_name, mod in mods:
+            method = getattr(mod, "quant_method", None)
+            if method is None or mod_name in refreshed:
+                continue
+            kind = type(method).__name__
+            if kind == "UnquantizedLinearMethod":  # its CPU processing empties the weight: not re-runnable
+                continue
+            if not kind.startswith("Unquantized"):
+                raise RuntimeError(f"module {mod_name!r} shares its weight with another module and is quantized "
+                                   f"({kind}): streamsync cannot rebuild its kernel after a push")
+            method.process_weights_after_loading(mod)
+            refreshed.append(mod_name)
+    return refreshed

@@ -13,6 +13,7 @@ entry point (extensions are imported before the worker is built).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -31,13 +32,27 @@ def _probe_linear(mod: torch.nn.Module) -> torch.Tensor | None:
     return mod.quant_method.apply(mod, eye, bias=None).t().contiguous()
 
 
+def _probe_head(mod: torch.nn.Module) -> torch.Tensor | None:
+    """The output layer's matmul as the sampler runs it (`quant_method.apply`), not its Parameter: a tied
+    head shares the embedding's Parameter but on CPU multiplies by a packed copy of it."""
+    if type(mod).__name__ != "ParallelLMHead" or not hasattr(mod, "quant_method"):
+        return None
+    eye = torch.eye(int(mod.embedding_dim), dtype=mod.params_dtype, device=mod.weight.device)
+    out = mod.quant_method.apply(mod, eye, bias=None).t()  # [vocab (padded), hidden]
+    return out[: mod.org_vocab_size].contiguous()
+
+
 def weight_digests(model: torch.nn.Module) -> dict[str, str]:
+    """Digest of every weight as the worker computes with it, keyed by vLLM parameter name."""
     out: dict[str, str] = {}
     with torch.no_grad():
         for mod_name, mod in model.named_modules():
+            head = _probe_head(mod)
             for pname, p in mod.named_parameters(recurse=False):
                 name = f"{mod_name}.{pname}" if mod_name else pname
-                if p.numel() > 0:
+                if head is not None and pname == "weight":
+                    out[name] = tensor_digest(head)
+                elif p.numel() > 0:
                     rows = getattr(mod, "org_vocab_size", None)  # vLLM pads vocabularies: compare real rows
                     out[name] = tensor_digest(p[:rows] if rows and p.dim() and p.shape[0] > rows else p)
                 elif pname == "weight":
@@ -63,12 +78,74 @@ def expected_digests(hf: Mapping[str, torch.Tensor], packed: Mapping[str, list[s
     return out
 
 
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype,
+                       tied: bool = False) -> dict[str, tuple[str, list[int]]] | None:
+    """HF name -> (dtype name, shape) of every tensor in the checkpoint the engine loaded, read from the
+    safetensors headers (no tensor data): exactly the names and shapes its loader accepts. Floating tensors
+    are expected in the engine's dtype (`dtype`), as a push must send them. A tied head is not expected (it
+    is the embedding). None when the checkpoint is not a local folder of safetensors (nothing to check)."""
+    from safetensors import safe_open
+
+    from ..pack import dtype_name
+
+    folder = Path(model_dir)
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    out: dict[str, tuple[str, list[int]]] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                sl = sf.get_slice(name)
+                dt = _SAFETENSORS_DTYPES.get(sl.get_dtype())
+                if dt is None:
+                    return None  # a dtype streamsync does not carry: do not guess
+                if dt in ("bfloat16", "float16", "float32", "float64"):  # the loader casts these to the engine's
+                    dt = dtype_name(dtype)
+                out[name] = (dt, list(sl.get_shape()))
+    if tied:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _kv_tensors(caches: object) -> list[torch.Tensor]:
+    if isinstance(caches, torch.Tensor):
+        return [caches]
+    if isinstance(caches, dict):
+        caches = list(caches.values())
+    if isinstance(caches, list | tuple):
+        return [t for c in caches for t in _kv_tensors(c)]
+    return []
+
+
 class StreamSyncWorkerExtension:
     """Mixed into vLLM's worker class; methods run in each worker via collective_rpc."""
 
     def streamsync_weight_digests(self) -> dict[str, str]:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         return weight_digests(model)
+
+    def streamsync_expected_weights(self) -> dict[str, tuple[str, list[int]]] | None:
+        """What a push into this engine must carry (checked by the sender before any byte moves)."""
+        mc = self.model_runner.model_config  # type: ignore[attr-defined]
+        tied = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
+        return checkpoint_weights(mc.model, mc.dtype, tied)
+
+    def streamsync_zero_kv_cache(self) -> int:
+        """Zero this worker's KV-cache memory; returns the number of non-finite values it held. Only safe while
+        no request holds cache blocks (after a drain or abort, with the prefix cache reset)."""
+        bad = 0
+        with torch.no_grad():
+            for t in _kv_tensors(getattr(self.model_runner, "kv_caches", None)):  # type: ignore[attr-defined]
+                if t.is_floating_point():
+                    bad += int((~torch.isfinite(t)).sum())
+                t.zero_()
+        return bad
 
     def streamsync_packed_modules(self) -> dict[str, list[str]]:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
