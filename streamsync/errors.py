@@ -50,9 +50,14 @@ class PushError(StreamSyncError):
         if push_id is not None:
             where.append(f"push={push_id}")
         super().__init__(f"push failed [{' '.join(where)}]: {message}")
+        self.message = message
         #: engines that did not answer in time (from an unresponsive EngineError); not asked to abort
         self.unresponsive: frozenset[str] = frozenset()
         self.stage = stage
         self.chunk = chunk
         self.receiver = receiver
         self.push_id = push_id
+
+
+class PushTimeout(PushError, TimeoutError):
+    """A push did not finish within the time limit its caller gave (`push(time_limit=...)`)."""

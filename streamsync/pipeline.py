@@ -65,7 +65,10 @@ class Push:
     on_chunk: Callable[[int, int], None] | None = None
     live: dict[int, SendBuffer] = field(default_factory=dict)
     busy: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (chunk, since), for the watchdog
+    cut: dict[str, int] = field(default_factory=dict)  # stage -> chunk it was on when an error or cancel hit
     started: anyio.Event | None = None  # set once every engine opened its round: sends wait for it
+    owner: str | None = None  # the WeightSync's id: every update_info carries it (receivers refuse others)
+    sent_any: bool = False  # a chunk was handed to the engines: a failed push may have left them mixed
     convert_kwargs: dict[str, Any] = field(default_factory=dict)
     bytes_alive: int = 0
     peak_bytes: int = 0
@@ -209,6 +212,8 @@ class _Busy:
     def __exit__(self, *exc: object) -> None:
         self.push.busy.pop(self.stage, None)
         self.range.__exit__()
+        if exc[0] is not None:
+            self.push.cut[self.stage] = self.chunk
         t0 = self.push.trace.t0
         self.push.trace.add_span(self.stage, self.chunk, self.start - t0, time.perf_counter() - t0, self.nbytes)
 
@@ -309,9 +314,33 @@ async def _send(push: Push, w: Work) -> None:
         "layout_key": w.plan.layout_key,
         "handle": w.buf.handle,
     }
+    if push.owner is not None:
+        info["owner"] = push.owner
     if w.plan.index in push.hold:  # layers that continue in a later chunk: receivers must not keep views
         info["hold"] = push.hold[w.plan.index]
-    await push.transport.send(w.buf, info, push.engines)
+    push.sent_any = True
+    await push.transport.send(w.buf, info, [_TracedEngine(e, push.trace, w.plan) for e in push.engines])
+
+
+class _TracedEngine:
+    """An engine whose `update` records a send span of its own: one lane per engine in the trace, so a slow
+    engine shows. Everything else is the engine's (transports read `name`, `device`, ...)."""
+
+    __slots__ = ("_engine", "_plan", "_trace")
+
+    def __init__(self, engine: Engine, trace: Trace, plan: ChunkPlan) -> None:
+        self._engine, self._trace, self._plan = engine, trace, plan
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def update(self, update_info: dict[str, Any]) -> None:
+        start = self._trace.now()
+        try:
+            await self._engine.update(update_info)
+        finally:
+            self._trace.add_span("send", self._plan.index, start, self._trace.now(), self._plan.nbytes,
+                                 self._engine.name)
 
 
 def _free(push: Push, buf: SendBuffer) -> None:

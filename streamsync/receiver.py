@@ -13,6 +13,7 @@ receiver, vLLM's included, loads whole tensors, bit for bit what the sender hold
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +38,21 @@ class _Staged:
     rows: int = 0  # rows filled so far
 
 
+class RoundOwned(ValidationError):
+    """A call of one WeightSync met a round another WeightSync has open on this receiver."""
+
+
 class WeightReceiver:
     """Four-phase receiving state machine: init -> (start -> update* -> finish)*.
 
-    `version` is the last version finished; it only moves in `finish`, so a receiver whose round failed
-    half-way keeps reporting the old version (and `dirty` says its weights are partly new).
+    `version` is the last version finished; it only moves in `finish`. A round that failed half-way leaves
+    `dirty` True (its weights are partly new) until the next finished round: `clean_version` is then None.
+
+    Ownership: `start(owner=...)` ties the round to one WeightSync; updates, finish and abort that carry
+    another owner are refused (RoundOwned), and so is another owner's `start` or `init` while the round is
+    open, so two syncs never mix their models under one version. A round nobody touched for longer than
+    the `stale_after` seconds its owner declared (its own timeout: that owner's push has failed by then)
+    is abandoned and may be taken over, so a crashed trainer never locks a receiver.
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
@@ -55,26 +66,63 @@ class WeightReceiver:
         self._layouts: dict[str, Layout] = {}
         self._open_sized = True
         self._staged: dict[str, _Staged] = {}  # tensors split across chunks, being reassembled
+        self.owner: str | None = None
+        self.stale_after: float | None = None
+        self._touched = 0.0
 
-    def init(self, init_info: dict[str, Any]) -> None:
+    @property
+    def clean_version(self) -> int | None:
+        """The version held whole: None from a round's first applied chunk until a round finishes."""
+        return None if self.dirty else self.version
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds since the open round's owner was last heard from."""
+        return time.monotonic() - self._touched
+
+    def _owned_by_other(self, owner: str | None) -> bool:
+        """An open, fresh round of another owner (a round opened without an owner is anyone's)."""
+        if not self.updating or self.owner is None or owner == self.owner:
+            return False
+        stale = self.stale_after is not None and time.monotonic() - self._touched > self.stale_after
+        return not stale
+
+    def _check_owner(self, owner: str | None, what: str) -> None:
+        if owner is not None and self.owner is not None and owner != self.owner:
+            raise RoundOwned(f"{what} refused: the open round belongs to another WeightSync "
+                             f"(owner {self.owner[:8]}, this call's owner {owner[:8]})")
+        self._touched = time.monotonic()
+
+    def init(self, init_info: dict[str, Any], owner: str | None = None) -> None:
+        if owner is not None and self._owned_by_other(owner):
+            raise RoundOwned(f"init refused: a round of another WeightSync (owner {self.owner[:8]}) is open")
         if self.transport is not None:
             self.transport.close()
         self.transport = make_receiver(init_info, self.device)
         # Receivers registered before `open` took the layout's size keep working.
         self._open_sized = "nbytes" in inspect.signature(self.transport.open).parameters
 
-    def start(self) -> None:
+    def start(self, owner: str | None = None, stale_after: float | None = None) -> None:
+        if self._owned_by_other(owner):
+            raise RoundOwned(f"start refused: a round of another WeightSync (owner {self.owner[:8]}) is open; "
+                             "one receiver takes one sync's pushes at a time")
         if self.updating and self.transport is not None:
             self.transport.end_round()  # the previous round failed half-way: drop what it mapped
         self.updating = True
+        self.owner, self.stale_after = owner, stale_after
+        self._touched = time.monotonic()
         self.chunks = self.bytes = 0
         self._staged.clear()
 
     def update(self, update_info: dict[str, Any], load: Loader) -> int:
-        if self.transport is None:
-            raise ValidationError("update before init: call init_transfer first")
         if not self.updating:
             raise ValidationError("update outside a round: call start_update first")
+        owner = update_info.get("owner")
+        if self.owner is None and self.chunks == 0 and isinstance(owner, str):
+            self.owner = owner  # a start that carries no owner (vLLM's): the round's first chunk claims it
+        self._check_owner(owner, "update")
+        if self.transport is None:
+            raise ValidationError("update before init: call init_transfer first")
         layout = self._layout(update_info)
         with (self.transport.open(update_info, layout.nbytes) if self._open_sized
               else self.transport.open(update_info)) as buf:
@@ -127,22 +175,26 @@ class WeightReceiver:
                 del self._staged[name]
                 yield name, staged.tensor
 
-    def finish(self, version: int | None) -> None:
+    def finish(self, version: int | None, owner: str | None = None) -> None:
         """End the round. `version` may be None where the engine keeps its own (vLLM does)."""
         if not self.updating:
             raise ValidationError("finish outside a round: call start_update first")
-        if self._staged:  # never claim a version with a tensor half-loaded
-            names = sorted(self._staged)
-            raise ValidationError(f"round finished with {len(names)} tensor(s) split across chunks still "
-                                  f"incomplete, e.g. {names[:3]}")
+        self._check_owner(owner, "finish")
+        if self._staged:
+            # A tensor split across chunks is half-loaded: this round was cut short (vLLM ends an aborted round
+            # with finish). End it as an abort: the version stays, and `dirty` too if a chunk was applied.
+            self.abort(owner)
+            return
         self.updating = False
         self.dirty = False
         self.version = None if version is None else int(version)
         if self.transport is not None:
             self.transport.end_round()
 
-    def abort(self) -> None:
+    def abort(self, owner: str | None = None) -> None:
         """End a failed round: the version stays; `dirty` stays True if any chunk was applied."""
+        if self.updating:
+            self._check_owner(owner, "abort")
         if self.updating and self.transport is not None:
             self.transport.end_round()
         self.updating = False

@@ -187,7 +187,7 @@ class _HttpClient:
         if self.engine._session is None:
             self.engine._session = aiohttp.ClientSession()
         async with self.engine._session.post(self.engine.url + "/v1/completions", json=body,
-                                             headers=getattr(self.engine, "headers", None) or None,
+                                             headers=getattr(self.engine, "_headers", None) or None,
                                              timeout=aiohttp.ClientTimeout(total=None)) as r:
             if r.status >= 400:
                 raise EngineError(self.name, f"/v1/completions -> HTTP {r.status}: {(await r.text())[:300]}")
@@ -361,7 +361,9 @@ class StreamingRollout:
             try:
                 async with self.sync.paused(mode=self.pause_mode, clear_cache=self.clear_cache):
                     report = await self.sync.push(model, version=version)
-                    self._label = report.version
+                # Tokens that arrive from here on were sampled by the new weights (label them after resume:
+                # a token generated before the pause may still be on the wire while the engines are paused).
+                self._label = report.version
             except StreamSyncError:
                 self.stats.failed_updates += 1
                 raise

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import operator
 import os
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from . import pipeline
 from .chunking import split_layers
 from .engines.base import Engine
-from .errors import EngineError, PushError, StreamSyncError, ValidationError
+from .errors import EngineError, PushError, PushTimeout, StreamSyncError, ValidationError
 from .log import get_logger
 from .metrics import DEFAULT as DEFAULT_METRICS
 from .metrics import Metrics
@@ -27,6 +28,9 @@ from .sources import Source, as_source
 from .sources.base import ChunkPlan
 from .trace import Trace
 from .transports.base import Transport, transport_class
+
+if TYPE_CHECKING:
+    from .trace.viewer import LiveViewer
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -102,7 +106,11 @@ class WeightSync:
     chunk_bytes:  byte budget per chunk (default 1 GiB on GPU, 64 MiB on CPU).
     max_inflight: credit window: chunks alive anywhere in the pipeline at once.
     timeout:      seconds any one wait may take (a stage on one chunk, an engine call).
+    abort_timeout: seconds ending a failed round may take per engine (default min(10, timeout)): a failed
+                  push raises within `timeout` plus this, not twice the timeout.
     trace_dir:    where each push writes its Chrome-trace JSON (default: none written).
+    trace_live:   serve the trace viewer from this process and stream every push's spans to it while the
+                  push runs: True (127.0.0.1:8765) or "HOST:PORT" (port 0 picks one); see `viewer_url`.
     faults:       {stage: chunk} raises an InjectedFault there; for testing error paths only.
     reuse_plan:   keep the source and chunk plan for the next push of the same model (see `plan`).
     on_chunk:     called with a `ChunkDone` after each chunk was acknowledged and freed (sender only).
@@ -131,6 +139,7 @@ class WeightSync:
         chunk_bytes: int | None = None,
         max_inflight: int = 4,
         timeout: float = 120.0,
+        abort_timeout: float | None = None,
         trace_dir: str | os.PathLike | None = None,
         faults: dict[str, int] | None = None,
         source_options: dict[str, Any] | None = None,
@@ -140,11 +149,14 @@ class WeightSync:
         metrics: Metrics | None = DEFAULT_METRICS,
         reset_prefix_cache: bool = True,
         check_finite: bool = True,
+        trace_live: bool | str = False,
     ) -> None:
         if max_inflight < 1:
             raise ValidationError(f"max_inflight must be >= 1, got {max_inflight}")
         if not timeout > 0:
             raise ValidationError(f"timeout must be a positive number of seconds, got {timeout}")
+        if abort_timeout is not None and not abort_timeout > 0:
+            raise ValidationError(f"abort_timeout must be a positive number of seconds, got {abort_timeout}")
         if chunk_bytes is not None and chunk_bytes <= 0:
             raise ValidationError(f"chunk_bytes must be positive, got {chunk_bytes}")
         names = [e.name for e in engines]
@@ -156,7 +168,14 @@ class WeightSync:
         self.chunk_bytes = chunk_bytes
         self.max_inflight = max_inflight
         self.timeout = timeout
+        self.abort_timeout = min(10.0, timeout) if abort_timeout is None else abort_timeout
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self.live: LiveViewer | None = None
+        if trace_live:
+            from .trace.viewer import LiveViewer
+
+            self.live = LiveViewer(trace_live if isinstance(trace_live, str) else "127.0.0.1:8765",
+                                   trace_dir=self.trace_dir)
         self.faults = dict(faults or {})
         self.source_options = dict(source_options or {})
         self.reuse_plan = reuse_plan
@@ -164,7 +183,17 @@ class WeightSync:
         self.check_finite = check_finite
         self._plan_cache: tuple[tuple[int | None, ...], object, Source, list[ChunkPlan]] | None = None
         self._hold_cache: tuple[list[ChunkPlan], dict[int, list[str]]] | None = None
+        #: the last version pushed (or found on the engines at connect); versions only move forward
         self.version = 0
+        self._claimed = False  # `version` was pushed or found on an engine (else a first push may use 0)
+        self._retry_version: int | None = None  # a failed push's version, which a retry may use again
+        #: engine name -> version of the failed push that left part of its weights there. Such an engine
+        #: reports itself mixed (`Engine.state()`), not its old version; the next successful push clears it.
+        self.mixed: dict[str, int] = {}
+        #: engines whose failed round could not be confirmed ended (their abort failed or timed out)
+        self.open_rounds: set[str] = set()
+        #: this sync's id: receivers refuse a round from another WeightSync while one of ours is open
+        self.owner = uuid.uuid4().hex
         self.connected = False
         self._expected: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
         self._lock = anyio.Lock()
@@ -177,13 +206,20 @@ class WeightSync:
     # -- lifecycle -------------------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        """Pick the transport, set up every engine's receiving half, learn what the engines expect."""
+        """Pick the transport, set up every engine's receiving half, learn what the engines expect.
+
+        Raises a StreamSyncError (EngineError naming the engine for an unreachable or failing one), having
+        closed every engine's connection."""
         if self.connected:
             return
+        if self.live is not None:
+            await self.live.start()
         if self.transport is None:
             self.transport = transport_class(self._resolve_transport())()
         if self.engines:
             self.log.info("connecting", transport=self.transport.name, engines=[e.name for e in self.engines])
+            for e in self.engines:
+                e.owner = self.owner
             try:
                 await self.transport.connect(self.engines, self.timeout)
                 for e in self.engines:
@@ -194,21 +230,14 @@ class WeightSync:
                     with anyio.fail_after(self.timeout):
                         v = await e.get_version()
                     if v is not None:
-                        self.version = max(self.version, int(v))
+                        self.version = max(self.version, int(v)) if self._claimed else int(v)
+                        self._claimed = True
                         if self.metrics is not None:
                             self.metrics.engine_version.labels(engine=e.name).set(int(v))
             except BaseException as exc:
-                # One error naming the engine, not an ExceptionGroup from the transport's task group, and no
-                # session left open (HTTP clients, sockets, a half-built process group).
                 with anyio.CancelScope(shield=True):
                     await self._close_quietly()
-                if isinstance(exc, TimeoutError):
-                    raise EngineError(",".join(e.name for e in self.engines),
-                                      f"connect timed out after {self.timeout}s") from None
-                if isinstance(exc, BaseExceptionGroup):
-                    err = _connect_error(exc, self.engines)
-                    raise err from err.__cause__
-                raise
+                raise self._connect_error(exc) from None
         self._loop = _event_loop()
         self.connected = True
 
@@ -221,6 +250,23 @@ class WeightSync:
                 "keep one loop for its life (one anyio.run/asyncio.run around the training loop), or use "
                 "streamsync.BlockingWeightSync from synchronous code")
 
+    def _connect_error(self, exc: BaseException) -> BaseException:
+        leaf = pipeline._first_push_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+        if isinstance(leaf, StreamSyncError) or not isinstance(leaf, Exception):
+            return leaf  # EngineError names the engine; cancellation stays cancellation
+        names = ",".join(e.name for e in self.engines)
+        if isinstance(leaf, TimeoutError):
+            return EngineError(names, f"connect: no reply in {self.timeout:.1f} s")
+        return EngineError(names, f"connect failed: {type(leaf).__name__}: {leaf}")
+
+    async def _close_quietly(self) -> None:
+        for closing in ([self.transport] if self.transport is not None else []) + self.engines:
+            try:
+                with anyio.fail_after(self.abort_timeout):
+                    await closing.close()
+            except Exception as err:
+                self.log.warning("close failed", error=str(err))
+
     def _resolve_transport(self) -> str:
         if isinstance(self._transport_arg, str) and self._transport_arg != "auto":
             return self._transport_arg
@@ -231,18 +277,19 @@ class WeightSync:
             return "cuda_ipc"
         raise ValidationError(f"cannot choose a transport for engines on {sorted(kinds)}: pass transport=")
 
+    @property
+    def viewer_url(self) -> str | None:
+        """The live trace viewer's page (with `trace_live`, once connected)."""
+        return self.live.url if self.live is not None else None
+
     async def close(self) -> None:
+        if self.live is not None:
+            await self.live.stop()
         if self.transport is not None:
             await self.transport.close()
         for e in self.engines:
             await e.close()
         self.connected = False
-
-    async def _close_quietly(self) -> None:
-        try:
-            await self.close()
-        except Exception as err:  # closing after a failure: report, don't mask the failure
-            self.log.warning("close after a failed connect failed", error=f"{type(err).__name__}: {err}")
 
     async def __aenter__(self) -> WeightSync:
         await self.connect()
@@ -314,21 +361,52 @@ class WeightSync:
                 raise ValidationError(f"model does not match engine {engine!r}: " + "; ".join(problems[:5]) + more
                                       + _vocab_hint(plans, expected))
 
-    async def push(self, model: object, *, version: int | None = None,
-                   max_inflight: int | None = None) -> PushReport:
+    def _next_version(self, version: object) -> int:
+        """The version a push will claim: given, or the previous + 1. Versions are non-negative integers
+        that move forward; a failed push's version may be used again (a retry), a pushed one may not (two
+        different weights would share one version)."""
+        if version is None:
+            return self._retry_version if self._retry_version is not None else self.version + 1
+        if isinstance(version, bool):
+            raise ValidationError(f"version must be an integer, got {version!r}")
+        try:
+            v = operator.index(version)  # ints (and numpy ints), not "7" or 7.5
+        except TypeError:
+            raise ValidationError(f"version must be an integer, got {type(version).__name__} {version!r}") from None
+        if v < 0:
+            raise ValidationError(f"version must be >= 0, got {v}")
+        if self._claimed and v <= self.version and v != self._retry_version:
+            raise ValidationError(f"version {v} does not move forward: version {self.version} was already pushed "
+                                  "(or found on the engines); pass a larger one, or assign sync.version (the last "
+                                  "version: the next must be larger) to restart the numbering")
+        return v
+
+    async def push(self, model: object, *, version: int | None = None, max_inflight: int | None = None,
+                   time_limit: float | None = None) -> PushReport:
         """Stream `model`'s weights into every engine; return when all acknowledged the last chunk.
 
-        On success every engine reports `version` (default: previous + 1). On failure raises PushError and
-        no engine reports the new version. `max_inflight` overrides the window for this push.
+        On success every engine reports `version` (default: previous + 1) and holds it whole. On failure
+        raises PushError (PushTimeout after `time_limit` seconds), and no engine reports the new version.
+
+        A failed or cancelled push (task.cancel(), an enclosing anyio scope's deadline) ends the round on
+        every engine that opened it, shielded and bounded by `abort_timeout`, before the error or the
+        cancellation propagates; so `paused()` never resumes an engine mid-update and the next push can
+        start. Engines that received part of the push are then listed in `mixed` and report themselves
+        mixed, not their old version. An enclosing `anyio.fail_after` raises anyio's TimeoutError (give
+        it `reason=`); `time_limit` raises a PushTimeout that says which stage and chunk were running.
         """
         window = self.max_inflight if max_inflight is None else int(max_inflight)
         if window < 1:
             raise ValidationError(f"max_inflight must be >= 1, got {window}")
         self._check_loop()
+        if time_limit is not None and not time_limit > 0:
+            raise ValidationError(f"time_limit must be a positive number of seconds, got {time_limit}")
         async with self._lock:  # one push at a time: rounds on an engine must not interleave
             if not self.connected:
                 await self.connect()
-            version = self.version + 1 if version is None else int(version)
+            for e in self.engines:  # an engine client shared by two syncs carries the pushing one's id
+                e.owner = self.owner
+            version = self._next_version(version)
             push_id = uuid.uuid4().hex[:8]
             source, plans = self.plan(model)
             if self.engines and not source.is_sender:
@@ -346,41 +424,53 @@ class WeightSync:
             trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
                               transport=getattr(self.transport, "name", None))
             total = sum(p.nbytes for p in plans)
+            trace.meta.update(bytes=total, engines=[e.name for e in self.engines])
             log = (self.log if source.is_sender else _quiet(self.log)).bind(push=push_id, version=version)
             log.info("push start", chunks=len(plans), mib=round(total / MiB, 1), window=window)
-            t0 = time.perf_counter()
+            trace.begin()  # the report's seconds and the trace's wall time are one measurement
+            if self.live is not None:
+                self.live.add(trace)
             job = pipeline.Push(
                 push_id=push_id, version=version, source=source, transport=self.transport,
                 engines=self.engines, plans=plans, trace=trace, max_inflight=window,
-                timeout=self.timeout, faults=self.faults, hold=self._hold(plans),
+                timeout=self.timeout, faults=self.faults, hold=self._hold(plans), owner=self.owner,
                 on_chunk=self._chunk_hook(push_id, version, plans, log),
             )
             sending = source.is_sender and bool(self.engines)
             push_range = pipeline.ProfilerRange(f"streamsync.push v{version}").__enter__()
+            rounds = _Rounds()
             cache_reset: dict[str, bool] = {}
+            limit = anyio.CancelScope(deadline=math.inf if time_limit is None else anyio.current_time() + time_limit)
             try:
-                if sending:  # gathers and packs need no engine: they start while the engines open the round
-                    job.started = anyio.Event()
-                    await self._run_started(job)
-                    await self._each_engine("finish_update", version, stage="finish")
-                    if self.reset_prefix_cache:
-                        cache_reset = await self._reset_caches(log)
-                else:
-                    await pipeline.run(job)
-            except PushError as e:
-                log.error("push failed", stage=e.stage, chunk=e.chunk, receiver=e.receiver, error=str(e))
-                if self.metrics is not None:
+                with limit:
+                    if sending:  # gathers and packs need no engine: they start while the engines open the round
+                        job.started = anyio.Event()
+                        await self._run_started(job, rounds)
+                        await self._each_engine("finish_update", version, stage="finish", done=rounds.finished)
+                        if self.reset_prefix_cache:
+                            cache_reset = await self._reset_caches(log)
+                    else:
+                        await pipeline.run(job)
+            except BaseException as e:  # a PushError, or a cancellation: the rounds end either way
+                if self.metrics is not None and isinstance(e, PushError):
                     self.metrics.observe_failure(e.stage)
-                if sending:
-                    await self._abort_all(log, skip=e.unresponsive)
-                if e.stage == "finish":  # some engines may report `version` now: never reuse the number
-                    self.version = max(self.version, version)
-                self._write_trace(trace)
+                await self._failed(e, job, rounds, log, trace)
                 raise
             finally:
                 push_range.__exit__()
-            seconds = time.perf_counter() - t0
-            self.version = version
+            if limit.cancelled_caught:
+                err = PushTimeout(f"push did not finish within {time_limit:.1f} s ({_running(job)})",
+                                  stage=_running_stage(job), chunk=_running_chunk(job), push_id=push_id)
+                if self.metrics is not None:
+                    self.metrics.observe_failure(err.stage)
+                await self._failed(err, job, rounds, log, trace)
+                raise err
+            seconds = trace.end()
+            self.version, self._claimed = version, True
+            self._retry_version = None
+            for e in self.engines:  # every tensor was overwritten and every round finished
+                self.mixed.pop(e.name, None)
+                self.open_rounds.discard(e.name)
             report = PushReport(
                 push_id=push_id, version=version, seconds=seconds, bytes=total, chunks=len(plans),
                 stage_seconds=trace.busy_seconds(), peak_bytes_inflight=job.peak_bytes,
@@ -409,16 +499,53 @@ class WeightSync:
 
         return done
 
-    async def _run_started(self, job: pipeline.Push) -> None:
+    async def _failed(self, err: BaseException, job: pipeline.Push, rounds: _Rounds, log: Any,
+                      trace: Trace) -> None:
+        """A push failed or was cancelled: end every round it opened and record what the engines hold."""
+        with anyio.CancelScope(shield=True):
+            if isinstance(err, PushError):
+                log.error("push failed", stage=err.stage, chunk=err.chunk, receiver=err.receiver, error=str(err))
+            else:
+                log.warning("push cancelled", running=_running(job), error=type(err).__name__)
+            version = job.version
+            # Engines that owe the failed chunk's acknowledgement did not answer within the timeout: asking them
+            # to abort would hold the error back by another one. They keep the round open (open_rounds).
+            unresponsive = err.unresponsive if isinstance(err, PushError) else frozenset()
+            to_abort = [e for e in self.engines if e.name in rounds.opened and e.name not in rounds.finished]
+            ended = (await self._abort([e for e in to_abort if e.name not in unresponsive], version, log)
+                     if to_abort else set())
+            for e in to_abort:
+                if e.name in ended:
+                    self.open_rounds.discard(e.name)
+                else:
+                    self.open_rounds.add(e.name)
+                if job.sent_any:
+                    self.mixed[e.name] = version
+            for name in rounds.finished:  # these report `version` now, whole
+                self.mixed.pop(name, None)
+            if rounds.finished:  # some engines report `version` now: never reuse the number
+                self.version, self._claimed = max(self.version, version), True
+                self._retry_version = None
+            else:
+                self._retry_version = version
+            if self.mixed:
+                log.warning("engines hold mixed weights until the next successful push", mixed=sorted(self.mixed))
+            if isinstance(err, PushError):  # drawn by the viewer: the failing stage, chunk, engine and message
+                trace.fail(err.stage, err.chunk, err.receiver, err.message)
+            else:
+                trace.fail(_running_stage(job), _running_chunk(job), None, f"cancelled ({_running(job)})")
+            self._write_trace(trace)
+
+    async def _run_started(self, job: pipeline.Push, rounds: _Rounds) -> None:
         """start_update on every engine, concurrently with the pipeline; the first send waits for it."""
         assert job.started is not None
         started = job.started
 
         async def start() -> None:
-            # Shielded: a pipeline failure must not cut an engine's start_update in half (the abort that
-            # follows would meet a half-opened round). Each engine call has its own timeout.
+            # Shielded: a pipeline failure or a cancellation must not cut an engine's start_update in half
+            # (the abort that follows would meet a half-opened round). Each engine call has its own timeout.
             with anyio.CancelScope(shield=True):
-                await self._each_engine("start_update", stage="start")
+                await self._each_engine("start_update", stage="start", done=rounds.opened, maybe=rounds.opened)
             started.set()
 
         try:
@@ -454,36 +581,50 @@ class WeightSync:
         """Reset every engine's prefix cache now (e.g. once requests kept across a push have finished)."""
         return await self._reset_caches(self.log)
 
-    async def _abort_all(self, log: Any, skip: frozenset[str] = frozenset()) -> None:
-        """End the failed round on every engine (shielded: runs even when the push was cancelled), except
-        those in `skip`: they did not answer in time, and waiting for them again would hold the error back
-        by another timeout. They never finished the round, so they keep reporting the old version."""
+    async def _abort(self, engines: Sequence[Engine], version: int, log: Any) -> set[str]:
+        """End a failed round on `engines` (shielded, `abort_timeout` each); the names whose round ended."""
+        ended: set[str] = set()
+
         async def one(e: Engine) -> None:
             try:
-                with anyio.fail_after(self.timeout):
-                    await e.abort_update()
+                with anyio.fail_after(self.abort_timeout):
+                    await e.abort_update(version)
+                ended.add(e.name)
+            except TimeoutError:
+                log.warning("abort failed", engine=e.name, error=f"no reply in {self.abort_timeout:.1f} s")
             except Exception as err:  # the push already failed; report, don't mask its error
                 log.warning("abort failed", engine=e.name, error=str(err))
 
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
-                for e in self.engines:
-                    if e.name not in skip:
-                        tg.start_soon(one, e)
+                for e in engines:
+                    tg.start_soon(one, e)
+        return ended
 
-    async def _each_engine(self, method: str, *args: Any, stage: str) -> None:
+    async def _each_engine(self, method: str, *args: Any, stage: str, engines: Sequence[Engine] | None = None,
+                           done: set[str] | None = None, maybe: set[str] | None = None) -> None:
+        """`method` on every engine concurrently. `done` collects the engines whose call returned; `maybe`
+        those whose call timed out or was cut short (its effect is unknown)."""
         async def one(e: Engine) -> None:
             try:
                 with anyio.fail_after(self.timeout):
                     await getattr(e, method)(*args)
             except TimeoutError:
-                raise PushError(f"{method} timed out after {self.timeout}s", stage=stage, receiver=e.name) from None
+                if maybe is not None:
+                    maybe.add(e.name)
+                raise PushError(f"{method}: no reply in {self.timeout:.1f} s", stage=stage, receiver=e.name) from None
             except Exception as err:
                 raise PushError(f"{method}: {err}", stage=stage, receiver=e.name) from err
+            except BaseException:
+                if maybe is not None:
+                    maybe.add(e.name)
+                raise
+            if done is not None:
+                done.add(e.name)
 
         try:
             async with anyio.create_task_group() as tg:
-                for e in self.engines:
+                for e in self.engines if engines is None else engines:
                     tg.start_soon(one, e)
         except BaseExceptionGroup as eg:
             raise pipeline._first_push_error(eg) from None
@@ -496,11 +637,16 @@ class WeightSync:
     # -- partial rollout -------------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def paused(self, mode: str = "keep", clear_cache: bool = False) -> AsyncIterator[None]:
-        """Pause generation on every engine for the body (e.g. a push), resume even if the body raised.
+    async def paused(self, mode: str = "keep", clear_cache: bool = False, *,
+                     resume_on_failure: bool = False) -> AsyncIterator[None]:
+        """Pause generation on every engine for the body (e.g. a push), then resume.
 
         mode "keep" freezes in-flight requests (with clear_cache=False they keep their KV cache and continue
         on the new weights), "wait" drains them, "abort" ends them.
+
+        When the body raised (or was cancelled), engines a failed push left holding mixed weights (`mixed`)
+        or with a round that could not be ended (`open_rounds`) stay paused, so they serve nothing from
+        half-new weights; the others resume. `resume_on_failure=True` resumes every engine anyway.
         """
         if mode not in ("keep", "wait", "abort"):
             raise ValidationError(f"pause mode must be keep, wait or abort, got {mode!r}")
@@ -513,11 +659,19 @@ class WeightSync:
                 except PushError as err:
                     self.log.warning("resume after a failed pause failed", error=str(err))
             raise
+        failed = True
         try:
             yield
+            failed = False
         finally:
             with anyio.CancelScope(shield=True):
-                await self._each_engine("resume", stage="resume")
+                keep = set() if not failed or resume_on_failure else set(self.mixed) | self.open_rounds
+                if keep:
+                    self.log.warning("engines left paused after a failed push (mixed weights or an open round); "
+                                     "a successful push and resume(), or resume_on_failure=True, serves again",
+                                     engines=sorted(keep))
+                await self._each_engine("resume", stage="resume",
+                                        engines=[e for e in self.engines if e.name not in keep])
 
 
 
@@ -578,27 +732,30 @@ def _vocab_hint(plans: Sequence[ChunkPlan], expected: dict[str, tuple[str, tuple
     return ""
 
 
-def _connect_error(eg: BaseExceptionGroup, engines: Sequence[Engine]) -> BaseException:
-    """The first failure of a group raised while connecting: a StreamSyncError as is (an EngineError names its
-    engine), anything else as an EngineError of all engines; cancellation and interrupts pass through."""
-    leaves: list[BaseException] = []
+@dataclass
+class _Rounds:
+    """Which engines a push opened a round on (or may have: a start cut short), and finished."""
 
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for x in e.exceptions:
-                walk(x)
-        else:
-            leaves.append(e)
+    opened: set[str] = field(default_factory=set)
+    finished: set[str] = field(default_factory=set)
 
-    walk(eg)
-    for e in leaves:
-        if isinstance(e, StreamSyncError):
-            return e
-    for e in leaves:
-        if not isinstance(e, Exception):
-            return e
-    first = leaves[0] if leaves else eg
-    msg = f"connect failed: {type(first).__name__}: {first}"
-    err = EngineError(",".join(e.name for e in engines), msg)
-    err.__cause__ = first
-    return err
+
+def _where(job: pipeline.Push) -> dict[str, int]:
+    """stage -> chunk of the stages at work when the push was stopped."""
+    return {stage: chunk for stage, (chunk, _) in job.busy.items()} or dict(job.cut)
+
+
+def _running_stage(job: pipeline.Push) -> str:
+    return next(iter(_where(job)), "start" if job.started is not None and not job.started.is_set() else "finish")
+
+
+def _running_chunk(job: pipeline.Push) -> int | None:
+    return next(iter(_where(job).values()), None)
+
+
+def _running(job: pipeline.Push) -> str:
+    """What a push was doing, for a timeout or cancellation message."""
+    where = _where(job)
+    if where:
+        return ", ".join(f"{stage} of chunk {chunk} was running" for stage, chunk in where.items())
+    return f"{_running_stage(job)} was running"

@@ -127,11 +127,13 @@ async def test_viewer_serves_the_page_and_the_trace(tmp_path):
     port = site._server.sockets[0].getsockname()[1]
     try:
         async with aiohttp.ClientSession() as s:
-            async with s.get(f"http://127.0.0.1:{port}/") as r:
-                assert r.status == 200 and "streamsync push trace" in await r.text()
-            async with s.get(f"http://127.0.0.1:{port}/trace.json") as r:
+            async with s.get(f"http://127.0.0.1:{port}/") as r:  # one file: straight to its view
+                assert r.status == 200 and "<title>streamsync trace</title>" in await r.text()
+                assert r.url.path == "/view" and r.url.query["f"] == "t.trace.json"
+            async with s.get(f"http://127.0.0.1:{port}/api/trace", params={"f": "t.trace.json"}) as r:
                 data = await r.json()
-        assert sum(e["ph"] == "X" for e in data["traceEvents"]) == 15
+        assert sum(e["ph"] == "X" for e in data["trace"]["traceEvents"]) == 15
+        assert data["summary"]["chunks"] == 3
     finally:
         await runner.cleanup()
 

@@ -141,9 +141,9 @@ async def test_a_frozen_receiver_times_out_instead_of_hanging(qwen_specs_path, q
         os.kill(rp.pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            with pytest.raises(PushError, match="timed out") as err:
+            with pytest.raises(PushError, match=r"no reply in 2\.0 s") as err:
                 await sync.push(qwen_model)
-            assert time.monotonic() - t0 < 6
+            assert time.monotonic() - t0 < 2 + sync.abort_timeout + 1  # not twice the timeout
             assert err.value.receiver == "frozen"
         finally:
             os.kill(rp.pid, signal.SIGCONT)
@@ -167,8 +167,8 @@ async def test_trace_file_is_chrome_trace_json(qwen_receiver, qwen_model, tmp_pa
     sync = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK, trace_dir=tmp_path)
     report = await sync.push(qwen_model)
     data = json.loads(Path(report.trace_path).read_text())
-    spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
-    assert len(spans) == report.chunks * len(STAGES)
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X" and e["args"]["receiver"] is None]
+    assert len(spans) == report.chunks * len(STAGES)  # and one send span per engine besides (test_viewer.py)
     assert {e["args"]["stage"] for e in spans} == set(STAGES)
     assert any(e["ph"] == "C" and e["name"] == "chunks_alive" for e in data["traceEvents"])
     await sync.close()
@@ -364,9 +364,9 @@ async def test_a_pipeline_failure_lets_the_round_opening_finish_before_the_abort
         await start()
         calls.append("started")
 
-    async def logged_abort() -> None:
+    async def logged_abort(version: int | None = None) -> None:
         calls.append("abort")
-        await abort()
+        await abort(version)
 
     engine.start_update, engine.abort_update = slow_start, logged_abort
     sync = WeightSync([engine], chunk_bytes=CHUNK, faults={"convert": 0})

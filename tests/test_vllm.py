@@ -201,14 +201,15 @@ async def test_layers_split_across_chunks_arrive_intact(llm, model_dir):
 
 async def test_a_push_failing_on_the_sender_side_leaves_the_engine_usable(llm, model_dir):
     """The round is aborted on the engine (vLLM would refuse the next start_weight_update otherwise, and
-    its layers would stay half-reloaded); the engine keeps its version and serves the next push."""
+    its layers would stay half-reloaded); the engine says it holds mixed weights, not version 80, and
+    serves the next push."""
     engine = VllmEngine(llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
     await sync.push(trainer_from(model_dir, step=13), version=80)
-    failing = WeightSync([engine], chunk_bytes=1 << 20, faults={"pack": 3})
+    failing = WeightSync([engine], chunk_bytes=1 << 20, max_inflight=1, faults={"pack": 3})  # 0-2 applied
     with pytest.raises(PushError):
         await failing.push(trainer_from(model_dir, step=14), version=81)
-    assert await engine.get_version() == 80
+    assert (await engine.state()).mixed and failing.mixed == {"llm": 81}
     tok = llm.get_tokenizer()
     _greedy(llm, tok.encode(PROMPT), n=4)  # the engine generates again after the failed round
     good = trainer_from(model_dir, step=15)

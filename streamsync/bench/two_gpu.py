@@ -66,7 +66,7 @@ def timeline(report: Any) -> dict[str, float]:
     """Where a push's wall time went, from its trace (ms from the push's start): until the first chunk's send
     began (start_update, the first gather, convert and pack launch), the sends, and what followed the last one
     (finish_update, which waits for the receiver's last copies)."""
-    sends = [s for s in report.trace.spans if s.stage == "send"]
+    sends = [s for s in report.trace.stage_spans() if s.stage == "send"]  # not the per-engine send spans
     if not sends:
         return {}
     first, last = min(s.start for s in sends), max(s.end for s in sends)

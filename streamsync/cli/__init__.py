@@ -37,12 +37,15 @@ def main(argv: list[str] | None = None) -> int:
 
     trace_p = sub.add_parser("trace", help="pipeline trace viewer")
     trace_sub = trace_p.add_subparsers(dest="trace_cmd", required=True)
-    serve_p = trace_sub.add_parser("serve", help="serve the viewer for a trace file")
-    serve_p.add_argument("file", type=Path)
+    serve_p = trace_sub.add_parser("serve", help="serve the viewer for trace files or directories of them")
+    serve_p.add_argument("file", type=Path, nargs="+", help="trace files and/or directories (listed, compared)")
     serve_p.add_argument("--host", default="127.0.0.1")
     serve_p.add_argument("--port", type=int, default=8765)
     summ_p = trace_sub.add_parser("summary", help="print a trace's per-stage summary")
     summ_p.add_argument("file", type=Path)
+    merge_p = trace_sub.add_parser("merge", help="put push traces into a torch.profiler trace, on its clock")
+    merge_p.add_argument("file", type=Path, nargs="+", help="the torch.profiler trace, then streamsync traces")
+    merge_p.add_argument("-o", "--out", type=Path, required=True)
 
     args = ap.parse_args(argv)
     from ..errors import StreamSyncError
@@ -74,11 +77,20 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "trace":
         from ..trace import viewer
 
-        if not args.file.exists():
-            print(f"streamsync: no trace file {args.file}", file=sys.stderr)
+        missing = [str(f) for f in (args.file if isinstance(args.file, list) else [args.file]) if not f.exists()]
+        if missing:
+            print(f"streamsync: no trace file {', '.join(missing)}", file=sys.stderr)
             return 2
         if args.trace_cmd == "summary":
             print(viewer.summary(args.file))
+            return 0
+        if args.trace_cmd == "merge":
+            import json
+
+            from ..trace import merge
+
+            profiler, *ours = (json.loads(f.read_text()) for f in args.file)
+            args.out.write_text(json.dumps(merge(profiler, *ours)))
             return 0
         viewer.serve(args.file, args.host, args.port)
         return 0

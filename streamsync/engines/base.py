@@ -1,27 +1,68 @@
 """Control plane to an inference engine, shaped like vLLM's four weight-update phases.
 
     init_transfer(init_info)        once, after the transport is chosen
-    abort_update()                  a failed push: end the round, keep the old version
+    abort_update(version)           a failed (or cancelled) push: end the round; an engine that may hold
+                                    part of `version`'s weights says so (`state().mixed`), never the old version
     start_update()                  begin a round (vLLM: start_weight_update)
     update(update_info)             once per chunk; returns after the engine applied the chunk and closed
                                     its handle: that return is the acknowledgement the release stage waits on
     finish_update(version)          the round is complete; the engine now reports `version`
     reset_cache()                   after finish: drop what was computed under the old weights (prefix cache)
-    pause(mode, clear_cache) / resume() / get_version()
+    pause(mode, clear_cache) / resume() / get_version() / state()
 
-Every call has a timeout; a failed or late call raises EngineError naming the engine.
+Every call has a timeout; a failed or late call raises EngineError naming the engine and saying what
+happened ("engine process exited", "no reply in N s", or the engine's own refusal).
+
+Ownership: `WeightSync.connect` sets `owner` (one id per WeightSync). Engines that can carry it (the
+receiver process; every update_info carries it for the vLLM backend) refuse a round from another owner
+while one is open, so two syncs never mix two models under one version.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
+
+#: Version string a vLLM engine reports after a failed push left part of that push's weights in it.
+MIXED = "mixed:"
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What an engine holds.
+
+    version:  the clean version it holds (every weight from that push), None when unknown or mixed
+    mixed:    a failed push left part of its weights in the engine: neither the old nor the new version.
+              The next successful push clears it (every tensor is overwritten).
+    failed_version: the version of the push that left it mixed, where known
+    updating: a round is open (None: the engine cannot say)
+    """
+
+    version: int | None
+    mixed: bool = False
+    failed_version: int | None = None
+    updating: bool | None = None
+
+
+def parse_version(v: object) -> EngineState:
+    """An engine's version string ("7", "mixed:8", vLLM's initial "default") as an EngineState."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return EngineState(v)
+    if isinstance(v, str) and v.isdigit():
+        return EngineState(int(v))
+    if isinstance(v, str) and v.startswith(MIXED):
+        tail = v[len(MIXED):]
+        return EngineState(None, mixed=True, failed_version=int(tail) if tail.isdigit() else None)
+    return EngineState(None)
 
 
 class Engine(ABC):
     """One inference engine (all of its workers) as seen by the sender."""
 
     name: str = "engine"
+    #: the WeightSync this client belongs to (set by `WeightSync.connect`); None: unchecked
+    owner: str | None = None
     #: "cpu" or "cuda:<uuid>"-style location, used to pick a transport when transport="auto".
     device: str = "cpu"
 
@@ -40,10 +81,16 @@ class Engine(ABC):
     @abstractmethod
     async def get_version(self) -> int | None: ...
 
-    async def abort_update(self) -> None:  # noqa: B027 - optional hook
-        """A push failed after `start_update`: end the round without claiming a version, so the engine
-        can generate again (vLLM: finish the layerwise reload; layers nothing reached keep their old
-        weights) and the next push can start. Must not raise for a round the engine already ended."""
+    async def abort_update(self, version: int | None = None) -> None:  # noqa: B027 - optional hook
+        """A push of `version` failed or was cancelled after `start_update`: end the round without
+        claiming `version`, so the engine can generate again (vLLM: finish the layerwise reload; layers
+        nothing reached keep their old weights) and the next push can start. An engine that received any
+        chunk of the round must then report itself mixed (`state()`), not its old version. Must not raise
+        for a round the engine already ended."""
+
+    async def state(self) -> EngineState:
+        """The engine's version and whether a failed push left it holding mixed weights."""
+        return EngineState(await self.get_version())
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
         """HF name -> (dtype name, shape) the engine will accept, if it can say; checked before bytes move."""

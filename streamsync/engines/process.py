@@ -37,7 +37,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from ..checksum import digests
 from ..errors import EngineError, ValidationError
 from ..receiver import ModuleLoader, WeightReceiver
-from .base import Engine
+from .base import Engine, EngineState
 
 #: Environment variable through which a parent hands a receiver process its secret (never argv: any local
 #: user can read another process's command line, only its owner its environment).
@@ -99,10 +99,12 @@ class ReceiverServer:
 
     def handle(self, msg: dict[str, Any]) -> Any:
         op = msg.get("op")
+        owner = msg.get("owner") if isinstance(msg.get("owner"), str) else None
         if op == "init":
-            self.rx.init(self._bounded(msg["info"]))
+            self.rx.init(self._bounded(msg["info"]), owner)
         elif op == "start":
-            self.rx.start()
+            stale = msg.get("stale_after")
+            self.rx.start(owner, float(stale) if isinstance(stale, int | float) and stale > 0 else None)
         elif op == "update":
             if self.delay_s:
                 time.sleep(self.delay_s)
@@ -110,14 +112,15 @@ class ReceiverServer:
                 torch.cuda._sleep(int(self.gpu_delay_ms * 2e6))
             return self.rx.update(msg["info"], self.loader)
         elif op == "finish":
-            self.rx.finish(msg["version"])
+            self.rx.finish(msg["version"], owner)
         elif op == "abort":
-            self.rx.abort()
-        elif op == "version":
-            return self.rx.version
+            self.rx.abort(owner)
+        elif op == "version":  # the version held whole: None while a failed round left mixed weights
+            return self.rx.clean_version
         elif op == "status":
-            return {"version": self.rx.version, "updating": self.rx.updating, "dirty": self.rx.dirty,
-                    "paused": self.paused, "pid": os.getpid()}
+            return {"version": self.rx.clean_version, "last_version": self.rx.version,
+                    "updating": self.rx.updating, "dirty": self.rx.dirty,
+                    "mixed": self.rx.dirty and not self.rx.updating, "paused": self.paused, "pid": os.getpid()}
         elif op == "weight_info":
             return {n: [d, list(s)] for n, (d, s) in self.expected().items()}
         elif op == "checksums":
@@ -341,15 +344,17 @@ class ReceiverEngine(Engine):
                     line = await self._buffered.receive_until(b"\n", _REPLY_LINE)
             except TimeoutError:
                 await self._drop()
-                raise EngineError(self.name, f"{op} timed out after {timeout or self.timeout:.1f}s",
+                raise EngineError(self.name, f"{op}: no reply in {timeout or self.timeout:.1f} s",
                                   unresponsive=True) from None
             except anyio.DelimiterNotFound:
                 await self._drop()
                 raise EngineError(self.name, f"{op}: reply line too long") from None
+            except EngineError:
+                raise
             except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as e:
                 await self._drop()
-                raise EngineError(self.name, f"{op} failed: connection lost ({type(e).__name__}); "
-                                  "receiver process died?") from None
+                raise EngineError(self.name, f"{op} failed: engine process exited (connection closed: "
+                                  f"{type(e).__name__}; the receiver process died?)") from None
             except BaseException:  # cancelled mid-request: its reply would answer the next request
                 await self._drop()
                 raise
@@ -366,10 +371,12 @@ class ReceiverEngine(Engine):
         self._stream = self._buffered = None
 
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
-        await self.call("init", info=init_info)
+        await self.call("init", info=init_info, owner=self.owner)
 
     async def start_update(self) -> None:
-        await self.call("start")
+        # stale_after: a round this client left open (a crashed trainer) is abandoned after our own
+        # timeout, when our push has failed anyway; another WeightSync may then take the receiver over.
+        await self.call("start", owner=self.owner, stale_after=self.timeout)
 
     async def update(self, update_info: dict[str, Any]) -> None:
         """Apply one chunk. A layout the receiver has parsed before goes by its key only (a dense chunk's
@@ -391,13 +398,17 @@ class ReceiverEngine(Engine):
             self._known.add(key)
 
     async def finish_update(self, version: int) -> None:
-        await self.call("finish", version=version)
+        await self.call("finish", version=version, owner=self.owner)
 
     async def get_version(self) -> int | None:
         return await self.call("version")
 
-    async def abort_update(self) -> None:
-        await self.call("abort")
+    async def abort_update(self, version: int | None = None) -> None:
+        await self.call("abort", owner=self.owner)
+
+    async def state(self) -> EngineState:
+        st = await self.call("status")
+        return EngineState(st["version"], mixed=bool(st.get("mixed")), updating=bool(st["updating"]))
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         info = await self.call("weight_info")

@@ -2,7 +2,11 @@
 
 All three speak the four phases with streamsync's plain-dict payloads wrapped as {"streamsync": ...},
 which the `streamsync` backend (streamsync.vllm.backend) unwraps in every worker. Versions are vLLM's
-strings; streamsync's integer versions travel as their decimal string.
+strings; streamsync's integer versions travel as their decimal string, and an engine a failed push left
+holding part of version N's weights reports "mixed:N" (`state().mixed`; `get_version()` is then None).
+
+Every call is raced against a liveness check from its first second on: a killed engine core leaves vLLM's
+pending call waiting forever, so without it a dead engine would be reported only at the timeout.
 """
 
 from __future__ import annotations
@@ -14,11 +18,10 @@ from typing import Any
 import anyio
 
 from ..errors import EngineError
-from .base import Engine
+from .base import MIXED, Engine, EngineState, parse_version
 
-
-def _version(v: object) -> int | None:
-    return int(v) if isinstance(v, str) and v.isdigit() else (v if isinstance(v, int) else None)
+#: seconds a call runs before its engine's liveness is checked, then the interval between checks
+_LIVENESS_S = 1.0
 
 
 def _device() -> str:
@@ -35,15 +38,6 @@ def _tokens_and_logprobs(completion: Any) -> tuple[list[int], list[float]]:
     return tokens, [lp[t].logprob for t, lp in zip(tokens, completion.logprobs, strict=True)]
 
 
-async def _quietly(call: Any) -> None:
-    """Run an abort: an engine whose round already ended (vLLM ends it when an update raised) refuses
-    `finish_weight_update`; that is the state an abort wants, so the refusal is not an error."""
-    try:
-        await call
-    except EngineError:
-        pass
-
-
 def engine_kwargs(**extra: Any) -> dict[str, Any]:
     """Keyword arguments that make a vLLM engine receive through streamsync."""
     return {"weight_transfer_config": {"backend": "streamsync"},
@@ -52,17 +46,107 @@ def engine_kwargs(**extra: Any) -> dict[str, Any]:
 
 class _Guarded(Engine):
     timeout: float
+    #: an update reached the engine since the round began: an abort must then mark it mixed
+    _touched: bool = False
 
     async def _run(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         try:
             with anyio.fail_after(self.timeout):
-                return await fn(*args, **kw)
+                return await self._watched(what, fn, *args, **kw)
         except TimeoutError:
-            raise EngineError(self.name, f"{what} timed out after {self.timeout:.1f}s") from None
+            raise EngineError(self.name, f"{what}: no reply in {self.timeout:.1f} s") from None
         except EngineError:
             raise
         except Exception as e:
             raise EngineError(self.name, f"{what} failed: {type(e).__name__}: {e}") from e
+
+    async def _watched(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        """`fn(...)`, failed early with "engine process exited" when the engine dies while it runs."""
+        result: list[Any] = []
+
+        async def call() -> None:
+            result.append(await fn(*args, **kw))
+            tg.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while True:
+                await anyio.sleep(_LIVENESS_S)
+                why = await self._dead()
+                if why:
+                    raise EngineError(self.name, f"{what} failed: engine process exited ({why})")
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                await call()
+        except BaseExceptionGroup as eg:  # one leaf: the call's own error or the watcher's
+            raise eg.exceptions[0] from None
+        return result[0]
+
+    async def _dead(self) -> str | None:
+        """Why the engine is known to be dead, or None (alive, or it cannot tell)."""
+        return None
+
+    async def _set_version(self, version: str) -> None:
+        raise NotImplementedError
+
+    async def _finish(self, version: str | None) -> None:
+        raise NotImplementedError
+
+    async def start_update(self) -> None:
+        """Open a round. vLLM refuses while one is active; a round that is ours (an abort that failed) or
+        that nobody touched for longer than our timeout (its owner crashed: its push has failed by now) is
+        ended and the start retried; a live round of another WeightSync is refused, naming it."""
+        try:
+            await self._start()
+            return
+        except EngineError as e:
+            if "already active" not in str(e):
+                raise
+            refused = e
+        round_ = (await self.rpc("streamsync_round"))[0]
+        owner, idle = round_.get("owner"), float(round_.get("idle_s") or 0.0)
+        if round_.get("open") and owner != self.owner and idle <= self.timeout:
+            raise EngineError(self.name, f"start refused: the open round belongs to another WeightSync (owner "
+                              f"{str(owner)[:8]}, active {idle:.1f} s ago)") from refused
+        await self._finish(MIXED if owner is not None else None)  # a chunk claimed it: weights are mixed
+        await self._start()
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+    async def update(self, update_info: dict[str, Any]) -> None:
+        self._touched = True
+        await self._update(update_info)
+
+    async def _update(self, update_info: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    async def finish_update(self, version: int) -> None:
+        await self._finish(str(version))
+        self._touched = False
+
+    async def abort_update(self, version: int | None = None) -> None:
+        """End the round (vLLM finalizes the layerwise reload: layers nothing reached keep their old weights).
+        If any chunk reached the engine, its version becomes "mixed:<version>": it holds neither version."""
+        mark = f"{MIXED}{version if version is not None else ''}" if self._touched else None
+        try:
+            await self._finish(mark)
+        except EngineError:
+            # vLLM already ended the round (an update raised there): that is the state an abort wants,
+            # but the engine still reports the old version, so mark it.
+            if mark is not None:
+                await self._set_version(mark)
+        self._touched = False
+
+    async def get_version(self) -> int | None:
+        return (await self.state()).version
+
+    async def state(self) -> EngineState:
+        return parse_version(await self._raw_version())
+
+    async def _raw_version(self) -> str:
+        raise NotImplementedError
 
     async def weight_digests(self) -> dict[str, str]:
         """What the engine computes with, per vLLM parameter (first worker)."""
@@ -125,20 +209,24 @@ class VllmEngine(_Guarded):
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
         await self._call("init", self.llm.init_weight_transfer_engine, {"init_info": {"streamsync": init_info}})
 
-    async def start_update(self) -> None:
+    async def _start(self) -> None:
         await self._call("start_weight_update", self.llm.start_weight_update)
 
-    async def update(self, update_info: dict[str, Any]) -> None:
+    async def _update(self, update_info: dict[str, Any]) -> None:
         await self._call("update_weights", self.llm.update_weights, {"update_info": {"streamsync": update_info}})
 
-    async def finish_update(self, version: int) -> None:
-        await self._call("finish_weight_update", self.llm.finish_weight_update, str(version))
+    async def _finish(self, version: str | None) -> None:
+        await self._call("finish_weight_update", self.llm.finish_weight_update, version)
 
-    async def get_version(self) -> int | None:
-        return _version(await self._call("get_weight_version", self.llm.get_weight_version))
+    async def _set_version(self, version: str) -> None:
+        await self._call("update_weight_version", self.llm.update_weight_version, version)
 
-    async def abort_update(self) -> None:
-        await _quietly(self._call("finish_weight_update", self.llm.finish_weight_update))
+    async def _raw_version(self) -> str:
+        return await self._call("get_weight_version", self.llm.get_weight_version)
+
+    async def _dead(self) -> str | None:
+        resources = getattr(getattr(self.llm.llm_engine, "engine_core", None), "resources", None)
+        return "vLLM engine core is dead" if getattr(resources, "engine_dead", False) else None
 
     async def reset_cache(self) -> bool:
         return bool(await self._call("reset_prefix_cache", self.llm.reset_prefix_cache))
@@ -178,23 +266,26 @@ class AsyncVllmEngine(_Guarded):
         req = WeightTransferInitRequest(init_info={"streamsync": init_info})
         await self._run("init", self.engine.init_weight_transfer_engine, req)
 
-    async def start_update(self) -> None:
+    async def _start(self) -> None:
         await self._run("start_weight_update", self.engine.start_weight_update)
 
-    async def update(self, update_info: dict[str, Any]) -> None:
+    async def _update(self, update_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         req = WeightTransferUpdateRequest(update_info={"streamsync": update_info})
         await self._run("update_weights", self.engine.update_weights, req)
 
-    async def finish_update(self, version: int) -> None:
-        await self._run("finish_weight_update", self.engine.finish_weight_update, str(version))
+    async def _finish(self, version: str | None) -> None:
+        await self._run("finish_weight_update", self.engine.finish_weight_update, version)
 
-    async def get_version(self) -> int | None:
-        return _version(await self._run("get_weight_version", self.engine.get_weight_version))
+    async def _set_version(self, version: str) -> None:
+        await self._run("update_weight_version", self.engine.update_weight_version, version)
 
-    async def abort_update(self) -> None:
-        await _quietly(self._run("finish_weight_update", self.engine.finish_weight_update))
+    async def _raw_version(self) -> str:
+        return await self._run("get_weight_version", self.engine.get_weight_version)
+
+    async def _dead(self) -> str | None:
+        return "vLLM engine core is dead" if self.engine.errored else None
 
     async def reset_cache(self) -> bool:
         return bool(await self._run("reset_prefix_cache", self.engine.reset_prefix_cache))
@@ -263,20 +354,33 @@ class VllmHttpEngine(_Guarded):
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
         await self._http("POST", "/init_weight_transfer_engine", json={"init_info": {"streamsync": init_info}})
 
-    async def start_update(self) -> None:
+    async def _start(self) -> None:
         await self._http("POST", "/start_weight_update")
 
-    async def update(self, update_info: dict[str, Any]) -> None:
+    async def _update(self, update_info: dict[str, Any]) -> None:
         await self._http("POST", "/update_weights", json={"update_info": {"streamsync": update_info}})
 
-    async def finish_update(self, version: int) -> None:
-        await self._http("POST", "/finish_weight_update", json={"weight_version": str(version)})
+    async def _finish(self, version: str | None) -> None:
+        await self._http("POST", "/finish_weight_update", json={"weight_version": version})
 
-    async def get_version(self) -> int | None:
-        return _version((await self._http("GET", "/weight_info"))["weight_version"])
+    async def _set_version(self, version: str) -> None:
+        await self._http("POST", "/update_weight_version", json={"new_version": version})
 
-    async def abort_update(self) -> None:
-        await _quietly(self._http("POST", "/finish_weight_update"))
+    async def _raw_version(self) -> str:
+        return (await self._http("GET", "/weight_info"))["weight_version"]
+
+    async def _dead(self) -> str | None:
+        """/health answers 503 once the engine core died; a refused connection means the server is gone.
+        A slow answer is not death (a busy server): only a definite answer counts."""
+        import aiohttp
+
+        try:
+            async with self._session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                return None if r.status == 200 else f"/health answered HTTP {r.status}"
+        except aiohttp.ClientConnectionError as e:
+            return f"server unreachable: {e}"
+        except TimeoutError:
+            return None
 
     async def reset_cache(self) -> bool:
         return bool((await self._http("POST", "/reset_prefix_cache") or {}).get("success", False))

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import psutil
 
 from ..errors import EngineError
 
@@ -40,7 +43,8 @@ def serve_env() -> dict[str, str]:
 
 
 class VllmServer:
-    """`vllm serve MODEL` on 127.0.0.1 in its own process group; `stop()` ends it and its workers.
+    """`vllm serve MODEL` on 127.0.0.1 in its own process group; `stop()` ends it and its workers (EngineCore,
+    Worker processes), also after the API server itself crashed and left them orphaned.
 
     `api_key`: required on every route but the health/metrics probes (streamsync.vllm.auth.RequireApiKey, always
     installed). It is handed over in the environment (VLLM_API_KEY), not as `--api-key`: any local user can
@@ -61,7 +65,25 @@ class VllmServer:
         self.log_path = Path(log) if log else None
         out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - lives with the process
         self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self._tree: list[psutil.Process] = []
         self._wait(start_timeout)
+        self._tree = self.processes()  # remembered: a crashed API server no longer leads to its children
+
+    def processes(self) -> list[psutil.Process]:
+        """The API server and every process under it (or in its process group) that is still running."""
+        found: dict[int, psutil.Process] = {p.pid: p for p in self._tree if _running(p)}
+        try:
+            root = psutil.Process(self.proc.pid)
+            found.update((p.pid, p) for p in [root, *root.children(recursive=True)])
+        except psutil.NoSuchProcess:
+            pass
+        for p in psutil.process_iter():
+            try:
+                if os.getpgid(p.pid) == self.proc.pid:
+                    found.setdefault(p.pid, p)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return [p for p in found.values() if _running(p)]
 
     def _wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -79,19 +101,32 @@ class VllmServer:
         self.stop()
         raise EngineError(self.url, f"vllm serve did not answer /health within {timeout:.0f}s")
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            import signal
-
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the whole tree, SIGKILL what is left after `timeout` s, and reap the API server."""
+        procs = self.processes()
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            for p in procs:
+                try:
+                    p.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+            _, procs = psutil.wait_procs(procs, timeout=wait)
+            if not procs:
+                break
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
 
     def __enter__(self) -> VllmServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,7 +1,14 @@
 """Spans per chunk and stage, counters, and Chrome-trace export (opens in Perfetto and the viewer).
 
-A span is one stage's work on one chunk. Counters sample the pipeline's state (chunks alive, bytes alive,
-queue depths) whenever it changes. Times are seconds on `time.perf_counter`, relative to the push start.
+A span is one stage's work on one chunk; `send` also gets one span per engine (`receiver` set), so a slow
+engine shows on its own lane. Counters sample the pipeline's state (chunks alive, bytes alive, queue depths)
+whenever it changes. Times are seconds on `time.perf_counter` relative to `t0`, the push start; `epoch0` is
+the wall-clock time of `t0`, so exported timestamps are epoch microseconds and line up with other pushes and
+with `torch.profiler` traces of the same process (`pid`).
+
+`begin()` and `end()` bracket the push exactly as `PushReport.seconds` measures it (the report takes its
+number from `end()`), so the viewer's wall time and the report's are one number. A failed push records its
+error (`fail`): stage, chunk, engine and message, written into the file and drawn by the viewer.
 """
 
 from __future__ import annotations
@@ -10,10 +17,12 @@ import json
 import os
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 STAGES = ("gather", "convert", "pack", "send", "release")
 
@@ -37,19 +46,51 @@ class Sample:
 
 
 @dataclass
+class TraceError:
+    """Where and why a push failed."""
+
+    stage: str
+    chunk: int | None
+    engine: str | None
+    message: str
+
+
+@dataclass
 class Trace:
     """Everything recorded during one push."""
 
     push_id: str
     t0: float = field(default_factory=time.perf_counter)
+    epoch0: float = field(default_factory=time.time)
+    pid: int = field(default_factory=os.getpid)
     spans: list[Span] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     meta: dict[str, object] = field(default_factory=dict)
+    wall: float | None = None  # seconds from begin() to end(): the report's `seconds`
+    error: TraceError | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
+
+    def begin(self) -> float:
+        """Mark the push start (time 0 from here on); returns the perf_counter value of it."""
+        self.t0, self.epoch0 = time.perf_counter(), time.time()
+        return self.t0
+
+    def end(self) -> float:
+        """Mark the push end; returns the push's wall time in seconds."""
+        self.wall = self.now()
+        return self.wall
+
+    def fail(self, stage: str, chunk: int | None, engine: str | None, message: str) -> None:
+        self.error = TraceError(stage, chunk, engine, message)
+        self.end()
+
+    @property
+    def done(self) -> bool:
+        return self.wall is not None
 
     @contextmanager
     def span(self, stage: str, chunk: int, nbytes: int = 0, receiver: str | None = None) -> Iterator[None]:
@@ -75,9 +116,13 @@ class Trace:
 
     # -- summaries -------------------------------------------------------------------------------------
 
+    def stage_spans(self) -> list[Span]:
+        """One span per (chunk, stage): the per-engine send spans left out."""
+        return [s for s in self.spans if s.receiver is None]
+
     def busy_seconds(self) -> dict[str, float]:
         out = {s: 0.0 for s in STAGES}
-        for sp in self.spans:
+        for sp in self.stage_spans():
             out[sp.stage] = out.get(sp.stage, 0.0) + (sp.end - sp.start)
         return out
 
@@ -103,16 +148,19 @@ class Trace:
     # -- export ----------------------------------------------------------------------------------------
 
     def to_chrome(self) -> dict:
-        """Chrome trace-event JSON: one process per push, one thread per stage (and per receiver)."""
-        pid = 1
+        """Chrome trace-event JSON: one process (the trainer's pid), one thread per stage and per engine's
+        send, flow arrows from each chunk's gather through its stages to its release, epoch-µs timestamps."""
+        pid = self.pid
+        us = self.epoch0 * 1e6
         events: list[dict] = [
-            {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"push {self.push_id}"}},
+            {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": "streamsync"}},
         ]
         tids: dict[str, int] = {}
+        tid_base = 1_000  # clear of the small thread ids torch.profiler gives its own lanes
 
         def tid(lane: str) -> int:
             if lane not in tids:
-                tids[lane] = len(tids) + 1
+                tids[lane] = tid_base + len(tids)
                 events.append({"ph": "M", "pid": pid, "tid": tids[lane], "name": "thread_name",
                                "args": {"name": lane}})
                 events.append({"ph": "M", "pid": pid, "tid": tids[lane], "name": "thread_sort_index",
@@ -121,20 +169,35 @@ class Trace:
 
         for s in STAGES:
             tid(s)
+        by_chunk: dict[int, list[tuple[Span, int]]] = {}
         for sp in sorted(self.spans, key=lambda s: s.start):
-            lane = sp.stage if sp.receiver is None or sp.stage != "send" else f"send → {sp.receiver}"
+            lane = sp.stage if sp.receiver is None else f"send → {sp.receiver}"
             events.append({
-                "ph": "X", "pid": pid, "tid": tid(lane), "name": f"{sp.stage} #{sp.chunk}",
-                "ts": sp.start * 1e6, "dur": max(sp.end - sp.start, 0.0) * 1e6,
-                "args": {"chunk": sp.chunk, "bytes": sp.bytes, "receiver": sp.receiver, "stage": sp.stage},
+                "ph": "X", "pid": pid, "tid": tid(lane), "name": f"{sp.stage} #{sp.chunk}", "cat": "streamsync",
+                "ts": us + sp.start * 1e6, "dur": max(sp.end - sp.start, 0.0) * 1e6,
+                "args": {"chunk": sp.chunk, "bytes": sp.bytes, "receiver": sp.receiver, "stage": sp.stage,
+                         "push_id": self.push_id},
             })
+            if sp.receiver is None:
+                by_chunk.setdefault(sp.chunk, []).append((sp, tids[lane]))
+        # Flow steps bind to the slice that encloses their timestamp on their thread (the end step too: "bp": "e").
+        salt = zlib.crc32(self.push_id.encode()) << 20
+        for chunk, steps in by_chunk.items():
+            for i, (sp, t) in enumerate(steps):
+                ph = "s" if i == 0 else ("f" if i == len(steps) - 1 else "t")
+                if len(steps) == 1:
+                    break
+                events.append({"ph": ph, "pid": pid, "tid": t, "name": f"chunk {chunk}", "cat": "chunk",
+                               "id": salt + chunk, "ts": us + sp.start * 1e6, **({"bp": "e"} if ph == "f" else {})})
         for sm in self.samples:
-            events.append({"ph": "C", "pid": pid, "name": sm.name, "ts": sm.t * 1e6, "args": {sm.name: sm.value}})
-        return {
-            "traceEvents": events,
-            "displayTimeUnit": "ms",
-            "otherData": {"push_id": self.push_id, "counts": self.counts, **{k: str(v) for k, v in self.meta.items()}},
-        }
+            events.append({"ph": "C", "pid": pid, "name": sm.name, "ts": us + sm.t * 1e6,
+                           "args": {sm.name: sm.value}})
+        other: dict[str, Any] = {"push_id": self.push_id, "counts": self.counts, "epoch0": self.epoch0,
+                                 "pid": pid, "wall_s": self.wall,
+                                 "error": asdict(self.error) if self.error else None}
+        other.update({k: v if isinstance(v, int | float | str | list | bool) or v is None else str(v)
+                      for k, v in self.meta.items()})
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
     def write(self, path: str | os.PathLike) -> Path:
         p = Path(path)
@@ -153,15 +216,52 @@ class Trace:
         }
 
 
+_OTHER_KEYS = ("push_id", "counts", "epoch0", "pid", "wall_s", "error")
+
+
+def from_chrome(data: dict) -> Trace:
+    """Rebuild a Trace from the Chrome-trace JSON `Trace.to_chrome` wrote (other events are skipped, so a
+    file merged with a torch.profiler trace still loads)."""
+    other = data.get("otherData", {}) or {}
+    push_id = str(other.get("push_id", ""))
+    epoch_us = float(other.get("epoch0") or 0.0) * 1e6
+    tr = Trace(push_id, t0=0.0, epoch0=epoch_us / 1e6, pid=int(other.get("pid") or 0))
+    for ev in data.get("traceEvents", []):
+        a = ev.get("args") or {}
+        if ev.get("ph") == "X" and "stage" in a and a.get("push_id", push_id) == push_id:
+            start = (ev["ts"] - epoch_us) / 1e6
+            tr.spans.append(Span(push_id, a["chunk"], a["stage"], start, start + ev["dur"] / 1e6,
+                                 a.get("bytes", 0), a.get("receiver")))
+        elif ev.get("ph") == "C" and ev.get("pid") == tr.pid and ev.get("name") in a:
+            tr.samples.append(Sample(ev["name"], (ev["ts"] - epoch_us) / 1e6, a[ev["name"]]))
+    tr.counts = dict(other.get("counts") or {})
+    tr.wall = other.get("wall_s")
+    if other.get("error"):
+        tr.error = TraceError(**other["error"])
+    tr.meta = {k: v for k, v in other.items() if k not in _OTHER_KEYS}
+    return tr
+
+
+def load(path: str | os.PathLike) -> Trace:
+    """Read a trace file written by `Trace.write`."""
+    return from_chrome(json.loads(Path(path).read_text()))
+
+
 def load_spans(path: str | os.PathLike) -> list[Span]:
     """Read the spans back from a Chrome-trace file written by `Trace.write`."""
-    data = json.loads(Path(path).read_text())
-    push_id = data.get("otherData", {}).get("push_id", "")
-    spans = []
-    for ev in data["traceEvents"]:
-        if ev.get("ph") == "X":
-            a = ev["args"]
-            start = ev["ts"] / 1e6
-            spans.append(Span(push_id, a["chunk"], a["stage"], start, start + ev["dur"] / 1e6,
-                              a.get("bytes", 0), a.get("receiver")))
-    return spans
+    return load(path).spans
+
+
+def merge(profiler: dict, *traces: dict) -> dict:
+    """One Chrome-trace holding a `torch.profiler` trace and streamsync traces of the same process, on one clock.
+
+    Kineto writes `ts` as epoch microseconds less `baseTimeNanoseconds` (stored in the file); streamsync writes
+    plain epoch microseconds, so its events are shifted by that base. Both use the process's pid.
+    """
+    base_us = float(profiler.get("baseTimeNanoseconds", 0)) / 1e3
+    events = list(profiler.get("traceEvents", []))
+    for tr in traces:
+        events += [{**e, "ts": e["ts"] - base_us} if "ts" in e else e for e in tr.get("traceEvents", [])]
+    other = dict(profiler.get("otherData") or {})
+    other["streamsync"] = [tr.get("otherData", {}) for tr in traces]
+    return {**profiler, "traceEvents": events, "otherData": other}

@@ -60,6 +60,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
     def init_transfer_engine(self, init_info: StreamSyncInitInfo) -> None:
         info = dict(init_info.streamsync)
         self.record_digests = bool(info.pop("record_digests", False))
+        info.pop("owner", None)  # vLLM guards its rounds itself; updates carry the owner (see start)
         self.rx.init(info)
 
     def start_weight_update(self) -> None:
@@ -67,6 +68,10 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
         if self._reloading:  # a previous round failed half-way; its buffered layers are dropped
             self._finalize()
+        if self.rx.updating:  # vLLM ended that round (an update raised): it is over here too
+            self.rx.abort()
+        # vLLM refuses a start while a round is active, so a second WeightSync cannot open one; the round's
+        # first update claims it for its sender's owner id and updates of another owner are refused.
         self.rx.start()
         self.received_digests = {}
         initialize_layerwise_reload(self.model)

@@ -154,3 +154,11 @@ class StreamSyncWorkerExtension:
     def streamsync_received_digests(self) -> dict[str, str]:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "received_digests", {}) or {})
+
+    def streamsync_round(self) -> dict[str, object]:
+        """The backend's round: open, its owner (claimed by its first chunk) and seconds since it was last
+        touched, so a client refused by vLLM's "already active" can tell an abandoned round from a live one."""
+        rx = getattr(getattr(self, "weight_transfer_engine", None), "rx", None)
+        if rx is None:
+            return {"open": False}
+        return {"open": bool(rx.updating), "owner": rx.owner, "idle_s": rx.idle_s}
