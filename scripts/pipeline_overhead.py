@@ -47,7 +47,8 @@ class NullEngine(Engine):
 
 async def main() -> None:
     model = StateModule([(f"model.layers.{i}.p{j}.weight", "float32", [4]) for i in range(20) for j in range(20)])
-    sync = WeightSync([NullEngine()], transport=NullTransport(), chunk_bytes=20 * 4 * 4)
+    # one layer (20 tensors, each counted at its 256-byte aligned slot) per chunk
+    sync = WeightSync([NullEngine()], transport=NullTransport(), chunk_bytes=20 * 256)
     chunks = 0
     for _ in range(5):
         chunks = (await sync.push(model)).chunks

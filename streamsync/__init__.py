@@ -3,11 +3,14 @@
     sync = WeightSync(engines=[...])
     await sync.connect()
     report = await sync.push(model, version=step)
+
+From synchronous code: `BlockingWeightSync` (same arguments, blocking methods, one background loop).
 """
 
+from .blocking import BlockingWeightSync
 from .errors import EngineError, PushError, StreamSyncError, TransportError, ValidationError
-from .sync import PushReport, WeightSync
+from .sync import ChunkDone, PushReport, WeightSync
 
-__all__ = ["EngineError", "PushError", "PushReport", "StreamSyncError", "TransportError", "ValidationError",
-           "WeightSync"]
+__all__ = ["BlockingWeightSync", "ChunkDone", "EngineError", "PushError", "PushReport", "StreamSyncError",
+           "TransportError", "ValidationError", "WeightSync"]
 __version__ = "0.1.0"

@@ -2,7 +2,9 @@
 
 Order: embeddings first, decoder layers in index order, everything else (final norm, lm_head) last. A
 decoder layer stays in one chunk where it fits the budget; an *atomic* group (all MoE experts of one layer)
-is never split even when it exceeds the budget. A single tensor larger than the budget gets its own chunk.
+is never split even when it exceeds the budget. A tensor larger than the budget is split by rows into parts
+(`row_parts`) that sources plan as separate items, so every chunk fits the budget; only a tensor whose single
+row exceeds the budget (or an atomic group) still gets a chunk of its own.
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ class Item:
     nbytes: int
     unit: object
     atomic: object | None = None
+
+
+def row_parts(shape: tuple[int, ...], itemsize: int, budget: int, align: int = 256) -> list[tuple[int, int]]:
+    """Row ranges [(r0, r1), ...] that each fit `budget` bytes once aligned; [(0, rows)] when the tensor
+    fits whole, or when one row alone is larger than the budget (it cannot be split by rows)."""
+    rows = shape[0] if shape else 1
+    row_bytes = itemsize
+    for d in shape[1:]:
+        row_bytes *= d
+    per = (budget // align * align) // row_bytes if row_bytes else rows
+    if not shape or -(-rows * row_bytes // align) * align <= budget or per == 0:
+        return [(0, rows)]
+    return [(r, min(r + per, rows)) for r in range(0, rows, per)]
 
 
 def plan_chunks(items: Sequence[Item], budget: int) -> list[list[object]]:

@@ -1,13 +1,21 @@
 """structlog setup. An application that configured structlog keeps its own configuration; otherwise events
-go to stderr, colored for people (or JSON with STREAMSYNC_LOG_JSON=1), filtered by STREAMSYNC_LOG level."""
+go to stderr, colored for people (or JSON with STREAMSYNC_LOG_JSON=1), filtered by STREAMSYNC_LOG level,
+stamped with local ISO-8601 time to the millisecond (`2026-11-30T11:23:23.123+00:00`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from datetime import datetime
+from typing import Any
 
 import structlog
+
+
+def _timestamp(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    event["timestamp"] = datetime.now().astimezone().isoformat(timespec="milliseconds")
+    return event
 
 
 def configure(level: str | None = None, json: bool | None = None) -> None:
@@ -19,7 +27,7 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
+            _timestamp,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
@@ -32,3 +40,11 @@ def get_logger(**bound: object) -> structlog.typing.FilteringBoundLogger:
     if not structlog.is_configured():
         configure()
     return structlog.get_logger("streamsync").bind(**bound)
+
+
+def quiet_logger(**bound: object) -> structlog.typing.FilteringBoundLogger:
+    """Like `get_logger`, but at warning level at least (the configured processors and output are kept)."""
+    if not structlog.is_configured():
+        configure()
+    return structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                                 logger_factory_args=("streamsync",)).bind(**bound)

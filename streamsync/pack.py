@@ -56,11 +56,20 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """What a tensor will be once converted: its HF name, dtype and shape. Known before bytes move."""
+    """What a tensor will be once converted: its HF name, dtype and shape. Known before bytes move.
+
+    `part`: this spec is rows [row0, row0 + shape[0]) of a tensor of `rows` rows (`part = (row0, rows)`),
+    for tensors larger than a chunk, split across consecutive chunks; receivers reassemble them."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    part: tuple[int, int] | None = None
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The whole tensor's shape (the shape itself unless this is a part)."""
+        return self.shape if self.part is None else (self.part[1], *self.shape[1:])
 
     @property
     def nbytes(self) -> int:
@@ -72,27 +81,39 @@ class TensorSpec:
 
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
-    """Where one tensor sits in a packed buffer."""
+    """Where one tensor (or one part of a split tensor: `part = (row0, rows)`, see TensorSpec) sits in a
+    packed buffer. JSON: [name, dtype, shape, offset, nbytes] plus [row0, rows] for a part."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    part: tuple[int, int] | None = None
 
     def to_json(self) -> list:
-        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+        out = [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+        return out if self.part is None else [*out, list(self.part)]
 
     @classmethod
     def from_json(cls, obj: Sequence) -> TensorMeta:
         try:
-            name, dtype, shape, offset, nbytes = obj
-            meta = cls(str(name), str(dtype), tuple(int(d) for d in shape), int(offset), int(nbytes))
+            if len(obj) not in (5, 6):
+                raise ValueError(f"{len(obj)} fields")
+            name, dtype, shape, offset, nbytes = obj[:5]
+            part = None
+            if len(obj) == 6:
+                row0, rows = obj[5]
+                part = (int(row0), int(rows))
+            meta = cls(str(name), str(dtype), tuple(int(d) for d in shape), int(offset), int(nbytes), part)
         except (TypeError, ValueError) as e:
-            raise ValidationError(f"malformed tensor metadata {obj!r}: {e}") from None
+            raise ValidationError(f"malformed tensor metadata {obj!r:.200}: {e}") from None
         dtype_from_name(meta.dtype)
         if any(d < 0 for d in meta.shape) or meta.nbytes < 0 or meta.offset < 0:
             raise ValidationError(f"tensor {meta.name!r}: negative shape, size or offset in chunk metadata")
+        if part is not None and (not meta.shape or part[0] < 0 or part[0] + meta.shape[0] > part[1]):
+            raise ValidationError(f"tensor {meta.name!r}: part {list(part)} of shape {list(meta.shape)} does not "
+                                  "lie inside the whole tensor's rows")
         return meta
 
 
@@ -143,7 +164,7 @@ def plan_layout(specs: Iterable[TensorSpec], align: int = ALIGN) -> Layout:
     metas = []
     offset = 0
     for s in specs:
-        metas.append(TensorMeta(s.name, dtype_name(s.dtype), tuple(s.shape), offset, s.nbytes))
+        metas.append(TensorMeta(s.name, dtype_name(s.dtype), tuple(s.shape), offset, s.nbytes, s.part))
         offset = align_up(offset + s.nbytes, align)
     return Layout(tuple(metas), max(offset, align))
 

@@ -4,6 +4,10 @@
 and feeds them to a loader: the vLLM model protocol `load_weights(iterable)` or `ModuleLoader`, which copies
 into a plain module's parameters. It closes the chunk's handle before returning, so returning from the
 update call is the acknowledgement the sender waits for.
+
+Tensors larger than the sender's chunk budget arrive as row parts in consecutive chunks; the receiver copies
+each part into a staging tensor and hands the loader the whole tensor once its last row arrived (so every
+receiver, vLLM's included, loads whole tensors, bit for bit what the sender holds).
 """
 
 from __future__ import annotations
@@ -11,12 +15,13 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .errors import ValidationError
-from .pack import Layout, dtype_name
+from .pack import Layout, TensorMeta, dtype_name
 from .transports.base import Receiver, make_receiver
 
 Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
@@ -25,6 +30,12 @@ Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 class UnknownLayout(ValidationError):
     """An update named its layout by key only, and this receiver has not seen (or no longer keeps) that key.
     Clients that strip known layouts resend the update with its layout."""
+
+
+@dataclass
+class _Staged:
+    tensor: torch.Tensor
+    rows: int = 0  # rows filled so far
 
 
 class RoundOwned(ValidationError):
@@ -54,6 +65,7 @@ class WeightReceiver:
         self.bytes = 0
         self._layouts: dict[str, Layout] = {}
         self._open_sized = True
+        self._staged: dict[str, _Staged] = {}  # tensors split across chunks, being reassembled
         self.owner: str | None = None
         self.stale_after: float | None = None
         self._touched = 0.0
@@ -100,6 +112,7 @@ class WeightReceiver:
         self.owner, self.stale_after = owner, stale_after
         self._touched = time.monotonic()
         self.chunks = self.bytes = 0
+        self._staged.clear()
 
     def update(self, update_info: dict[str, Any], load: Loader) -> int:
         if not self.updating:
@@ -116,7 +129,10 @@ class WeightReceiver:
             if buf.numel() < layout.nbytes:
                 raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
             self.dirty = True
-            load(self.transport.views(buf, layout))
+            views = self.transport.views(buf, layout)
+            if any(m.part is not None for m in layout.metas):
+                views = self._assemble(views, layout.metas)
+            load(views)
             del buf
         self.chunks += 1
         self.bytes += layout.nbytes
@@ -137,11 +153,38 @@ class WeightReceiver:
                 self._layouts[key] = layout
         return layout
 
+    def _assemble(self, views: Iterable[tuple[str, torch.Tensor]],
+                  metas: Iterable[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Whole tensors as they are, parts copied into their tensor's staging copy; a tensor is yielded when
+        its last row arrived. Parts must come in row order (the sender plans them so)."""
+        for (name, t), m in zip(views, metas, strict=True):
+            if m.part is None:
+                yield name, t
+                continue
+            row0, rows = m.part
+            staged = self._staged.get(name)
+            if staged is None:
+                staged = self._staged[name] = _Staged(torch.empty((rows, *t.shape[1:]), dtype=t.dtype,
+                                                                  device=t.device))
+            if row0 != staged.rows or tuple(staged.tensor.shape) != (rows, *t.shape[1:]):
+                raise ValidationError(f"tensor {name!r}: part at row {row0} of {rows} does not continue the "
+                                      f"{staged.rows} rows received")
+            staged.tensor[row0:row0 + t.shape[0]].copy_(t)
+            staged.rows += t.shape[0]
+            if staged.rows == rows:
+                del self._staged[name]
+                yield name, staged.tensor
+
     def finish(self, version: int | None, owner: str | None = None) -> None:
         """End the round. `version` may be None where the engine keeps its own (vLLM does)."""
         if not self.updating:
             raise ValidationError("finish outside a round: call start_update first")
         self._check_owner(owner, "finish")
+        if self._staged:
+            # A tensor split across chunks is half-loaded: this round was cut short (vLLM ends an aborted round
+            # with finish). End it as an abort: the version stays, and `dirty` too if a chunk was applied.
+            self.abort(owner)
+            return
         self.updating = False
         self.dirty = False
         self.version = None if version is None else int(version)
@@ -155,6 +198,7 @@ class WeightReceiver:
         if self.updating and self.transport is not None:
             self.transport.end_round()
         self.updating = False
+        self._staged.clear()
 
     def close(self) -> None:
         if self.transport is not None:

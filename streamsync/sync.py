@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import operator
 import os
+import sys
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,6 +21,8 @@ from .chunking import split_layers
 from .engines.base import Engine
 from .errors import EngineError, PushError, PushTimeout, StreamSyncError, ValidationError
 from .log import get_logger
+from .metrics import DEFAULT as DEFAULT_METRICS
+from .metrics import Metrics
 from .pack import dtype_name
 from .sources import Source, as_source
 from .sources.base import ChunkPlan
@@ -30,6 +34,18 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkDone:
+    """What `on_chunk` receives once a chunk was acknowledged by every engine and its buffer freed."""
+
+    push_id: str
+    version: int
+    chunk: int
+    chunks: int
+    bytes: int
+    tensors: int
 
 
 @dataclass
@@ -97,6 +113,13 @@ class WeightSync:
                   push runs: True (127.0.0.1:8765) or "HOST:PORT" (port 0 picks one); see `viewer_url`.
     faults:       {stage: chunk} raises an InjectedFault there; for testing error paths only.
     reuse_plan:   keep the source and chunk plan for the next push of the same model (see `plan`).
+    on_chunk:     called with a `ChunkDone` after each chunk was acknowledged and freed (sender only).
+    on_push:      called with the `PushReport` after each successful push (every rank).
+                  A hook that raises is logged as a warning; it does not fail the push.
+    metrics:      where Prometheus metrics go (default `streamsync.metrics.DEFAULT`); None records none.
+
+    One event loop for the sync's life: engines keep connections bound to the loop `connect` ran in. From
+    synchronous code use `BlockingWeightSync`, not `anyio.run(sync.push, ...)` per step.
     check_finite: refuse a push whose weights hold NaN or inf, naming the tensors, before any byte moves
                   (default). One reduction per tensor on this rank (a few ms for an 8B model on an H200,
                   ~0.1 s per GB on CPU); False skips it. A Megatron rank that finds one raises at once; the
@@ -121,6 +144,9 @@ class WeightSync:
         faults: dict[str, int] | None = None,
         source_options: dict[str, Any] | None = None,
         reuse_plan: bool = True,
+        on_chunk: Callable[[ChunkDone], object] | None = None,
+        on_push: Callable[[PushReport], object] | None = None,
+        metrics: Metrics | None = DEFAULT_METRICS,
         reset_prefix_cache: bool = True,
         check_finite: bool = True,
         trace_live: bool | str = False,
@@ -172,6 +198,10 @@ class WeightSync:
         self._expected: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
         self._lock = anyio.Lock()
         self.log = get_logger()
+        self.on_chunk = on_chunk
+        self.on_push = on_push
+        self.metrics = metrics
+        self._loop: object | None = None  # the event loop `connect` ran in
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -202,11 +232,23 @@ class WeightSync:
                     if v is not None:
                         self.version = max(self.version, int(v)) if self._claimed else int(v)
                         self._claimed = True
+                        if self.metrics is not None:
+                            self.metrics.engine_version.labels(engine=e.name).set(int(v))
             except BaseException as exc:
                 with anyio.CancelScope(shield=True):
                     await self._close_quietly()
                 raise self._connect_error(exc) from None
+        self._loop = _event_loop()
         self.connected = True
+
+    def _check_loop(self) -> None:
+        """Engine connections, locks and sessions belong to the loop `connect` ran in: refuse another one
+        with a message saying what to do, rather than fail every other push with 'Event loop is closed'."""
+        if self.connected and self.engines and self._loop is not None and _event_loop() is not self._loop:
+            raise StreamSyncError(
+                "this WeightSync was connected in another event loop (its engine connections belong to it); "
+                "keep one loop for its life (one anyio.run/asyncio.run around the training loop), or use "
+                "streamsync.BlockingWeightSync from synchronous code")
 
     def _connect_error(self, exc: BaseException) -> BaseException:
         leaf = pipeline._first_push_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
@@ -292,8 +334,12 @@ class WeightSync:
         if not plans:
             raise ValidationError("nothing to push: the source planned no chunks")
         seen: dict[str, int] = {}
+        parts: set[tuple[str, int]] = set()
         for p in plans:
             for s in p.specs:
+                if s.part is not None and s.part[0] > 0 and (s.name, s.part[0]) not in parts:
+                    parts.add((s.name, s.part[0]))  # a later part of a tensor split by rows
+                    continue
                 if s.name in seen:
                     raise ValidationError(f"tensor {s.name!r} appears in chunks {seen[s.name]} and {p.index}")
                 seen[s.name] = p.index
@@ -304,15 +350,16 @@ class WeightSync:
                     exp = expected.get(s.name)
                     if exp is None:
                         problems.append(f"unknown parameter {s.name!r} (chunk {p.index})")
-                    elif exp != (dtype_name(s.dtype), s.shape):
-                        problems.append(f"parameter {s.name!r} (chunk {p.index}) is {dtype_name(s.dtype)}{s.shape}, "
-                                        f"engine holds {exp[0]}{exp[1]}")
+                    elif exp != (dtype_name(s.dtype), s.full_shape):
+                        problems.append(f"parameter {s.name!r} (chunk {p.index}) is {dtype_name(s.dtype)}"
+                                        f"{s.full_shape}, engine holds {exp[0]}{exp[1]}")
             missing = sorted(set(expected) - set(seen))
             if missing:
                 problems.append(f"{len(missing)} parameter(s) missing from the push, e.g. {missing[:3]}")
             if problems:
                 more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-                raise ValidationError(f"model does not match engine {engine!r}: " + "; ".join(problems[:5]) + more)
+                raise ValidationError(f"model does not match engine {engine!r}: " + "; ".join(problems[:5]) + more
+                                      + _vocab_hint(plans, expected))
 
     def _next_version(self, version: object) -> int:
         """The version a push will claim: given, or the previous + 1. Versions are non-negative integers
@@ -351,6 +398,7 @@ class WeightSync:
         window = self.max_inflight if max_inflight is None else int(max_inflight)
         if window < 1:
             raise ValidationError(f"max_inflight must be >= 1, got {window}")
+        self._check_loop()
         if time_limit is not None and not time_limit > 0:
             raise ValidationError(f"time_limit must be a positive number of seconds, got {time_limit}")
         async with self._lock:  # one push at a time: rounds on an engine must not interleave
@@ -361,6 +409,10 @@ class WeightSync:
             version = self._next_version(version)
             push_id = uuid.uuid4().hex[:8]
             source, plans = self.plan(model)
+            if self.engines and not source.is_sender:
+                raise ValidationError(
+                    f"rank {_rank()} was given engines {[e.name for e in self.engines]} but does not send: only "
+                    "global rank 0 sends a Megatron model; pass engines=[] on the other ranks")
             if self.check_finite:
                 bad = await anyio.to_thread.run_sync(nonfinite, list(source.local_tensors()))
                 if bad:
@@ -373,7 +425,7 @@ class WeightSync:
                               transport=getattr(self.transport, "name", None))
             total = sum(p.nbytes for p in plans)
             trace.meta.update(bytes=total, engines=[e.name for e in self.engines])
-            log = self.log.bind(push=push_id, version=version)
+            log = (self.log if source.is_sender else _quiet(self.log)).bind(push=push_id, version=version)
             log.info("push start", chunks=len(plans), mib=round(total / MiB, 1), window=window)
             trace.begin()  # the report's seconds and the trace's wall time are one measurement
             if self.live is not None:
@@ -382,9 +434,10 @@ class WeightSync:
                 push_id=push_id, version=version, source=source, transport=self.transport,
                 engines=self.engines, plans=plans, trace=trace, max_inflight=window,
                 timeout=self.timeout, faults=self.faults, hold=self._hold(plans), owner=self.owner,
-                on_chunk=lambda i, n: log.debug("chunk released", chunk=i, of=n),
+                on_chunk=self._chunk_hook(push_id, version, plans, log),
             )
             sending = source.is_sender and bool(self.engines)
+            push_range = pipeline.ProfilerRange(f"streamsync.push v{version}").__enter__()
             rounds = _Rounds()
             cache_reset: dict[str, bool] = {}
             limit = anyio.CancelScope(deadline=math.inf if time_limit is None else anyio.current_time() + time_limit)
@@ -399,11 +452,17 @@ class WeightSync:
                     else:
                         await pipeline.run(job)
             except BaseException as e:  # a PushError, or a cancellation: the rounds end either way
+                if self.metrics is not None and isinstance(e, PushError):
+                    self.metrics.observe_failure(e.stage)
                 await self._failed(e, job, rounds, log, trace)
                 raise
+            finally:
+                push_range.__exit__()
             if limit.cancelled_caught:
                 err = PushTimeout(f"push did not finish within {time_limit:.1f} s ({_running(job)})",
                                   stage=_running_stage(job), chunk=_running_chunk(job), push_id=push_id)
+                if self.metrics is not None:
+                    self.metrics.observe_failure(err.stage)
                 await self._failed(err, job, rounds, log, trace)
                 raise err
             seconds = trace.end()
@@ -420,8 +479,25 @@ class WeightSync:
             )
             trace.count("collectives", source.collectives)
             report.trace_path = self._write_trace(trace)
-            log.info("push done", ms=round(seconds * 1e3, 1), gbps=round(report.gbps, 2))
+            log.info("push done", ms=round(seconds * 1e3, 1), mib=round(total / MiB, 1), gbps=round(report.gbps, 2),
+                     chunks=len(plans), stage_ms={k: round(v * 1e3, 1) for k, v in report.stage_seconds.items()})
+            if self.metrics is not None and source.is_sender:
+                self.metrics.observe_push(report)
+            if self.on_push is not None:
+                _call_hook(self.on_push, report, log, "on_push")
             return report
+
+    def _chunk_hook(self, push_id: str, version: int, plans: Sequence[ChunkPlan],
+                    log: Any) -> Callable[[int, int], None]:
+        hook = self.on_chunk
+
+        def done(i: int, n: int) -> None:
+            log.debug("chunk released", chunk=i, of=n)
+            if hook is not None:
+                p = plans[i]
+                _call_hook(hook, ChunkDone(push_id, version, i, n, p.nbytes, len(p.specs)), log, "on_chunk")
+
+        return done
 
     async def _failed(self, err: BaseException, job: pipeline.Push, rounds: _Rounds, log: Any,
                       trace: Trace) -> None:
@@ -596,6 +672,64 @@ class WeightSync:
                                      engines=sorted(keep))
                 await self._each_engine("resume", stage="resume",
                                         engines=[e for e in self.engines if e.name not in keep])
+
+
+
+
+def _call_hook(hook: Callable[[Any], object], arg: object, log: Any, name: str) -> None:
+    try:
+        hook(arg)
+    except Exception as err:  # the weights moved: a hook's own bug must not fail the push
+        log.warning(f"{name} hook failed", error=f"{type(err).__name__}: {err}")
+
+
+def _event_loop() -> object | None:
+    """The running event loop (asyncio) or trio run, as an identity."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            return trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+    return None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _quiet(log: Any) -> Any:
+    """Ranks that only take part in gathers log warnings and errors only, unless STREAMSYNC_LOG_ALL_RANKS=1:
+    N ranks repeating the sender's progress lines bury it."""
+    if os.environ.get("STREAMSYNC_LOG_ALL_RANKS") == "1":
+        return log
+    from .log import quiet_logger
+
+    return quiet_logger()
+
+
+_VOCAB_NAMES = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _vocab_hint(plans: Sequence[ChunkPlan], expected: dict[str, tuple[str, tuple[int, ...]]]) -> str:
+    """Megatron pads its vocabulary (to a multiple of `make_vocab_size_divisible_by` x TP): when only
+    the row count of an embedding or lm_head differs, say which option drops the padding rows."""
+    for p in plans:
+        for s in p.specs:
+            exp = expected.get(s.name)
+            shape = s.full_shape
+            if (s.name.endswith(_VOCAB_NAMES) and exp is not None and len(exp[1]) == 2 and len(shape) == 2
+                    and exp[1][1] == shape[1] and exp[1][0] != shape[0]):
+                return (f". {s.name} has {shape[0]} rows, the engine {exp[1][0]}: a Megatron model pads its "
+                        "vocabulary; pass WeightSync(..., source_options={'hf_config': <the served model's config>})"
+                        f" (or {{'vocab_size': {exp[1][0]}}}) so the padding rows are dropped")
+    return ""
 
 
 @dataclass

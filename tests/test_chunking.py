@@ -1,6 +1,8 @@
-"""Chunk planning: order, whole layers, big tensors alone, MoE experts never split."""
+"""Chunk planning: order, whole layers, big tensors split by rows, MoE experts never split."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -34,10 +36,13 @@ def test_each_decoder_layer_stays_in_one_chunk_when_it_fits():
     assert len(plans) > 2
 
 
-def test_a_tensor_larger_than_the_budget_gets_a_chunk_of_its_own():
-    plans = _plan(100_000, layers=1, vocab=4096)  # embed is 2 MB
-    (embed_chunk,) = [p for p in plans if "model.embed_tokens.weight" in p.names]
-    assert embed_chunk.names == ["model.embed_tokens.weight"]
+def test_a_tensor_larger_than_the_budget_is_split_by_rows_into_chunks_that_fit():
+    plans = _plan(100_000, layers=1, vocab=4096)  # embed is 2 MB: 4096 rows of 512 bytes
+    parts = [s for p in plans for s in p.specs if s.name == "model.embed_tokens.weight"]
+    assert len(parts) > 1 and all(s.part is not None for s in parts)
+    rows = [(s.part[0], s.part[0] + s.shape[0]) for s in parts]
+    assert rows[0][0] == 0 and rows[-1][1] == 4096 and all(a[1] == b[0] for a, b in itertools.pairwise(rows))
+    assert max(p.nbytes for p in plans) <= 100_000
 
 
 def test_atomic_groups_are_never_split_even_past_the_budget():

@@ -11,6 +11,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+import streamsync
+from streamsync.cli import main
+from streamsync.cli.spec import load_spec
 from streamsync.trace import Trace
 from streamsync.trace.viewer import make_app, summary
 
@@ -18,8 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streamsync.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin"})
+    # PYTHONPATH: the tree under test, not whichever streamsync the interpreter has installed
+    return subprocess.run([sys.executable, "-m", "streamsync", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300,
+                          env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
 
 
 @pytest.mark.slow
@@ -39,19 +44,62 @@ def test_run_a_pipeline_spec(tmp_path):
     spec = (ROOT / "pipelines" / "cpu-receiver.toml").read_text().replace("layers = 8", "layers = 2")
     spec = f'work_dir = "{tmp_path}"\n' + spec  # top-level key must come before the tables
     (tmp_path / "p.toml").write_text(spec)
-    r = _cli("run", str(tmp_path / "p.toml"), "--json", str(tmp_path / "reports.json"), cwd=tmp_path)
+    r = _cli("run", str(tmp_path / "p.toml"), "--json", str(tmp_path / "reports.json"),
+             "--set", "sync.max_inflight=1", "--set", "sync.pushes=3", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "bit for bit: True" in r.stdout
     reports = json.loads((tmp_path / "reports.json").read_text())
-    assert [rep["version"] for rep in reports] == [1, 2]
+    assert [rep["version"] for rep in reports] == [1, 2, 3]
+    assert {rep["max_chunks_alive"] for rep in reports} == {1}
 
 
-def test_run_refuses_a_missing_or_broken_spec(tmp_path):
-    r = _cli("run", str(tmp_path / "nope.toml"), cwd=tmp_path)
-    assert r.returncode != 0 and "no pipeline spec" in r.stderr
+def test_version_and_python_dash_m(tmp_path):
+    r = _cli("--version", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == f"streamsync {streamsync.__version__}"
+
+
+BAD_SPECS = {
+    # (what is wrong, the override that makes it so): the one-line error names the key
+    "sync.max_inflite: unknown key": "sync.max_inflite=2",
+    "sync.chunk_mib: input should be a valid number, got 'big'": 'sync.chunk_mib="big"',
+    "sync.max_inflight: input should be greater than or equal to 1, got 0": "sync.max_inflight=0",
+    "sync.transport: input should be 'auto', 'shm', 'cuda_ipc' or 'collective', got 'tcp'": "sync.transport=tcp",
+    "model.hiddn: unknown key": "model.hiddn=3",
+    "engines[0].nme: unknown key": "engines.0.nme=x",
+    "engines: model kind 'synthetic-qwen3' pushes into engines of kind 'receiver'": "engines.0.kind=vllm",
+    "model.kind: unknown kind 'gpt'": "model.kind=gpt",
+}
+
+
+@pytest.mark.parametrize("error", list(BAD_SPECS))
+def test_a_bad_spec_is_refused_before_anything_starts_with_one_line_naming_the_key(error, capsys):
+    code = main(["run", str(ROOT / "pipelines" / "cpu-receiver.toml"), "--set", BAD_SPECS[error]])
+    err = capsys.readouterr().err
+    assert code == 2 and error in err and err.count("\n") == 1, err
+
+
+def test_tables_and_lists_must_be_what_the_schema_says(tmp_path, capsys):
+    (tmp_path / "p.toml").write_text("[model]\nkind = 'synthetic-qwen3'\n[engines]\nkind = 'receiver'\n")
+    assert main(["run", str(tmp_path / "p.toml")]) == 2
+    assert "engines: input should be a valid list, got a table" in capsys.readouterr().err
+
+
+def test_every_shipped_spec_passes_the_schema():
+    for path in (ROOT / "pipelines").glob("*.toml"):
+        load_spec(path)
+
+
+def test_overrides_reach_the_checked_spec():
+    spec = load_spec(ROOT / "pipelines" / "cpu-receiver.toml", ["sync.max_inflight=2", "engines.0.name=rx"])
+    assert spec.sync.max_inflight == 2 and spec.engines[0].name == "rx"
+
+
+def test_run_refuses_a_missing_or_broken_spec(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.toml")]) == 2
+    assert "no pipeline spec" in capsys.readouterr().err
     (tmp_path / "bad.toml").write_text("[model]\nkind = 'synthetic-qwen3'\n")
-    r = _cli("run", str(tmp_path / "bad.toml"), cwd=tmp_path)
-    assert r.returncode != 0 and "missing [engines]" in r.stderr
+    assert main(["run", str(tmp_path / "bad.toml")]) == 2
+    assert "engines: missing" in capsys.readouterr().err
 
 
 def _trace_file(tmp_path: Path) -> Path:
@@ -91,8 +139,10 @@ async def test_viewer_serves_the_page_and_the_trace(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_async_trainer_example_runs_as_written():
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "async_trainer.py")], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin"})
+@pytest.mark.parametrize("example", ["async_trainer.py", "sync_trainer.py"])
+def test_the_trainer_examples_run_as_written(example):
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / example)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300,
+                       env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert "receiver at version 3, bit-exact: True" in r.stdout

@@ -41,6 +41,8 @@ TWO = [
     Case("qwen3 dp2 (unsharded)", QWEN3, seed=7),
     Case("qwen3 tp2 1 MiB chunks", QWEN3, tp=2, seed=8, chunk_bytes=1 << 20),
     Case("qwen3 tp2 1 MiB chunks per-parameter", QWEN3, tp=2, seed=9, chunk_bytes=1 << 20, coalesce=False),
+    # BlockingWeightSync on every rank from a plain loop: three pushes, no anyio.run in the trainer
+    Case("qwen3 tp2 blocking", QWEN3, tp=2, seed=10, pushes=3, blocking=True),
 ]
 FOUR = [
     Case("qwen3 tp2 pp2", QWEN3_4L, tp=2, pp=2, seed=11),
@@ -58,7 +60,9 @@ def _run(cases: list[Case], world: int) -> dict[str, list[dict]]:
     work = Path(tempfile.mkdtemp(prefix="streamsync-megatron-"))
 
     def start(i: int, c: Case) -> ReceiverProcess:
-        return ReceiverProcess(str(save_specs(c.model.hf_specs(), work / f"case{i}.json")), name=c.name)
+        # ten receivers start at once: on a loaded 2-core machine that took over a minute
+        return ReceiverProcess(str(save_specs(c.model.hf_specs(), work / f"case{i}.json")), name=c.name,
+                               start_timeout=180)
 
     with ThreadPoolExecutor(len(cases)) as pool:
         receivers = list(pool.map(start, range(len(cases)), cases))

@@ -231,3 +231,16 @@ async def test_a_push_failing_on_the_sender_side_leaves_the_engine_usable(llm, m
     await _assert_bit_exact(engine, good)
     await sync.close()
     await failing.close()
+
+
+async def test_tensors_larger_than_a_chunk_are_split_by_rows_and_reassembled_bit_exact(llm, model_dir):
+    engine = VllmEngine(llm, name="llm")
+    trainer = trainer_from(model_dir, step=5)
+    sync = WeightSync([engine], chunk_bytes=128 << 10, max_inflight=2)  # the 512 KiB embedding: 4 parts
+    _, plans = sync.plan(trainer)
+    split = {s.name for p in plans for s in p.specs if s.part is not None}
+    assert "model.embed_tokens.weight" in split and max(p.nbytes for p in plans) <= 128 << 10
+    report = await sync.push(trainer)
+    assert report.peak_bytes_inflight <= 2 * (128 << 10)
+    await _assert_bit_exact(engine, trainer)
+    await sync.close()

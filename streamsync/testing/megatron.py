@@ -340,6 +340,7 @@ class Case:
     coalesce: bool = True
     pushes: int = 1
     every_rank_sends: bool = False  # each rank pushes into its own receiver (`receivers[f"{name}@{rank}"]`)
+    blocking: bool = False  # push through BlockingWeightSync from plain Python (no anyio.run) on every rank
 
 
 @dataclass
@@ -371,10 +372,11 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case],
     import anyio
     import torch.distributed as dist
 
+    from ..blocking import BlockingWeightSync
     from ..checksum import digests
     from ..engines.process import ReceiverEngine
     from ..sources.megatron import MegatronSource
-    from ..sync import WeightSync
+    from ..sync import PushReport, WeightSync
 
     out = []
     for case in cases:
@@ -383,49 +385,73 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case],
         hf = case.model.hf_state(seed=case.seed)
         load_hf_weights(model, hf)
         res = CaseResult(case.name, rank)
+        if case.every_rank_sends:
+            target = receivers.get(f"{case.name}@{rank}")
+        else:
+            target = receivers[case.name] if rank == 0 else None
+        engines = ([ReceiverEngine("127.0.0.1", target[0], secret=target[1], timeout=60)]
+                   if target is not None else [])
+        options = {"hf_config": case.model.hf_config(), "coalesce": case.coalesce,
+                   "every_rank_sends": case.every_rank_sends}
 
-        async def main(case: Case = case, model: list = model, res: CaseResult = res,
-                       hf: dict[str, torch.Tensor] = hf) -> dict[str, torch.Tensor]:
-            if case.every_rank_sends:
-                target = receivers.get(f"{case.name}@{rank}")
-            else:
-                target = receivers[case.name] if rank == 0 else None
-            engines = ([ReceiverEngine("127.0.0.1", target[0], secret=target[1], timeout=60)]
-                       if target is not None else [])
-            options = {"hf_config": case.model.hf_config(), "coalesce": case.coalesce,
-                       "every_rank_sends": case.every_rank_sends}
+        def record(i: int, report: PushReport, source: MegatronSource, case: Case = case,
+                   res: CaseResult = res) -> None:
+            res.collectives.append(report.collectives)
+            res.setup_collectives.append(source.setup_collectives)
+            res.seconds.append(report.seconds)
+            if i == 0:
+                res.events = list(source.events)
+                res.chunks = report.chunks
+                res.params = len(source.sent)
+                res.tp_params = sum(1 for x in source.table.values() if x.tp is not None)
+                res.is_sender = source.is_sender
+                assert report.trace is not None
+                res.trace_collectives = report.trace.counts.get("collectives")
+                res.plan = [[(k, str(source.table[k].dtype).removeprefix("torch."), source.table[k].stage,
+                              source.table[k].expert, source.table[k].tp is not None) for k in p.keys]
+                            for p in source.plan(case.chunk_bytes)]
+
+        def step(i: int, case: Case = case, model: list = model) -> dict[str, torch.Tensor]:
+            """A training step: new weights, so a push that skipped a tensor would show."""
+            hf = case.model.hf_state(seed=case.seed + 1000 * i)
+            load_hf_weights(model, hf)
+            return hf
+
+        def check(got: dict[str, str], hf: dict[str, torch.Tensor], res: CaseResult = res) -> None:
+            want = digests(hf.items())
+            res.mismatched = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
+            res.exact = not res.mismatched
+
+        async def main(case: Case = case, model: list = model, hf: dict[str, torch.Tensor] = hf,
+                       engines: list = engines, options: dict = options) -> dict[str, torch.Tensor]:
             sync = WeightSync(engines, chunk_bytes=case.chunk_bytes, timeout=60, source_options=options)
             for i in range(case.pushes):
                 # first push: an explicit MegatronSource (to read its counters); later ones: the model itself,
                 # as trainers call it (as_source -> MegatronSource, metadata from the cache)
-                if i:  # a training step: new weights, so a push that skipped a tensor would show
-                    hf = case.model.hf_state(seed=case.seed + 1000 * i)
-                    load_hf_weights(model, hf)
+                if i:
+                    hf = step(i)
                 source = MegatronSource(model, **options)
-                report = await sync.push(source if i == 0 else model)
-                res.collectives.append(report.collectives)
-                res.setup_collectives.append(source.setup_collectives)
-                res.seconds.append(report.seconds)
-                if i == 0:
-                    res.events = list(source.events)
-                    res.chunks = report.chunks
-                    res.params = len(source.sent)
-                    res.tp_params = sum(1 for x in source.table.values() if x.tp is not None)
-                    res.is_sender = source.is_sender
-                    assert report.trace is not None
-                    res.trace_collectives = report.trace.counts.get("collectives")
-                    res.plan = [[(k, str(source.table[k].dtype).removeprefix("torch."), source.table[k].stage,
-                                  source.table[k].expert, source.table[k].tp is not None) for k in p.keys]
-                                for p in source.plan(case.chunk_bytes)]
+                record(i, await sync.push(source if i == 0 else model), source)
             if engines:
-                got = await engines[0].checksums()
-                want = digests(hf.items())
-                res.mismatched = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
-                res.exact = not res.mismatched
+                check(await engines[0].checksums(), hf)
             await sync.close()
             return hf
 
-        hf = anyio.run(main)
+        def blocking(case: Case = case, model: list = model, hf: dict[str, torch.Tensor] = hf,
+                     engines: list = engines, options: dict = options) -> dict[str, torch.Tensor]:
+            """The same pushes from a plain synchronous loop, as Megatron-style trainers are written."""
+            with BlockingWeightSync(engines, chunk_bytes=case.chunk_bytes, timeout=60,
+                                    source_options=options) as sync:
+                for i in range(case.pushes):
+                    if i:
+                        hf = step(i)
+                    source = MegatronSource(model, **options)
+                    record(i, sync.push(source if i == 0 else model), source)
+                if engines:
+                    check(sync.call(engines[0].checksums), hf)
+            return hf
+
+        hf = blocking() if case.blocking else anyio.run(main)
         exported = export_hf(model, hf_config=case.model.hf_config())
         if exported is not None:
             res.export_exact = digests(exported.items()) == digests(hf.items())

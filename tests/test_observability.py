@@ -1,0 +1,98 @@
+"""What a trainer can plug into: hooks, Prometheus metrics, profiler ranges and log events of each push."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import structlog
+import torch
+from prometheus_client import CollectorRegistry
+
+from streamsync import ChunkDone, PushReport, WeightSync
+from streamsync.log import _timestamp, quiet_logger
+from streamsync.metrics import Metrics
+from streamsync.trace import STAGES
+
+# Without engines a push still runs all five stages (packing into shared memory, sending to nobody).
+
+
+async def test_on_chunk_sees_every_chunk_once_in_order_and_on_push_the_report(mixed_model):
+    chunks: list[ChunkDone] = []
+    reports: list[PushReport] = []
+    sync = WeightSync([], chunk_bytes=2048, on_chunk=chunks.append, on_push=reports.append, metrics=None)
+    report = await sync.push(mixed_model, version=3)
+    assert [c.chunk for c in chunks] == list(range(report.chunks))
+    assert {(c.push_id, c.version, c.chunks) for c in chunks} == {(report.push_id, 3, report.chunks)}
+    assert sum(c.bytes for c in chunks) == report.bytes
+    assert reports == [report]
+
+
+async def test_a_failing_hook_is_logged_and_does_not_fail_the_push(mixed_model):
+    def broken(_: object) -> None:
+        raise RuntimeError("dashboard down")
+
+    sync = WeightSync([], chunk_bytes=2048, on_chunk=broken, on_push=broken, metrics=None)
+    with structlog.testing.capture_logs() as logs:
+        report = await sync.push(mixed_model)
+    assert report.version == 1
+    warned = [e["event"] for e in logs if e["log_level"] == "warning"]
+    assert warned.count("on_chunk hook failed") == report.chunks and "on_push hook failed" in warned
+
+
+async def test_metrics_count_pushes_bytes_chunks_and_stage_time(mixed_model):
+    metrics = Metrics(CollectorRegistry())
+    sync = WeightSync([], chunk_bytes=2048, metrics=metrics)
+    r1 = await sync.push(mixed_model)
+    r2 = await sync.push(mixed_model)
+    get = metrics.registry.get_sample_value
+    assert get("streamsync_pushes_total") == 2
+    assert get("streamsync_push_bytes_total") == r1.bytes + r2.bytes
+    assert get("streamsync_push_chunks_total") == r1.chunks + r2.chunks
+    assert get("streamsync_push_seconds_count") == 2
+    for stage in STAGES:
+        assert get("streamsync_stage_busy_seconds_total", {"stage": stage}) > 0
+
+
+async def test_metrics_record_failures_by_stage_and_each_engines_version(receiver, mixed_model):
+    metrics = Metrics(CollectorRegistry())
+    sync = WeightSync([receiver.engine()], chunk_bytes=2048, metrics=metrics, faults={"pack": 1})
+    with pytest.raises(Exception, match="stage=pack"):
+        await sync.push(mixed_model, version=1)
+    sync.faults.clear()
+    await sync.push(mixed_model, version=2)
+    get = metrics.registry.get_sample_value
+    assert get("streamsync_push_failures_total", {"stage": "pack"}) == 1
+    assert get("streamsync_engine_version", {"engine": sync.engines[0].name}) == 2
+    await sync.close()
+
+
+async def test_each_stage_and_chunk_is_a_range_in_the_torch_profiler(mixed_model):
+    sync = WeightSync([], chunk_bytes=2048, metrics=None)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        report = await sync.push(mixed_model, version=5)
+    names = {e.name for e in prof.events()}
+    assert "streamsync.push v5" in names
+    for stage in STAGES:
+        assert {f"streamsync.{stage} #{i}" for i in range(report.chunks)} <= names
+
+
+async def test_push_done_carries_bytes_throughput_and_stage_times(mixed_model):
+    sync = WeightSync([], chunk_bytes=2048, metrics=None)
+    with structlog.testing.capture_logs() as logs:
+        report = await sync.push(mixed_model)
+    done = next(e for e in logs if e["event"] == "push done")
+    assert done["chunks"] == report.chunks and done["mib"] == round(report.bytes / (1 << 20), 1)
+    assert done["gbps"] >= 0 and set(done["stage_ms"]) == set(STAGES)
+
+
+def test_log_timestamps_are_iso_8601_with_milliseconds():
+    stamp = _timestamp(None, "info", {})["timestamp"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d", stamp), stamp
+
+
+def test_the_quiet_logger_of_non_sender_ranks_keeps_warnings_only():
+    with structlog.testing.capture_logs() as logs:
+        quiet_logger().info("push start")
+        quiet_logger().warning("abort failed")
+    assert [e["event"] for e in logs] == ["abort failed"]
