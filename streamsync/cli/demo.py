@@ -142,7 +142,7 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
     exact = True
     if spec.check.bit_exact:
         got = await engine.weight_digests()
-        want = expected_digests(hf_state, await engine.packed_modules())
+        want = expected_digests(hf_state, await engine.packed_modules(), tied=tied)
         exact = got == want
         print(f"      engine weights equal the trainer's HF export bit for bit: {exact} "
               f"({len(want)} tensors, read back from the worker)", flush=True)

@@ -62,7 +62,8 @@ def weight_digests(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def expected_digests(hf: Mapping[str, torch.Tensor], packed: Mapping[str, list[str]]) -> dict[str, str]:
+def expected_digests(hf: Mapping[str, torch.Tensor], packed: Mapping[str, list[str]],
+                     tied: bool = False) -> dict[str, str]:
     """Digests of HF tensors fused the way vLLM stores them (e.g. q/k/v rows concatenated into qkv_proj)."""
     out: dict[str, str] = {}
     used: set[str] = set()
@@ -75,6 +76,9 @@ def expected_digests(hf: Mapping[str, torch.Tensor], packed: Mapping[str, list[s
                 out[name.replace(f".{parts[0]}.", f".{fused}.")] = tensor_digest(torch.cat([hf[n] for n in names]))
                 used.update(names)
     out.update((n, tensor_digest(t)) for n, t in hf.items() if n not in used)
+    if tied and "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        # An HF export of a tied model may carry the embedding only; the engine's head computes with it.
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
 
 
