@@ -292,9 +292,21 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         f"(largest {max_chunk / 1e9:.2f} GB); copy floor {floor_s * 1e3:.2f} ms")
     two_copies = measured_two_copies([p.detach() for p in model.parameters()])
     log(f"  two plain copies of the trainer's parameters: {two_copies * 1e3:.2f} ms")
+    # The pushes below run with check_finite=False, so they compare with the copy floor and earlier runs;
+    # the NaN/inf scan a default push adds (one float32 sum per tensor, one sync) is measured on its own.
+    from ..sync import nonfinite
+
+    scans = []
+    for _ in range(4):
+        t_scan = time.perf_counter()
+        nonfinite(list(source.local_tensors()))
+        _sync()
+        scans.append(time.perf_counter() - t_scan)
+    check_finite_s = statistics.median(scans[1:])
+    log(f"  check_finite scan (on by default, off in the pushes below): {check_finite_s * 1e3:.2f} ms")
 
     # The trainer alone: the pipeline with no engine (gather, convert, pack; nothing is sent).
-    alone = WeightSync([], transport=_transport(), chunk_bytes=chunk)
+    alone = WeightSync([], transport=_transport(), chunk_bytes=chunk, check_finite=False)
     alone_times = []
     for _ in range(1 + 3):
         alone_times.append((await alone.push(model, max_inflight=4)).seconds)
@@ -311,7 +323,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
     with ReceiverProcess(str(specs_path), device=_DEV.type, fused=True, start_timeout=600, name=f"rx-{key}") as rp:
         engine = rp.engine(timeout=600)
         transport = _transport()
-        sync = WeightSync([engine], transport=transport, chunk_bytes=chunk, timeout=600,
+        sync = WeightSync([engine], transport=transport, chunk_bytes=chunk, timeout=600, check_finite=False,
                           reuse_plan=os.environ.get("STREAMSYNC_REUSE_PLAN", "1") == "1")
         await sync.connect()
         probe_us = await latency_probe(engine)
@@ -426,6 +438,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         "receiver": "FusedModel (qkv_proj, gate_up_proj, stacked experts) in another process, same GPU",
         "transport": transport.name,
         "bytes": nbytes,
+        "check_finite_ms": round(check_finite_s * 1e3, 3),
         "tensors": len(specs),
         "chunks": len(plans),
         "chunk_bytes": chunk,
