@@ -83,16 +83,34 @@ class PushReport:
 
 
 def nonfinite(tensors: Sequence[tuple[str, Any]]) -> list[str]:
-    """Names of the floating tensors holding NaN or inf. One float32 sum per tensor (NaN and inf propagate
-    through it; a sum of finite weights overflowing float32 would need weights near 1e29) and one host sync:
-    no tensor-sized temporaries, unlike `isfinite(t).all()`."""
+    """Names of the floating tensors holding NaN or inf, with one host sync.
+
+    One L1 norm per tensor: NaN and inf propagate through it, and a norm of finite weights overflowing would
+    need weights near 1e29. `torch._foreach_norm` computes a whole group (one device and dtype) in a few
+    fused launches: per-tensor reductions were launch-bound (80 ms for the 4,719 tensors of an MoE shape on
+    an H200). No tensor-sized temporaries, unlike `isfinite(t).all()`.
+    """
     import torch
 
     named = [(n, t) for n, t in tensors if t.is_floating_point() and t.numel()]
     if not named:
         return []
-    sums = [t.sum(dtype=torch.float32) if t.element_size() >= 2 else t.float().sum() for _, t in named]
-    flags = torch.stack([x.to(sums[0].device) for x in sums]).isfinite().tolist()
+    groups: dict[tuple[Any, Any], list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    norms: list[Any] = [None] * len(named)
+    for (_, dtype), idx in groups.items():
+        ts = [named[i][1] for i in idx]
+        try:
+            if torch.finfo(dtype).bits < 16:
+                raise TypeError("no foreach kernels for 8-bit floats")
+            out = torch._foreach_norm(ts, 1)
+        except (RuntimeError, TypeError):
+            out = [t.float().abs().sum() for t in ts]
+        for i, n in zip(idx, out, strict=True):
+            norms[i] = n.float()
+    device = norms[0].device
+    flags = torch.stack([n.to(device) for n in norms]).isfinite().tolist()
     return [n for (n, _), ok in zip(named, flags, strict=True) if not ok]
 
 

@@ -408,3 +408,20 @@ async def test_a_tied_receivers_output_layer_computes_with_the_pushed_embedding(
             embed = digests([("w", model.state_dict()["model.embed_tokens.weight"])])["w"]
             assert got["lm_head.weight"] == embed == got["model.embed_tokens.weight"]
         await sync.close()
+
+
+async def test_non_finite_weights_are_refused_naming_them_before_any_byte_moves(qwen_receiver, qwen_model):
+    engine = qwen_receiver.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    await sync.push(qwen_model)
+    before = await engine.checksums()
+    bad = StateModule(qwen_model.specs(), fill="random", seed=9)
+    names = [n for n, t in bad.state_dict().items() if t.is_floating_point()]
+    with torch.no_grad():
+        bad.state_dict()[names[3]].view(-1)[7] = float("nan")
+        bad.state_dict()[names[-1]].view(-1)[0] = float("-inf")
+    with pytest.raises(ValidationError, match="non-finite") as err:
+        await sync.push(bad)
+    assert names[3] in str(err.value) and names[-1] in str(err.value)
+    assert await engine.checksums() == before and (await engine.state()).mixed is False
+    await sync.close()
