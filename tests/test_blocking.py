@@ -54,6 +54,7 @@ def test_a_weight_sync_used_from_a_second_event_loop_says_what_to_do(receiver, m
     anyio.run(sync.push, model)
     with pytest.raises(StreamSyncError, match="BlockingWeightSync"):
         anyio.run(sync.push, model)  # a new loop per step: the engine's connection belongs to the first
+    sync.transport.pool.release()  # its shared-memory segments (a loop-bound close cannot run here)
 
 
 async def test_inside_an_event_loop_it_points_to_await(mixed_model):

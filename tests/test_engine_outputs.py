@@ -133,6 +133,25 @@ async def test_without_the_cache_reset_a_cached_prefix_is_served_from_the_old_we
     assert fresh.ok, fresh
 
 
+async def _push_under_a_running_request(async_llm, sync, trainer, max_tokens: int, *, clear_cache: bool):
+    """Start a greedy request for PROMPT, push `trainer` inside paused(mode="keep") once it produced a token,
+    and let it finish; returns the push report and the request's outputs."""
+    params = vllm.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    started, outputs = anyio.Event(), []
+
+    async def generate() -> None:
+        async for out in async_llm.generate({"prompt_token_ids": PROMPT}, params, request_id=f"kept-{clear_cache}"):
+            outputs.append(out)
+            started.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(generate)
+        await started.wait()
+        async with sync.paused(mode="keep", clear_cache=clear_cache):
+            report = await sync.push(trainer)
+    return report, outputs
+
+
 async def test_requests_kept_across_a_push_finish_and_the_cache_is_reset_once_they_have(async_llm, model_dir):
     """paused(mode="keep", clear_cache=False): the kept request keeps its KV blocks, so the cache cannot be
     reset at finish (reported, not raised); it finishes on the new version, and `reset_caches()` afterwards
@@ -140,20 +159,8 @@ async def test_requests_kept_across_a_push_finish_and_the_cache_is_reset_once_th
     engine = AsyncVllmEngine(async_llm, name="async")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
     await sync.push(trainer_from(model_dir, 107))
-    params = vllm.SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
-    started, outputs = anyio.Event(), []
-
-    async def generate() -> None:
-        async for out in async_llm.generate({"prompt_token_ids": PROMPT}, params, request_id="kept-1"):
-            outputs.append(out)
-            started.set()
-
     trainer = trainer_from(model_dir, 108)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(generate)
-        await started.wait()
-        async with sync.paused(mode="keep"):
-            report = await sync.push(trainer)
+    report, outputs = await _push_under_a_running_request(async_llm, sync, trainer, 150, clear_cache=False)
     assert report.cache_reset == {"async": False}  # the kept request held blocks
     final = outputs[-1].outputs[0]
     assert len(final.token_ids) == 150
@@ -169,20 +176,8 @@ async def test_keep_with_clear_cache_resets_at_finish(async_llm, model_dir):
     the new weights on resume), so nothing holds old blocks and the reset at finish succeeds."""
     engine = AsyncVllmEngine(async_llm, name="async")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
-    params = vllm.SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    started, outputs = anyio.Event(), []
-
-    async def generate() -> None:
-        async for out in async_llm.generate({"prompt_token_ids": PROMPT}, params, request_id="kept-2"):
-            outputs.append(out)
-            started.set()
-
     trainer = trainer_from(model_dir, 109)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(generate)
-        await started.wait()
-        async with sync.paused(mode="keep", clear_cache=True):
-            report = await sync.push(trainer)
+    report, outputs = await _push_under_a_running_request(async_llm, sync, trainer, 100, clear_cache=True)
     assert report.cache_reset == {"async": True}
     assert len(outputs[-1].outputs[0].token_ids) == 100
     check = await verify_outputs(engine, load_reference(model_dir, trainer.state_dict()), PROMPT)

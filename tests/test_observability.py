@@ -10,7 +10,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from streamsync import ChunkDone, PushReport, WeightSync
-from streamsync.log import _timestamp, quiet_logger
+from streamsync.log import _timestamp, configure, quiet_logger
 from streamsync.metrics import Metrics
 from streamsync.trace import STAGES
 
@@ -26,6 +26,7 @@ async def test_on_chunk_sees_every_chunk_once_in_order_and_on_push_the_report(mi
     assert {(c.push_id, c.version, c.chunks) for c in chunks} == {(report.push_id, 3, report.chunks)}
     assert sum(c.bytes for c in chunks) == report.bytes
     assert reports == [report]
+    await sync.close()  # frees its shared-memory pool (the memfd checks of later tests count them)
 
 
 async def test_a_failing_hook_is_logged_and_does_not_fail_the_push(mixed_model):
@@ -38,6 +39,7 @@ async def test_a_failing_hook_is_logged_and_does_not_fail_the_push(mixed_model):
     assert report.version == 1
     warned = [e["event"] for e in logs if e["log_level"] == "warning"]
     assert warned.count("on_chunk hook failed") == report.chunks and "on_push hook failed" in warned
+    await sync.close()
 
 
 async def test_metrics_count_pushes_bytes_chunks_and_stage_time(mixed_model):
@@ -52,6 +54,7 @@ async def test_metrics_count_pushes_bytes_chunks_and_stage_time(mixed_model):
     assert get("streamsync_push_seconds_count") == 2
     for stage in STAGES:
         assert get("streamsync_stage_busy_seconds_total", {"stage": stage}) > 0
+    await sync.close()
 
 
 async def test_metrics_record_failures_by_stage_and_each_engines_version(receiver, mixed_model):
@@ -75,15 +78,21 @@ async def test_each_stage_and_chunk_is_a_range_in_the_torch_profiler(mixed_model
     assert "streamsync.push v5" in names
     for stage in STAGES:
         assert {f"streamsync.{stage} #{i}" for i in range(report.chunks)} <= names
+    await sync.close()
 
 
 async def test_push_done_carries_bytes_throughput_and_stage_times(mixed_model):
-    sync = WeightSync([], chunk_bytes=2048, metrics=None)
-    with structlog.testing.capture_logs() as logs:
-        report = await sync.push(mixed_model)
+    configure("info")  # the test command runs with STREAMSYNC_LOG=warning, which drops info events
+    try:
+        sync = WeightSync([], chunk_bytes=2048, metrics=None)
+        with structlog.testing.capture_logs() as logs:
+            report = await sync.push(mixed_model)
+    finally:
+        configure()
     done = next(e for e in logs if e["event"] == "push done")
     assert done["chunks"] == report.chunks and done["mib"] == round(report.bytes / (1 << 20), 1)
     assert done["gbps"] >= 0 and set(done["stage_ms"]) == set(STAGES)
+    await sync.close()
 
 
 def test_log_timestamps_are_iso_8601_with_milliseconds():
