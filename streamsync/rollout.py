@@ -355,7 +355,8 @@ class StreamingRollout:
         goes on with the weights the engines hold (see README: failed pushes)."""
         async with self._update_lock:
             live = list(self._live.values())
-            versions = sorted({s.oldest_version for s in live}, key=lambda v: -1 if v is None else v)
+            # Oldest version among requests that produced tokens (the others start on whatever comes next).
+            versions = sorted({s.oldest_version for s in live if s.tokens}, key=lambda v: -1 if v is None else v)
             self._resumed = anyio.Event()
             t0 = time.perf_counter()
             try:
