@@ -23,7 +23,9 @@ def _memfds() -> int:
 
 @pytest.fixture
 def memfds():
-    return _memfds
+    """Segments this process holds now beyond those it held when the test started: what the test leaked."""
+    base = _memfds()
+    return lambda: _memfds() - base
 
 
 @pytest.fixture(scope="session")

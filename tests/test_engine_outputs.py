@@ -119,7 +119,9 @@ async def test_without_the_cache_reset_a_cached_prefix_is_served_from_the_old_we
     with torch.no_grad():  # far from step 106's weights, so the stale prefix is plain to see
         for p in old.parameters():
             p.mul_(1.3)
-    await WeightSync([engine], chunk_bytes=1 << 20).push(old)
+    first = WeightSync([engine], chunk_bytes=1 << 20)
+    await first.push(old)
+    await first.close()
     await engine.greedy(PROMPT, 4)  # cached under the old weights
     trainer = trainer_from(model_dir, 106)
     sync = WeightSync([engine], chunk_bytes=1 << 20, reset_prefix_cache=False)
@@ -131,6 +133,7 @@ async def test_without_the_cache_reset_a_cached_prefix_is_served_from_the_old_we
     assert await sync.reset_caches() == {"llm": True}
     fresh = await verify_outputs(engine, ref, PROMPT)
     assert fresh.ok, fresh
+    await sync.close()
 
 
 async def _push_under_a_running_request(async_llm, sync, trainer, max_tokens: int, *, clear_cache: bool):
