@@ -11,7 +11,6 @@ NCCL push against a raw broadcast, TP=2 trainers), else the one-GPU colocated be
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -24,6 +23,7 @@ import torch
 from ..sync import MiB, WeightSync
 from ..testing.models import StateModule, perturb_, qwen3_specs, save_specs
 from ..testing.receiver import ReceiverProcess
+from .report import write_json
 
 CPU_SHAPE = dict(vocab=32768, hidden=1024, layers=32, heads=16, kv_heads=8, head_dim=64, intermediate=3072)
 
@@ -149,8 +149,5 @@ def run(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         result = anyio.run(_bench_cpu, args)
         result["wall_s"] = time.perf_counter() - t0
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.json}")
+    write_json(args.json, result)
     return result

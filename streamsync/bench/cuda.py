@@ -43,6 +43,7 @@ from ..pack import dtype_name
 from ..sync import GiB, MiB, WeightSync
 from ..testing.receiver import ReceiverProcess
 from ..transports.cuda_ipc import CudaIpcTransport
+from .report import write_json
 
 # Trainer shapes, described like megatron_utils.TinyModel (which also builds the megatron-core model).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -559,10 +560,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     result = anyio.run(_main, args)
     result["wall_s"] = time.perf_counter() - t0
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.json}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

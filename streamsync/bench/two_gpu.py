@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..sync import MiB
+from .report import write_json
 
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -567,10 +568,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table(result["rows"]))
     else:
         result = run(args)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {args.json}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":
