@@ -34,12 +34,14 @@ def order_key(name: str) -> tuple[int, int]:
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One unit to place: `unit` keeps items together where they fit; `atomic` keeps them together always."""
+    """One unit to place: `unit` keeps items together where they fit; `atomic` keeps them together always.
+    `ref`: the item goes by reference (a view of the trainer's own memory, see `plan_chunks`)."""
 
     key: object
     nbytes: int
     unit: object
     atomic: object | None = None
+    ref: bool = False
 
 
 def row_parts(shape: tuple[int, ...], itemsize: int, budget: int, align: int = 256) -> list[tuple[int, int]]:
@@ -55,10 +57,20 @@ def row_parts(shape: tuple[int, ...], itemsize: int, budget: int, align: int = 2
     return [(r, min(r + per, rows)) for r in range(0, rows, per)]
 
 
-def plan_chunks(items: Sequence[Item], budget: int) -> list[list[object]]:
-    """Split ordered items into chunks of keys. Items must already be in push order."""
-    if budget <= 0:
-        raise ValueError(f"chunk budget must be positive, got {budget}")
+def plan_chunks(items: Sequence[Item], budget: int, ref_budget: int | None = None) -> list[list[object]]:
+    """Split ordered items into chunks of keys. Items must already be in push order.
+
+    `ref_budget`: items marked `ref` (sent by reference, CUDA IPC one copy) fill their own budget per chunk
+    instead of `budget`. `budget` bounds the bytes a chunk packs, i.e. the sender's buffer memory; referenced
+    bytes take no buffer, and what bounds their chunk is the per-chunk host work (fewer, larger chunks)."""
+    if budget <= 0 or (ref_budget is not None and ref_budget <= 0):
+        raise ValueError(f"chunk budget must be positive, got {budget} (referenced: {ref_budget})")
+
+    def cost(its: Sequence[Item]) -> tuple[int, int]:
+        packed = sum(i.nbytes for i in its if ref_budget is None or not i.ref)
+        return packed, sum(i.nbytes for i in its) - packed
+
+    limit = (budget, ref_budget if ref_budget is not None else budget)
     # Build units (consecutive items sharing `unit`), each a list of atomic groups.
     units: list[list[list[Item]]] = []
     last_unit = object()
@@ -74,33 +86,40 @@ def plan_chunks(items: Sequence[Item], budget: int) -> list[list[object]]:
 
     chunks: list[list[object]] = []
     cur: list[object] = []
-    cur_bytes = 0
+    used = [0, 0]
 
     def flush() -> None:
-        nonlocal cur, cur_bytes
+        nonlocal cur
         if cur:
             chunks.append(cur)
-        cur, cur_bytes = [], 0
+        cur = []
+        used[0] = used[1] = 0
+
+    def fits(c: tuple[int, int]) -> bool:
+        return used[0] + c[0] <= limit[0] and used[1] + c[1] <= limit[1]
+
+    def add(its: Sequence[Item], c: tuple[int, int]) -> None:
+        cur.extend(i.key for i in its)
+        used[0] += c[0]
+        used[1] += c[1]
 
     for groups in units:
-        unit_bytes = sum(i.nbytes for g in groups for i in g)
-        if cur_bytes + unit_bytes <= budget:
-            cur += [i.key for g in groups for i in g]
-            cur_bytes += unit_bytes
+        unit_items = [i for g in groups for i in g]
+        c = cost(unit_items)
+        if fits(c):
+            add(unit_items, c)
             continue
-        if unit_bytes <= budget:  # a whole layer fits an empty chunk: start one
+        if c[0] <= limit[0] and c[1] <= limit[1]:  # a whole layer fits an empty chunk: start one
             flush()
-            cur = [i.key for g in groups for i in g]
-            cur_bytes = unit_bytes
+            add(unit_items, c)
             continue
         # The unit is larger than a chunk: fill by atomic groups.
         for g in groups:
-            g_bytes = sum(i.nbytes for i in g)
-            if cur_bytes + g_bytes > budget:
+            gc = cost(g)
+            if not fits(gc):
                 flush()
-            cur += [i.key for i in g]
-            cur_bytes += g_bytes
-            if cur_bytes >= budget:
+            add(g, gc)
+            if used[0] >= limit[0] or used[1] >= limit[1]:
                 flush()
     flush()
     return chunks

@@ -88,6 +88,9 @@ async def run(push: Push) -> None:
     s_tx, s_rx = anyio.create_memory_object_stream[Work](n)
     assert push.transport is not None
     push.convert_kwargs = _convert_kwargs(push.source)
+    note = getattr(push.transport, "note_source", None)
+    if note is not None:  # transports that may send the source's own tensors by reference (CUDA IPC)
+        note(push.source, push.engines)
     push.transport.begin_push(push.plans, push.push_id)
     ok = False
     try:
@@ -99,6 +102,9 @@ async def run(push: Push) -> None:
             tg.start_soon(_stage, push, "send", _send, p_rx, s_tx)
             tg.start_soon(_release, push, credits, s_rx, tg.cancel_scope)
         ok = True
+        succeeded = getattr(push.transport, "push_succeeded", None)
+        if succeeded is not None:
+            succeeded()
     except BaseExceptionGroup as eg:
         raise _first_push_error(eg) from None
     finally:
@@ -294,7 +300,9 @@ async def _convert(push: Push, w: Work) -> None:
 
 async def _pack(push: Push, w: Work) -> None:
     assert push.transport is not None and w.tensors is not None
-    buf = push.transport.allocate(w.plan, push.push_id)
+    allocate_for = getattr(push.transport, "allocate_for", None)  # sized once the tensors are known
+    buf = (allocate_for(w.plan, w.tensors, push.push_id) if allocate_for is not None
+           else push.transport.allocate(w.plan, push.push_id))
     push.live[w.plan.index] = buf
     push.bytes_alive += buf.nbytes
     push.peak_bytes = max(push.peak_bytes, push.bytes_alive)

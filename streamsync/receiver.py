@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .errors import ValidationError
-from .pack import Layout, TensorMeta, dtype_name
+from .pack import Layout, TensorMeta, dtype_name, fits
 from .transports.base import Receiver, make_receiver
 
 Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
@@ -128,15 +128,23 @@ class WeightReceiver:
               else self.transport.open(update_info)) as buf:
             if buf.numel() < layout.nbytes:
                 raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
+            refs = self.transport.ref_views(update_info)
             self.dirty = True
             views = self.transport.views(buf, layout)
-            if any(m.part is not None for m in layout.metas):
-                views = self._assemble(views, layout.metas)
+            metas: tuple[TensorMeta, ...] = layout.metas
+            if refs:  # tensors sent by reference (one copy): after the packed ones
+                if not getattr(getattr(load, "__self__", load), "accepts_blocked", False):
+                    refs = [(m, t if t.shape == m.shape else t.reshape(m.shape)) for m, t in refs]
+                views = [*views, *((m.name, t) for m, t in refs)]
+                metas = (*metas, *(m for m, _ in refs))
+            if any(m.part is not None for m in metas):
+                views = self._assemble(views, metas)
             load(views)
             del buf
+        nbytes = layout.nbytes + sum(m.nbytes for m, _ in refs)
         self.chunks += 1
-        self.bytes += layout.nbytes
-        return layout.nbytes
+        self.bytes += nbytes
+        return nbytes
 
     def _layout(self, update_info: dict[str, Any]) -> Layout:
         """Parse and validate a chunk's layout once; later pushes of the same plan send the same key and the
@@ -162,6 +170,8 @@ class WeightReceiver:
                 yield name, t
                 continue
             row0, rows = m.part
+            if t.shape != m.shape:  # a blocked reference: its rows in HF shape
+                t = t.reshape(m.shape)
             staged = self._staged.get(name)
             if staged is None:
                 staged = self._staged[name] = _Staged(torch.empty((rows, *t.shape[1:]), dtype=t.dtype,
@@ -218,11 +228,15 @@ class ModuleLoader:
     def expected(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in self.targets.items()}
 
+    #: takes a tensor in a blocked shape of its parameter's (see `pack.fits`): copies it in row-major order
+    accepts_blocked = True
+
     def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         loaded = []
         with torch.no_grad():
             for name, src in _checked(weights, self.targets):
-                self.targets[name].copy_(src)
+                dst = self.targets[name]
+                (dst if dst.shape == src.shape else dst.view(src.shape)).copy_(src)
                 loaded.append(name)
         return loaded
 
@@ -233,7 +247,8 @@ def _checked(weights: Iterable[tuple[str, torch.Tensor]],
         dst = targets.get(name)
         if dst is None:
             raise ValidationError(f"receiver has no parameter {name!r}")
-        if dst.shape != src.shape or dst.dtype != src.dtype:
+        if (dst.shape != src.shape and not (dst.is_contiguous() and fits(src, tuple(dst.shape)))) \
+                or dst.dtype != src.dtype:
             raise ValidationError(f"parameter {name!r}: received {src.dtype}{tuple(src.shape)}, "
                                   f"receiver holds {dst.dtype}{tuple(dst.shape)}")
         yield name, src

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import operator
 import os
@@ -121,7 +122,8 @@ class WeightSync:
                   trainer ranks that only take part in gathers (Megatron TP/PP/EP ranks other than the sender).
     transport:    "auto" (shared memory for CPU engines, CUDA IPC for colocated GPU engines), "shm",
                   "cuda_ipc", "collective", or a Transport instance.
-    chunk_bytes:  byte budget per chunk (default 1 GiB on GPU, 64 MiB on CPU).
+    chunk_bytes:  byte budget per chunk (default 1 GiB on GPU, 64 MiB on CPU): bounds the bytes a chunk packs.
+                  Tensors a transport sends by reference (CUDA IPC one copy) fill its own budget instead.
     max_inflight: credit window: chunks alive anywhere in the pipeline at once.
     timeout:      seconds any one wait may take (a stage on one chunk, an engine call).
     abort_timeout: seconds ending a failed round may take per engine (default min(10, timeout)): a failed
@@ -326,14 +328,19 @@ class WeightSync:
         which costs milliseconds per push. Pass `reuse_plan=False`, or call `forget()`, after replacing
         modules or changing parameter shapes; in-place updates and `param.data = ...` need neither.
         """
-        # The chunk budget is part of the key: `chunk_bytes` may be changed between pushes.
-        key = (tuple(map(id, model)) if isinstance(model, list | tuple) else (id(model),)) + (self.chunk_bytes,)
+        # The budgets are part of the key: `chunk_bytes` (and the transport's) may change between pushes.
+        ref_bytes = getattr(self.transport, "ref_chunk_bytes", None)  # set where tensors may go by reference
+        key = (tuple(map(id, model)) if isinstance(model, list | tuple) else (id(model),)) + (self.chunk_bytes,
+                                                                                               ref_bytes)
         if self.reuse_plan and self._plan_cache is not None and self._plan_cache[0] == key:
             _, _, source, plans = self._plan_cache
             return source, plans
         source = as_source(model, **self.source_options)
         budget = self.chunk_bytes or (GiB if source.device.type == "cuda" else 64 * MiB)
-        plans = source.plan(budget)
+        if ref_bytes and "ref_bytes" in inspect.signature(source.plan).parameters:
+            plans = source.plan(budget, ref_bytes=max(int(ref_bytes), budget))
+        else:
+            plans = source.plan(budget)
         self._validate(plans)
         if self.reuse_plan:  # the model itself is kept too, so its id cannot be reused by another object
             self._plan_cache = (key, model, source, plans)

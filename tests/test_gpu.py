@@ -84,6 +84,43 @@ def test_per_buffer_caches_start_over_but_keep_exports_when_they_grow_too_large(
     assert sum(isinstance(k, tuple) for k in pb.extra) <= 512 and pb.extra[("graph", 599)] is False
 
 
+def _ref(name="q", dtype="bfloat16", hf=(8, 4), offset=0, shape=(8, 4), stride=(4, 1), part=None) -> list:
+    ref = [name, dtype, list(hf), "0123456789abcdef", offset, list(shape), list(stride)]
+    return [*ref, list(part)] if part else ref
+
+
+def test_a_reference_is_a_view_of_the_mapped_storage_in_hf_or_blocked_shape():
+    from streamsync.transports.cuda_ipc import CudaIpcReceiver
+
+    storage = torch.arange(2 * 6 * 4, dtype=torch.bfloat16).view(torch.uint8)  # a fused [2 groups x 6 rows, 4]
+    meta, t = CudaIpcReceiver._ref_view(_ref(hf=(2, 4), offset=8 * 2, shape=(2, 4)), storage)
+    assert meta.name == "q" and meta.shape == (2, 4) and t.data_ptr() == storage.data_ptr() + 16
+    assert torch.equal(t, torch.arange(8, 16, dtype=torch.bfloat16).view(2, 4))
+    # Q of an interleaved QKV: 4 of every 6 rows. No HF-shaped view exists: the blocked view comes back.
+    meta, t = CudaIpcReceiver._ref_view(_ref(hf=(8, 4), shape=(2, 4, 4), stride=(24, 4, 1)), storage)
+    assert t.shape == (2, 4, 4) and meta.shape == (8, 4)
+    fused = torch.arange(48, dtype=torch.bfloat16).view(2, 6, 4)
+    assert torch.equal(t.reshape(8, 4), fused[:, :4].reshape(8, 4))
+
+
+@pytest.mark.parametrize("ref, why", [
+    (_ref(offset=200), "outside"),                                      # past the storage's end
+    (_ref(offset=1), "misaligned"),                                     # not on an element boundary
+    (_ref(shape=(8, 4), stride=(8, 1)), "outside"),                     # strides reach past the end
+    (_ref(hf=(4, 4)), "blocked form"),                                  # element counts differ
+    (_ref(shape=(4, 8), stride=(8, 1)), "blocked form"),                # trailing dims differ
+    (_ref(stride=(4,)), "strides"),                                     # strides do not match the shape
+    (_ref(stride=(-4, 1)), "non-negative"),                             # negative strides
+    (_ref(dtype="nope"), "unknown dtype"),
+    (_ref(part=(6, 8)), "part"),                                        # rows outside the whole tensor
+])
+def test_malformed_references_are_refused_before_a_view_is_made(ref, why):
+    from streamsync.transports.cuda_ipc import CudaIpcReceiver
+
+    with pytest.raises(ValidationError, match=why):
+        CudaIpcReceiver._ref_view(ref, torch.zeros(64, dtype=torch.uint8))
+
+
 def test_fused_model_maps_hf_names_into_fused_slices_like_vllm():
     specs = qwen3_specs(layers=1)
     src = StateModule(specs, fill="random", seed=1)
@@ -131,9 +168,13 @@ def cuda_mixed(tmp_path):
 async def test_ipc_round_trip_is_bit_exact_and_reuses_buffers(cuda_mixed):
     model, rp = cuda_mixed
     engine = rp.engine()
-    sync = WeightSync([engine], chunk_bytes=2048)  # auto: CUDA engine -> cuda_ipc
+    sync = WeightSync([engine], chunk_bytes=2048)  # auto: CUDA engine -> cuda_ipc, one copy
     report = await sync.push(model)
-    assert sync.transport.name == "cuda_ipc" and report.chunks > 1
+    # Every tensor is a view of the model's own storages: referenced, in one chunk (referenced bytes take no
+    # buffer; their per-chunk budget is the transport's ref_bytes, 4 GiB)
+    # (zero-size tensors have no storage to refer to: packed)
+    assert sync.transport.name == "cuda_ipc" and report.chunks == 1
+    assert sync.transport.ref_stats["referenced"] >= len(mixed_specs()) - 2
     assert await engine.checksums() == digests(model.state_dict().items())
     _perturb(model, 1)
     await sync.push(model, max_inflight=1)
@@ -151,12 +192,12 @@ async def test_ipc_into_fused_receiver_and_buffers_are_freed_after_receivers_let
     base = torch.cuda.memory_allocated()
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(release=release), chunk_bytes=CHUNK)
+        sync = WeightSync([engine], transport=CudaIpcTransport(release=release, ref_bytes=CHUNK), chunk_bytes=CHUNK)
         for window in (4, 1, 4):
             _perturb(model, window)
             await sync.push(model, max_inflight=window)
             assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
-        assert torch.cuda.memory_allocated() > base  # the pool
+        assert sync.transport.ref_stats["referenced"] > 0  # one copy: the pool holds only what is packed
         await sync.close()
     torch.cuda.ipc_collect()  # the receiver unmapped at shutdown: the pool's memory comes back
     assert torch.cuda.memory_allocated() <= base + (64 << 10)
@@ -211,7 +252,7 @@ async def test_captured_packs_carry_every_new_weight_and_new_addresses_fall_back
                         device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        transport = CudaIpcTransport()
+        transport = CudaIpcTransport(one_copy=False)  # every tensor packed: the captures are what is tested
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK // 4, max_inflight=1,
                           source_options={"dtype": torch.bfloat16})
 
@@ -246,7 +287,7 @@ async def test_the_acknowledgement_mode_can_change_between_pushes(tmp_path):
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True,
                          gpu_delay_ms=2) as rp:
         engine = rp.engine()
-        transport = CudaIpcTransport()
+        transport = CudaIpcTransport(ref_bytes=CHUNK // 2)
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK // 2, max_inflight=2)
         for step, mode in enumerate(("event", "sync", "event", "sync")):
             transport.release = mode
@@ -256,8 +297,9 @@ async def test_the_acknowledgement_mode_can_change_between_pushes(tmp_path):
         await sync.close()
 
 
+@pytest.mark.parametrize("one_copy", [False, True])
 @gpu
-async def test_a_buffer_is_not_repacked_before_a_slow_receiver_copied_it_out(tmp_path):
+async def test_a_buffer_is_not_repacked_before_a_slow_receiver_copied_it_out(tmp_path, one_copy):
     # The receiver acknowledges as soon as its copies are queued, behind ~5 ms of other GPU work per chunk;
     # the sender reuses each of its 2 buffers many times. Only the release events keep the bits right.
     specs = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
@@ -265,7 +307,8 @@ async def test_a_buffer_is_not_repacked_before_a_slow_receiver_copied_it_out(tmp
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True,
                          gpu_delay_ms=5) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(), chunk_bytes=CHUNK // 2, max_inflight=2)
+        sync = WeightSync([engine], transport=CudaIpcTransport(one_copy=one_copy, ref_bytes=CHUNK // 2),
+                          chunk_bytes=CHUNK // 2, max_inflight=2)
         for step in range(2):
             _perturb(model, 10 + step)
             report = await sync.push(model)
@@ -284,12 +327,125 @@ async def test_a_receiver_does_not_read_a_chunk_before_its_pack_ran(tmp_path, re
     model = StateModule(specs, fill="random", seed=6, device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(release=release), chunk_bytes=CHUNK)
+        sync = WeightSync([engine], transport=CudaIpcTransport(release=release, ref_bytes=CHUNK), chunk_bytes=CHUNK)
         for step in range(2):
             _perturb(model, 20 + step)
             torch.cuda._sleep(int(40e6))
             await sync.push(model)
             assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
+        await sync.close()
+
+
+# ------------------------------------------------------------------------------- one copy (CUDA IPC references)
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@gpu
+async def test_one_copy_sends_views_by_reference_packs_the_rest_and_the_trainer_holds_no_copy(tmp_path):
+    # bf16 weights are views of the trainer's storages: referenced. float32 norms cast to bf16 are packed.
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule([(n, "float32" if "norm" in n else d, s) for n, d, s in specs], fill="random", seed=11,
+                        device="cuda")
+    packed = _nbytes(t for n, t in model.state_dict().items() if "norm" in n) // 2  # as bf16
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
+        engine = rp.engine()
+        transport = CudaIpcTransport()
+        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK, source_options={"dtype": torch.bfloat16})
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        peaks = []
+        for step in range(3):
+            _perturb(model, 30 + step)
+            torch.cuda.reset_peak_memory_stats()
+            report = await sync.push(model)
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+            want = device_digests((n, t.to(torch.bfloat16)) for n, t in model.state_dict().items())
+            assert await engine.checksums(device=True) == want, f"push {step}"
+        assert report.chunks == 1  # the packed norms fit one chunk's budget; referenced bytes fill their own
+        refs, n_packed = transport.ref_stats["referenced"], transport.ref_stats["packed"]
+        items = [s.name for p in sync.plan(model)[1] for s in p.specs]  # split tensors: one item per part
+        assert refs == 3 * sum(1 for n in items if "norm" not in n) and n_packed == 3 * (len(items) - refs // 3)
+        # Exports: one per storage, made on the first push only.
+        assert transport.ref_stats["exports"] == sum(1 for n in model.state_dict() if "norm" not in n)
+        # The trainer's extra memory is the packed norms' buffers, not the model.
+        assert max(peaks) <= 4 * max(packed, 4096) + (1 << 20) < _nbytes(model.parameters()) // 4, peaks
+        await sync.close()
+
+
+@gpu
+async def test_one_copy_never_reads_a_replaced_or_resized_storage(tmp_path):
+    # Between pushes the trainer replaces some parameters' storages (param.data = ...), frees others'
+    # (resize to 0, FSDP-style, then new memory); the old addresses must never be read, nor kept mapped.
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule(specs, fill="random", seed=12, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
+        engine = rp.engine()
+        transport = CudaIpcTransport(ref_bytes=CHUNK)
+        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK)
+        await sync.push(model)
+        params = list(model.parameters())
+        n_storages = len(transport._exports)
+        for step in range(3):
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    if i % 3 == 0:
+                        p.data = p.data.clone() + 1  # new storage, new values
+                    elif i % 3 == 1:
+                        new = p.data.clone() * 2
+                        p.data.untyped_storage().resize_(0)  # the old memory goes back to the allocator
+                        p.data = new
+            torch.cuda.empty_cache()
+            junk = torch.full((64 << 20,), 7, dtype=torch.uint8, device="cuda")  # reuse freed memory
+            _perturb(model, 40 + step)
+            await sync.push(model)
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), step
+            del junk
+            # Storages no push uses any more are dropped on both sides: the count stays the model's.
+            assert len(transport._exports) == n_storages
+        await sync.close()
+
+
+@gpu
+async def test_one_copy_push_returns_after_the_receiver_copied_so_the_trainer_may_write_at_once(tmp_path):
+    # The receiver's GPU is slow (queued work before every copy); the trainer changes every weight right
+    # after each push returns. The receiver must hold what was pushed, not what came after.
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule(specs, fill="random", seed=13, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True,
+                         gpu_delay_ms=3) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], transport=CudaIpcTransport(ref_bytes=CHUNK // 2), chunk_bytes=CHUNK // 2)
+        for step in range(2):
+            _perturb(model, 50 + step)
+            pushed = device_digests(model.state_dict().items())
+            await sync.push(model)
+            _perturb(model, 60 + step)  # at once, on the trainer's stream
+            assert await engine.checksums(device=True) == pushed
+        await sync.close()
+
+
+@gpu
+async def test_one_copy_after_a_failed_push_exports_again_and_is_exact(tmp_path):
+    specs = qwen3_specs(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule(specs, fill="random", seed=14, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
+        engine = rp.engine()
+        transport = CudaIpcTransport(ref_bytes=CHUNK // 2)
+        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK // 2)
+        await sync.push(model)
+        exports = transport.ref_stats["exports"]
+        sync.faults = {"send": 2}
+        with pytest.raises(PushError):
+            await sync.push(model)
+        assert not transport._exports  # it cannot know what the receiver kept: everything goes again
+        sync.faults = {}
+        _perturb(model, 70)
+        await sync.push(model)
+        assert transport.ref_stats["exports"] == 2 * exports
+        assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
         await sync.close()
 
 

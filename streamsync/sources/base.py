@@ -13,6 +13,11 @@ import torch
 from ..pack import Layout, TensorSpec, plan_layout
 
 
+def layout_key(layout_json: dict) -> str:
+    """A short digest of a layout's JSON: updates name a layout a receiver has seen by it."""
+    return hashlib.blake2b(json.dumps(layout_json).encode(), digest_size=12).hexdigest()
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
     """One chunk: the HF tensors it will carry (in pack order), their packed layout and source keys."""
@@ -28,8 +33,7 @@ class ChunkPlan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", plan_layout(self.specs))
         object.__setattr__(self, "layout_json", self.layout.to_json())  # sent with every push of this plan
-        digest = hashlib.blake2b(json.dumps(self.layout_json).encode(), digest_size=12).hexdigest()
-        object.__setattr__(self, "layout_key", digest)  # lets receivers reuse the layout they parsed
+        object.__setattr__(self, "layout_key", layout_key(self.layout_json))  # receivers reuse what they parsed
 
     @property
     def nbytes(self) -> int:

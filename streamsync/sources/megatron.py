@@ -415,10 +415,15 @@ class MegatronSource(Source):
         """Every HF tensor a push sends, in push order (what a receiver must hold)."""
         return [s for p in self.plan(1 << 62) for s in p.specs]
 
-    def plan(self, chunk_bytes: int) -> list[ChunkPlan]:
+    def plan(self, chunk_bytes: int, ref_bytes: int | None = None) -> list[ChunkPlan]:
         """Chunks of Megatron parameters (keys: global names) with their HF specs; all experts of a layer stay
-        in one chunk. Pure and the same on every rank; resets `collectives` for the push it plans."""
+        in one chunk. Pure and the same on every rank; resets `collectives` for the push it plans.
+
+        `ref_bytes`: the transport sends plain views of CUDA tensors by reference (CUDA IPC one copy). An
+        unsharded model's HF tensors are views of its parameters (QKV and gate/up splits included) except
+        where the dtype changes (float32 norms): those fill this budget per chunk instead (`plan_chunks`)."""
         self.begin_push()
+        views = ref_bytes is not None and not self.groups.sharded and self._device.type == "cuda"
         items = []
         for name, info in self.table.items():
             r = self._resolved[name]
@@ -426,9 +431,10 @@ class MegatronSource(Source):
                 continue
             nbytes = sum(s.nbytes for s in self._specs[name])
             unit = r.layer if r.layer is not None else name
-            items.append(Item(name, nbytes, unit, ("experts", r.layer) if info.expert else None))
+            ref = views and all(s.dtype == info.dtype for s in self._specs[name])
+            items.append(Item(name, nbytes, unit, ("experts", r.layer) if info.expert else None, ref=ref))
         return [ChunkPlan(i, tuple(s for k in keys for s in self._specs[k]), tuple(keys))  # type: ignore[index]
-                for i, keys in enumerate(plan_chunks(items, chunk_bytes))]
+                for i, keys in enumerate(plan_chunks(items, chunk_bytes, ref_bytes))]
 
     def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return ((n, p.detach()) for n, (p, _) in self._local.items())

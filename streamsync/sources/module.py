@@ -56,26 +56,30 @@ class ModuleSource(Source):
         dtype = self.dtype if (self.dtype is not None and t.is_floating_point()) else t.dtype
         return TensorSpec(name, dtype, tuple(t.shape))
 
-    def plan(self, chunk_bytes: int) -> list[ChunkPlan]:
+    def plan(self, chunk_bytes: int, ref_bytes: int | None = None) -> list[ChunkPlan]:
         """Keys are names, or (name, row0, row1) for the parts of a tensor larger than `chunk_bytes`, which is
-        split by rows so that every chunk (its aligned layout) fits the budget."""
+        split by rows so that every chunk (its aligned layout) fits the budget.
+
+        `ref_bytes`: the transport sends plain views of CUDA tensors by reference (CUDA IPC one copy); those
+        tensors (every tensor that is not cast) fill this budget per chunk instead (see `plan_chunks`)."""
         names = sorted(self._tensors, key=order_key)  # stable: keeps module order within a layer
         items: list[Item] = []
         specs: dict[object, TensorSpec] = {}
         for n in names:
             spec = self._spec(n)
             unit = layer_index(n) if layer_index(n) is not None else n
-            parts = row_parts(spec.shape, spec.dtype.itemsize, chunk_bytes)
+            ref = ref_bytes is not None and self._tensors[n].is_cuda and self._tensors[n].dtype == spec.dtype
+            parts = row_parts(spec.shape, spec.dtype.itemsize, ref_bytes if ref and ref_bytes else chunk_bytes)
             if len(parts) == 1:
                 specs[n] = spec
-                items.append(Item(n, align_up(spec.nbytes), unit))
+                items.append(Item(n, align_up(spec.nbytes), unit, ref=ref))
                 continue
             for r0, r1 in parts:
                 key = (n, r0, r1)
                 specs[key] = TensorSpec(n, spec.dtype, (r1 - r0, *spec.shape[1:]), part=(r0, spec.shape[0]))
-                items.append(Item(key, align_up(specs[key].nbytes), unit))
+                items.append(Item(key, align_up(specs[key].nbytes), unit, ref=ref))
         return [ChunkPlan(i, tuple(specs[k] for k in keys), tuple(keys))
-                for i, keys in enumerate(plan_chunks(items, chunk_bytes))]
+                for i, keys in enumerate(plan_chunks(items, chunk_bytes, ref_bytes))]
 
     async def gather(self, chunk: ChunkPlan) -> list[torch.Tensor]:
         # A part is a view of its rows: contiguous for a contiguous tensor, no copy.

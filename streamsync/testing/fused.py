@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ValidationError
-from ..pack import batched, dtype_from_name, dtype_name
+from ..pack import batched, dtype_from_name, dtype_name, fits
 from .models import Spec, _fill_random
 
 # (fused parameter, HF projection, shard id), as vLLM's Qwen3/Llama `stacked_params_mapping`. Shards lie in
@@ -74,6 +74,9 @@ def _expert(name: str) -> tuple[str, int, int] | None:
 
 class FusedModel(torch.nn.Module):
     """Parameters fused like vLLM's; `load_weights` is the vLLM model protocol."""
+
+    #: `load_weights` takes a tensor in a blocked shape of its slot's (see `pack.fits`)
+    accepts_blocked = True
 
     def __init__(self, specs: Iterable[Spec], *, device: str | torch.device = "cpu", fill: str = "zeros",
                  seed: int = 0, tie: bool = False) -> None:
@@ -175,6 +178,8 @@ class FusedModel(torch.nn.Module):
             dst = self._dst.get(name)
             if dst is None:
                 raise ValidationError(f"receiver has no parameter {name!r}")
+            if dst.shape != src.shape and fits(src, tuple(dst.shape)):
+                dst = dst.view(src.shape)  # a blocked reference (Q of an interleaved QKV): row-major order
             if dst.shape != src.shape or dst.dtype != src.dtype:
                 raise ValidationError(f"parameter {name!r}: received {src.dtype}{tuple(src.shape)}, receiver "
                                       f"holds {dst.dtype}{tuple(dst.shape)}")

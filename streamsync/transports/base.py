@@ -22,7 +22,7 @@ import anyio
 import torch
 
 from ..errors import ValidationError
-from ..pack import Layout, pack_into, unpack
+from ..pack import Layout, TensorMeta, pack_into, unpack
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
@@ -126,6 +126,14 @@ class Receiver(ABC):
     def views(self, buf: torch.Tensor, layout: Layout) -> Iterable[tuple[str, torch.Tensor]]:
         """(name, view) of every tensor of the chunk in `buf` (the tensor `open` yielded)."""
         return unpack(buf, layout)
+
+    def ref_views(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]]:
+        """Tensors of the chunk sent by reference instead of packed (CUDA IPC one copy): (metadata, view).
+        Called while the chunk is open. Transports without references refuse an update that has some."""
+        h = update_info.get("handle")
+        if isinstance(h, dict) and h.get("refs"):
+            raise ValidationError(f"the {self.name} transport takes no tensors by reference")
+        return []
 
     def end_round(self) -> None:  # noqa: B027 - optional hook
         """A round (start..finish, or a failed one) ended: drop per-round mappings."""

@@ -3,7 +3,9 @@
 Why a pool: on a GPU, a fresh 1 GiB buffer per chunk costs an allocation and, for CUDA IPC, a new handle
 that every receiver must open (cudaIpcOpenMemHandle takes milliseconds and maps the whole allocation).
 Reusing at most `max_inflight` buffers lets receivers open each handle once and keep it. All buffers
-have one size (the push's largest chunk), so any free buffer fits any chunk.
+have one size (the push's largest chunk), so any free buffer fits any chunk. (A transport that packs only
+part of each chunk, CUDA IPC with references, begins with its current size instead and lets `take` grow the
+buffers to the largest part seen.)
 
 A buffer is given back to the pool only by the release stage, i.e. after every receiver acknowledged
 the chunk in it, so a buffer is never overwritten while a receiver still reads it.
@@ -71,7 +73,13 @@ class BufferPool:
                 buf = self._free.pop(i)
                 break
         else:
-            size = max(nbytes, self.size)
+            # No free buffer fits (buffers sized per chunk, see begin): free ones this small will never fit
+            # a later chunk either; drop them so the pool stays within the window.
+            small = [b for b in self._free if b.size < nbytes]
+            if small:
+                self._free = [b for b in self._free if b.size >= nbytes]
+                self._drop(small)
+            self.size = size = max(nbytes, self.size)
             if self.alloc is not None:
                 buf = self.alloc(size)
             else:
