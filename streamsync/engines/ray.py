@@ -179,7 +179,8 @@ class RayVllmEngine(Engine):
         try:
             ref = actor_method.remote(*args, **kw)
         except ray.exceptions.RayActorError as e:
-            raise EngineError(self.name, f"{what} failed: engine actor died ({_first_line(e)})") from None
+            raise EngineError(self.name, f"{what} failed: engine actor died ({_first_line(e)})",
+                              unresponsive=True) from None
         try:
             with anyio.fail_after(self.timeout):
                 return await asyncio.wrap_future(ref.future())
@@ -193,8 +194,10 @@ class RayVllmEngine(Engine):
             raise EngineError(self.name, f"{what} failed in the actor: {type(cause).__name__}: "
                                          f"{_first_line(cause)}") from None
         except ray.exceptions.RayActorError as e:  # ActorDiedError, ActorUnavailableError (restarting)
-            why = "engine actor died" if isinstance(e, ray.exceptions.ActorDiedError) else "engine actor unavailable"
-            raise EngineError(self.name, f"{what} failed: {why} ({_first_line(e)})") from None
+            # Its round died with it: a failed push need not wait to abort it (with max_restarts, Ray would
+            # hold that call until the new incarnation is up).
+            raise EngineError(self.name, f"{what} failed: engine actor died ({_first_line(e)})",
+                              unresponsive=True) from None
         except BaseException:  # cancelled (a failed push elsewhere): the actor need not finish the call
             _cancel(ray, ref)
             raise

@@ -42,3 +42,43 @@ class VllmActor(StreamsyncEngineMixin):
 
     async def greedy(self, prompt_ids: list[int], max_tokens: int = 12) -> tuple[list[int], list[float]]:
         return await self.streamsync_engine.greedy(prompt_ids, max_tokens)
+
+
+class BlockingTrainer:
+    """A trainer rank as a plain (synchronous) Ray actor: holds the tiny model after `step` stand-in training
+    steps and pushes it with `BlockingWeightSync` into the engine actors it is handed."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+
+    def push(self, engines: dict[str, Any], step: int, version: int | None = None, **sync_options: Any) -> dict:
+        from ..blocking import BlockingWeightSync
+        from ..engines.ray import RayVllmEngine
+        from .vllm import trainer_from
+
+        model = trainer_from(self.model_dir, step)
+        clients = [RayVllmEngine(h, name=name, timeout=120) for name, h in engines.items()]
+        with BlockingWeightSync(clients, **sync_options) as sync:
+            report = sync.push(model, version=version)
+            return {"version": report.version, "chunks": report.chunks, "transport": sync.sync.transport.name,
+                    "remote": {e.name: e.remote for e in clients}}
+
+
+class AsyncTrainer:
+    """The same trainer as an async Ray actor: `await WeightSync.push` on the actor's own event loop."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+
+    async def push(self, engines: dict[str, Any], step: int, version: int | None = None,
+                   **sync_options: Any) -> dict:
+        from ..engines.ray import RayVllmEngine
+        from ..sync import WeightSync
+        from .vllm import trainer_from
+
+        model = trainer_from(self.model_dir, step)
+        clients = [RayVllmEngine(h, name=name, timeout=120) for name, h in engines.items()]
+        async with WeightSync(clients, **sync_options) as sync:
+            report = await sync.push(model, version=version)
+            return {"version": report.version, "chunks": report.chunks, "transport": sync.transport.name,
+                    "remote": {e.name: e.remote for e in clients}}
