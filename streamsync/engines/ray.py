@@ -93,6 +93,19 @@ class StreamsyncEngineMixin:
             self.streamsync_engine = VllmEngine(llm, timeout=timeout)
         self.streamsync_incarnation = uuid.uuid4().hex
 
+    async def streamsync_llm_call(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        """Run a call of the attached engine for the actor's own work (`self.llm.generate`, ...): an `LLM`'s
+        blocking call runs in a worker thread, one at a time with streamsync's calls (LLM is not
+        thread-safe), so the actor's event loop stays free to serve a push meanwhile; an `AsyncLLM`'s
+        coroutine function is awaited. Failures are EngineErrors; the engine's timeout applies."""
+        from .vllm import VllmEngine
+
+        engine = self._streamsync_engine()
+        what = getattr(fn, "__name__", "call")
+        if isinstance(engine, VllmEngine):  # its locked, timed worker-thread call
+            return await engine._call(what, fn, *args, **kw)
+        return await engine._run(what, fn, *args, **kw)
+
     async def streamsync_placement(self) -> dict[str, Any]:
         """Where this actor's engine runs, and how many vLLM workers it has (ranks in a collective group)."""
         engine = self._streamsync_engine()
