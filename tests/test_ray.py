@@ -7,6 +7,7 @@ the kill come last, and the kill leaves engine "b" restarted by Ray for the reco
 
 from __future__ import annotations
 
+import sys
 import time
 
 import anyio
@@ -17,7 +18,8 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
 from streamsync import PushError, WeightSync  # noqa: E402
-from streamsync.engines.ray import RayVllmEngine  # noqa: E402
+from streamsync.engines.ray import RayVllmEngine, StreamsyncEngineMixin  # noqa: E402
+from streamsync.errors import EngineError  # noqa: E402
 from streamsync.testing.ray import AsyncTrainer, BlockingTrainer, VllmActor  # noqa: E402
 from streamsync.testing.tiny import TINY_QWEN3  # noqa: E402
 from streamsync.testing.vllm import trainer_from  # noqa: E402
@@ -55,6 +57,27 @@ def actors(cluster, model_dir):
     yield handles
     for h in handles.values():
         ray.kill(h, no_restart=True)
+
+
+def test_without_ray_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install streamsync\[ray\]"):
+        RayVllmEngine(object())
+
+
+async def test_an_actor_without_an_engine_and_an_unknown_call_are_refused_naming_the_engine(cluster):
+    class Bare(StreamsyncEngineMixin):  # forgot streamsync_attach (made here: Ray ships it by value)
+        pass
+
+    bare = ray.remote(Bare).options(num_cpus=0).remote()
+    try:
+        engine = RayVllmEngine(bare, name="bare", timeout=60)
+        with pytest.raises(EngineError, match=r"'bare'.*streamsync_attach"):
+            await engine.get_version()
+        with pytest.raises(EngineError, match=r"'bare'.*'shutdown' is not an engine call"):
+            await engine._call("shutdown")
+    finally:
+        ray.kill(bare)
 
 
 def _engines(actors, **placement: str) -> list[RayVllmEngine]:
