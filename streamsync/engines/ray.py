@@ -157,7 +157,8 @@ class RayVllmEngine(Engine):
         if placement not in PLACEMENTS:
             raise ValidationError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         self.actor = actor
-        self.name = name or f"ray-{actor._actor_id.hex()[:8]}"
+        actor_id = getattr(actor, "_actor_id", None)
+        self.name = name or (f"ray-{actor_id.hex()[:8]}" if actor_id is not None else "ray")
         self.timeout = timeout
         self.placement = placement
         self.where: dict[str, Any] | None = None  # the actor's answer to `locate`
