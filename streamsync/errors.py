@@ -24,6 +24,7 @@ class EngineError(StreamSyncError):
     def __init__(self, engine: str, message: str, *, unresponsive: bool = False) -> None:
         super().__init__(f"engine {engine!r}: {message}")
         self.engine = engine
+        self.message = message
         self.unresponsive = unresponsive
 
 

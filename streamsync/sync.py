@@ -120,7 +120,8 @@ class WeightSync:
 
     engines:      where weights go (in-process vLLM, `vllm serve` over HTTP, receiver processes). Empty on
                   trainer ranks that only take part in gathers (Megatron TP/PP/EP ranks other than the sender).
-    transport:    "auto" (shared memory for CPU engines, CUDA IPC for colocated GPU engines), "shm",
+    transport:    "auto" (shared memory for CPU engines, CUDA IPC for colocated GPU engines, the collective
+                  transport for engines on other hosts, such as Ray actors on other nodes; per engine), "shm",
                   "cuda_ipc", "collective", or a Transport instance.
     chunk_bytes:  byte budget per chunk (default 1 GiB on GPU, 64 MiB on CPU): bounds the bytes a chunk packs.
                   Tensors a transport sends by reference (CUDA IPC one copy) fill its own budget instead.
@@ -234,8 +235,18 @@ class WeightSync:
             return
         if self.live is not None:
             await self.live.start()
+        if self.engines:
+            try:  # where each engine runs decides its transport (Ray actors: same node or not)
+                with anyio.fail_after(self.timeout):
+                    async with anyio.create_task_group() as tg:
+                        for e in self.engines:
+                            tg.start_soon(e.locate)
+            except BaseException as exc:
+                with anyio.CancelScope(shield=True):
+                    await self._close_quietly()
+                raise self._connect_error(exc) from None
         if self.transport is None:
-            self.transport = transport_class(self._resolve_transport())()
+            self.transport = self._make_transport()
         if self.engines:
             self.log.info("connecting", transport=self.transport.name, engines=[e.name for e in self.engines])
             for e in self.engines:
@@ -287,10 +298,35 @@ class WeightSync:
             except Exception as err:
                 self.log.warning("close failed", error=str(err))
 
-    def _resolve_transport(self) -> str:
+    def _make_transport(self) -> Transport:
+        """The transport `transport=` names; for "auto", by placement: engines on this host get shared memory
+        (CPU) or CUDA IPC (GPU), engines elsewhere (`Engine.remote`) the collective transport, rendezvous on
+        the address they give (`Engine.rendezvous_addr`); both kinds at once get a `MixedTransport`."""
+        from .transports.collective import CollectiveTransport
+        from .transports.mixed import MixedTransport
+
+        addr = next((e.rendezvous_addr for e in self.engines if e.rendezvous_addr), None)
+
+        def collective() -> CollectiveTransport:
+            return CollectiveTransport(master_addr=addr) if addr else CollectiveTransport()
+
         if isinstance(self._transport_arg, str) and self._transport_arg != "auto":
-            return self._transport_arg
-        kinds = {e.device.split(":")[0] for e in self.engines}
+            return collective() if self._transport_arg == "collective" else transport_class(self._transport_arg)()
+        near = [e for e in self.engines if not e.remote]
+        far = [e for e in self.engines if e.remote]
+        if not far:
+            return transport_class(self._local_kind(near))()
+        lost = [e.name for e in far if not e.rendezvous_addr]
+        if lost:
+            raise ValidationError(f"engines {lost} run on another host but give no address of this one to meet at: "
+                                  "pass transport=CollectiveTransport(master_addr=<this host's address>)")
+        if not near:
+            return collective()
+        return MixedTransport(transport_class(self._local_kind(near))(), collective())
+
+    @staticmethod
+    def _local_kind(engines: Sequence[Engine]) -> str:
+        kinds = {e.device.split(":")[0] for e in engines}
         if kinds <= {"cpu"}:
             return "shm"
         if kinds <= {"cuda"}:

@@ -226,3 +226,33 @@ async def test_close_abandons_a_group_whose_abort_hangs_and_returns_within_its_b
     assert time.monotonic() - t0 < 2 and ticks >= 5
     assert transport._pg is None
     stuck.release.set()
+
+
+async def test_auto_transport_per_engine_shared_memory_near_collective_far(qwen_specs_path, qwen_model):
+    """transport="auto" with one engine on this host and one marked remote: one packed buffer per chunk goes to
+    the near one as a shared-memory handle and to the far one by a gloo broadcast; both bit-exact."""
+    from streamsync.transports.mixed import MixedTransport
+    from streamsync.transports.shm import ShmTransport
+
+    with ReceiverProcess(str(qwen_specs_path), name="near", threads=1) as a, \
+            ReceiverProcess(str(qwen_specs_path), name="far", threads=1) as b:
+        near, far = a.engine(), b.engine()
+        far.remote, far.rendezvous_addr = True, "127.0.0.1"  # what a Ray engine on another node says of itself
+        sync = WeightSync([near, far], chunk_bytes=CHUNK, timeout=30)
+        report = await sync.push(qwen_model)
+        assert isinstance(sync.transport, MixedTransport) and isinstance(sync.transport.local, ShmTransport)
+        assert len([s for s in report.trace.spans if s.stage == "pack"]) == report.chunks  # packed once
+        model = StateModule(qwen_model.specs(), fill="random", seed=3)
+        perturb_(model, 2)
+        await sync.push(model)  # the group and the segments are reused
+        want = digests(model.state_dict().items())
+        for e in (near, far):
+            assert await e.checksums() == want and await e.get_version() == 2
+        await sync.close()
+
+
+async def test_auto_transport_refuses_a_remote_engine_without_a_rendezvous_address(qwen_receiver):
+    engine = qwen_receiver.engine()
+    engine.remote = True
+    with pytest.raises(ValidationError, match="give no address"):
+        await WeightSync([engine], timeout=30).connect()

