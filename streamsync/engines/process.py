@@ -83,6 +83,10 @@ class ReceiverServer:
         # A module with the vLLM model protocol (e.g. testing.fused.FusedModel) loads itself; else copy by name.
         self._plain = ModuleLoader(module)
         self.loader = getattr(module, "load_weights", None) or self._plain
+        # Where a transport may receive tensors directly (receiver.Destinations): the module's own, for a module
+        # that loads itself, else its parameters by name.
+        self.destinations = (getattr(module, "destinations", None) if self.loader is not self._plain
+                             else self._plain.destinations)
         self.expected = getattr(module, "expected", None) or self._plain.expected
         self.rx = WeightReceiver(device)
         self.delay_s = delay_s
@@ -110,7 +114,7 @@ class ReceiverServer:
                 time.sleep(self.delay_s)
             if self.gpu_delay_ms:  # a device busy before the copies: tests that the sender waits on the device
                 torch.cuda._sleep(int(self.gpu_delay_ms * 2e6))
-            return self.rx.update(msg["info"], self.loader)
+            return self.rx.update(msg["info"], self.loader, self.destinations)
         elif op == "finish":
             self.rx.finish(msg["version"], owner)
         elif op == "abort":
