@@ -169,7 +169,7 @@ def plan_layout(specs: Iterable[TensorSpec], align: int = ALIGN) -> Layout:
     return Layout(tuple(metas), max(offset, align))
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
+def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (bit-exact for every dtype, fp8 and bool included)."""
     if t.dim() == 0:
         t = t.reshape(1)
@@ -197,7 +197,7 @@ def pack_into(buffer: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tens
             )
         dst = buffer[meta.offset : meta.offset + meta.nbytes]
         if t.dtype == dtype and t.is_contiguous():
-            dst.copy_(_byte_view(t), non_blocking=True)
+            dst.copy_(byte_view(t), non_blocking=True)
         else:
             # Strided source (or a cast): view the destination bytes as the tensor, copy_ walks the strides.
             dst.view(dtype).view(t.shape).copy_(t, non_blocking=True)

@@ -8,23 +8,31 @@ update call is the acknowledgement the sender waits for.
 Tensors larger than the sender's chunk budget arrive as row parts in consecutive chunks; the receiver copies
 each part into a staging tensor and hands the loader the whole tensor once its last row arrived (so every
 receiver, vLLM's included, loads whole tensors, bit for bit what the sender holds).
+
+Direct receives: a transport whose `open` takes `targets` (the collective transport's direct protocol) can
+write tensors straight into the loader's parameters. A loader that can name them has
+`destinations(specs) -> [tensor or None]` (`Destinations`); those tensors are not handed to the loader again,
+and parts of a split tensor go into their rows of its destination.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .errors import ValidationError
-from .pack import Layout, TensorMeta, dtype_name, fits
+from .pack import Layout, TensorMeta, TensorSpec, dtype_from_name, dtype_name, fits
 from .transports.base import Receiver, make_receiver
 
 Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+# Per whole HF tensor (name, dtype, full shape): the tensor to receive it into (contiguous, exactly that dtype
+# and shape, on the receiver's device: a parameter or a row slice of a fused one), or None (the loader copies it).
+Destinations = Callable[[Sequence[TensorSpec]], Sequence[torch.Tensor | None]]
 
 
 class UnknownLayout(ValidationError):
@@ -36,6 +44,7 @@ class UnknownLayout(ValidationError):
 class _Staged:
     tensor: torch.Tensor
     rows: int = 0  # rows filled so far
+    direct: bool = False  # `tensor` is the destination itself: nothing to load once complete
 
 
 class RoundOwned(ValidationError):
@@ -66,6 +75,9 @@ class WeightReceiver:
         self._layouts: dict[str, Layout] = {}
         self._open_sized = True
         self._staged: dict[str, _Staged] = {}  # tensors split across chunks, being reassembled
+        self._open_targets = False
+        self._dest_fn: Destinations | None = None
+        self._dests: dict[Layout, list[torch.Tensor | None]] = {}  # per layout: each whole tensor's destination
         self.owner: str | None = None
         self.stale_after: float | None = None
         self._touched = 0.0
@@ -100,7 +112,10 @@ class WeightReceiver:
             self.transport.close()
         self.transport = make_receiver(init_info, self.device)
         # Receivers registered before `open` took the layout's size keep working.
-        self._open_sized = "nbytes" in inspect.signature(self.transport.open).parameters
+        params = inspect.signature(self.transport.open).parameters
+        self._open_sized = "nbytes" in params
+        self._open_targets = "targets" in params  # may receive into the loader's parameters (direct receives)
+        self._dests.clear()
 
     def start(self, owner: str | None = None, stale_after: float | None = None) -> None:
         if self._owned_by_other(owner):
@@ -114,7 +129,9 @@ class WeightReceiver:
         self.chunks = self.bytes = 0
         self._staged.clear()
 
-    def update(self, update_info: dict[str, Any], load: Loader) -> int:
+    def update(self, update_info: dict[str, Any], load: Loader, destinations: Destinations | None = None) -> int:
+        """Receive one chunk and load it. `destinations` (default: `load.destinations` where the loader has one)
+        lets a transport that can write into parameters do so (module doc)."""
         if not self.updating:
             raise ValidationError("update outside a round: call start_update first")
         owner = update_info.get("owner")
@@ -124,21 +141,34 @@ class WeightReceiver:
         if self.transport is None:
             raise ValidationError("update before init: call init_transfer first")
         layout = self._layout(update_info)
-        with (self.transport.open(update_info, layout.nbytes) if self._open_sized
-              else self.transport.open(update_info)) as buf:
-            if buf.numel() < layout.nbytes:
-                raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
+        if self._open_targets:
+            targets = self._targets(layout, destinations or getattr(load, "destinations", None))
+            opened = self.transport.open(update_info, layout.nbytes, layout=layout, targets=targets,
+                                         before_write=self._writing)
+        else:
+            targets = None
+            opened = (self.transport.open(update_info, layout.nbytes) if self._open_sized
+                      else self.transport.open(update_info))
+        with opened as buf:
             refs = self.transport.ref_views(update_info)
             self.dirty = True
-            views = self.transport.views(buf, layout)
+            got = targets if targets is not None and any(t is not None for t in targets) else None
+            if got is None or not all(t is not None for t, m in zip(got, layout.metas, strict=True) if m.nbytes):
+                if buf.numel() < layout.nbytes:
+                    raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
+                views: Iterable[tuple[str, torch.Tensor | None]] = self.transport.views(buf, layout)
+            else:  # everything was received into its destination: nothing to view (but empty tensors)
+                views = [(m.name, None if t is not None else torch.empty(m.shape, dtype=dtype_from_name(m.dtype),
+                                                                        device=buf.device))
+                         for t, m in zip(got, layout.metas, strict=True)]
             metas: tuple[TensorMeta, ...] = layout.metas
-            if refs:  # tensors sent by reference (one copy): after the packed ones
+            if refs:  # tensors sent by reference (CUDA IPC one copy): after the packed ones
                 if not getattr(getattr(load, "__self__", load), "accepts_blocked", False):
                     refs = [(m, t if t.shape == m.shape else t.reshape(m.shape)) for m, t in refs]
                 views = [*views, *((m.name, t) for m, t in refs)]
                 metas = (*metas, *(m for m, _ in refs))
-            if any(m.part is not None for m in metas):
-                views = self._assemble(views, metas)
+            if got is not None or any(m.part is not None for m in metas):
+                views = self._assemble(views, metas, got, self._dests.get(layout) if got else None)
             load(views)
             del buf
         nbytes = layout.nbytes + sum(m.nbytes for m, _ in refs)
@@ -161,29 +191,83 @@ class WeightReceiver:
                 self._layouts[key] = layout
         return layout
 
-    def _assemble(self, views: Iterable[tuple[str, torch.Tensor]],
-                  metas: Iterable[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Whole tensors as they are, parts copied into their tensor's staging copy; a tensor is yielded when
-        its last row arrived. Parts must come in row order (the sender plans them so)."""
-        for (name, t), m in zip(views, metas, strict=True):
-            if m.part is None:
-                yield name, t
+    def _writing(self) -> None:
+        """A transport is about to write into the loader's parameters: from here the weights may be mixed."""
+        self.dirty = True
+
+    def _targets(self, layout: Layout, destinations: Destinations | None) -> list[torch.Tensor | None] | None:
+        """Per tensor of the chunk: where a direct receive may write it (its destination, or for a part its rows
+        of it), or None. Checked before anything is written: a destination of another dtype or shape is the
+        same error the loader would raise; a part must continue the rows received (into the same place)."""
+        if destinations is None:
+            return None
+        if destinations != self._dest_fn:
+            self._dest_fn = destinations
+            self._dests.clear()
+        whole = self._dests.get(layout)
+        if whole is None:
+            specs = [TensorSpec(m.name, dtype_from_name(m.dtype), m.shape if m.part is None else
+                                (m.part[1], *m.shape[1:])) for m in layout.metas]
+            whole = list(destinations(specs))
+            if len(whole) != len(specs):
+                raise ValidationError(f"the loader named {len(whole)} destinations for {len(specs)} tensors")
+            for d, sp in zip(whole, specs, strict=True):
+                if d is not None and (d.dtype != sp.dtype or tuple(d.shape) != sp.shape):
+                    raise ValidationError(f"parameter {sp.name!r}: received {dtype_name(sp.dtype)}{sp.shape}, "
+                                          f"receiver holds {dtype_name(d.dtype)}{tuple(d.shape)}")
+            if len(self._dests) >= 4096:
+                self._dests.clear()
+            self._dests[layout] = whole
+        targets: list[torch.Tensor | None] = []
+        for d, m in zip(whole, layout.metas, strict=True):
+            if d is None or not d.is_contiguous() or m.part is None:
+                targets.append(d if d is not None and d.is_contiguous() else None)
                 continue
             row0, rows = m.part
-            if t.shape != m.shape:  # a blocked reference: its rows in HF shape
+            staged = self._staged.get(m.name)
+            if staged is not None and not staged.direct:  # its earlier rows wait in a staging copy: rows too
+                targets.append(None)
+                continue
+            if row0 != (staged.rows if staged is not None else 0):
+                raise ValidationError(f"tensor {m.name!r}: part at row {row0} of {rows} does not continue the "
+                                      f"{staged.rows if staged is not None else 0} rows received")
+            targets.append(d.narrow(0, row0, m.shape[0]))
+        return targets
+
+    def _assemble(self, views: Iterable[tuple[str, torch.Tensor | None]], metas: Iterable[TensorMeta],
+                  got: Sequence[torch.Tensor | None] | None = None,
+                  whole: Sequence[torch.Tensor | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the loader gets: whole tensors as they are, except those received into their destination
+        (`got[i]` set); parts copied into their tensor's staging copy (or, once one part went to the tensor's
+        destination `whole[i]`, into its rows there); a staged tensor is yielded when its last row arrived.
+        Parts must come in row order (the sender plans them so)."""
+        for i, ((name, t), m) in enumerate(zip(views, metas, strict=True)):
+            dst = got[i] if got is not None and i < len(got) else None
+            if m.part is None:
+                if dst is None:
+                    yield name, t  # type: ignore[misc]
+                continue
+            row0, rows = m.part
+            n = m.shape[0]
+            if t is not None and t.shape != m.shape:  # a blocked reference: its rows in HF shape
                 t = t.reshape(m.shape)
             staged = self._staged.get(name)
             if staged is None:
-                staged = self._staged[name] = _Staged(torch.empty((rows, *t.shape[1:]), dtype=t.dtype,
-                                                                  device=t.device))
-            if row0 != staged.rows or tuple(staged.tensor.shape) != (rows, *t.shape[1:]):
+                if dst is not None and whole is not None and whole[i] is not None:
+                    staged = _Staged(whole[i], direct=True)  # the first part went there: so do the others
+                else:
+                    staged = _Staged(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device))  # type: ignore[union-attr]
+                self._staged[name] = staged
+            if row0 != staged.rows or tuple(staged.tensor.shape) != (rows, *m.shape[1:]):
                 raise ValidationError(f"tensor {name!r}: part at row {row0} of {rows} does not continue the "
                                       f"{staged.rows} rows received")
-            staged.tensor[row0:row0 + t.shape[0]].copy_(t)
-            staged.rows += t.shape[0]
+            if dst is None:
+                staged.tensor[row0:row0 + n].copy_(t)
+            staged.rows += n
             if staged.rows == rows:
                 del self._staged[name]
-                yield name, staged.tensor
+                if not staged.direct:
+                    yield name, staged.tensor
 
     def finish(self, version: int | None, owner: str | None = None) -> None:
         """End the round. `version` may be None where the engine keeps its own (vLLM does)."""
@@ -231,6 +315,11 @@ class ModuleLoader:
     #: takes a tensor in a blocked shape of its parameter's (see `pack.fits`): copies it in row-major order
     accepts_blocked = True
 
+    def destinations(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
+        """The parameter each HF tensor loads into, where it is contiguous (`Destinations`); names this module
+        does not hold get None (the load then raises as usual)."""
+        return [as_destination(self.targets.get(s.name), s) for s in specs]
+
     def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         loaded = []
         with torch.no_grad():
@@ -239,6 +328,13 @@ class ModuleLoader:
                 (dst if dst.shape == src.shape else dst.view(src.shape)).copy_(src)
                 loaded.append(name)
         return loaded
+
+
+def as_destination(t: torch.Tensor | None, spec: TensorSpec) -> torch.Tensor | None:
+    """`t` if a direct receive may write `spec` into it: contiguous, of exactly its dtype and shape."""
+    if t is None or not t.is_contiguous() or t.dtype != spec.dtype or tuple(t.shape) != tuple(spec.shape):
+        return None
+    return t
 
 
 def _checked(weights: Iterable[tuple[str, torch.Tensor]],

@@ -18,6 +18,7 @@ from streamsync import PushError, WeightSync
 from streamsync.checksum import device_digests, digests
 from streamsync.engines.process import ReceiverEngine
 from streamsync.errors import ValidationError
+from streamsync.sources.module import ModuleSource
 from streamsync.testing import faults
 from streamsync.testing.faults import Rig
 from streamsync.testing.fused import FusedModel
@@ -542,6 +543,82 @@ async def test_nccl_ordering_can_change_between_pushes(tmp_path):
         await sync.close()
 
 
+def _strided_and_cast(model: StateModule) -> dict[str, torch.Tensor]:
+    """Norms made float32 (the pack copy casts them to the receivers' bf16) and one q_proj a transposed view
+    (strided): both go through the sender's scratch in the direct protocol, the rest straight from the model.
+    Returns what the receiver must then hold."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.data = p.data.float() + 1e-3
+            elif name == "model.layers.0.self_attn.q_proj.weight":
+                p.data = p.data.t().contiguous().t()
+    return {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in model.state_dict().items()}
+
+
+@gpu
+@two_gpus
+@pytest.mark.parametrize("receiver", ["fused", "plain", "no-destinations"])
+async def test_nccl_direct_and_chunk_protocols_alternate_bit_exact(tmp_path, receiver):
+    # The direct protocol (one NCCL group of broadcasts per chunk, from the model's tensors into the receiver's
+    # parameters) and the chunk protocol alternate on one group, with a slow receiver GPU and a busy trainer
+    # stream: a missed device-side wait shows in the bits. 1 MiB chunks split the 2 MiB embedding and head.
+    model = StateModule(QWEN_SMALL, fill="random", seed=8, device="cuda:0")
+    with ReceiverProcess(str(save_specs(QWEN_SMALL, tmp_path / "q.json")), device="cuda:1",
+                         fused=receiver == "fused", direct=receiver != "no-destinations", gpu_delay_ms=2) as rp:
+        engine = rp.engine()
+        transport = CollectiveTransport("nccl", group_timeout=60)
+        assert transport.chunk_protocol == "direct"  # NCCL's default
+        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK, timeout=120)
+        for step, (protocol, window) in enumerate((("direct", 4), ("chunk", 4), ("direct", 1), ("direct", 2),
+                                                   ("chunk", 1), ("direct", 4))):
+            transport.protocol = protocol
+            _perturb(model, 50 + step)
+            torch.cuda._sleep(int(20e6))
+            report = await sync.push(model, max_inflight=window)
+            assert report.chunks > 4
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), (protocol,
+                                                                                                       window)
+        await sync.close()
+
+
+@gpu
+@two_gpus
+async def test_nccl_direct_strided_and_cast_tensors_mixed_with_plain_ones(tmp_path):
+    model = StateModule(QWEN_SMALL, fill="random", seed=9, device="cuda:0")
+    want = _strided_and_cast(model)
+    with ReceiverProcess(str(save_specs(QWEN_SMALL, tmp_path / "q.json")), device="cuda:1", fused=True) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], transport=CollectiveTransport("nccl", group_timeout=60, protocol="direct"),
+                          chunk_bytes=CHUNK, timeout=120)
+        for window in (4, 1):
+            await sync.push(ModuleSource(model, dtype=torch.bfloat16), max_inflight=window)
+            assert await engine.checksums(device=True) == device_digests(want.items()), window
+        await sync.close()
+
+
+@gpu
+@two_gpus
+async def test_nccl_direct_push_returns_after_the_last_broadcast_read_the_model(tmp_path):
+    # The direct protocol reads the trainer's own tensors: once push() returned, the trainer may overwrite them
+    # (an optimizer step) and the receiver must still hold what was pushed.
+    model = StateModule(QWEN_SMALL, fill="random", seed=10, device="cuda:0")
+    with ReceiverProcess(str(save_specs(QWEN_SMALL, tmp_path / "q.json")), device="cuda:1", fused=True,
+                         gpu_delay_ms=5) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], transport=CollectiveTransport("nccl", group_timeout=60, protocol="direct"),
+                          chunk_bytes=CHUNK, timeout=120)
+        for step in range(3):
+            _perturb(model, 60 + step)
+            want = device_digests(model.state_dict().items())
+            await sync.push(model, max_inflight=4)
+            with torch.no_grad():  # at once, on the trainer's stream: no synchronize in between
+                for t in model.state_dict().values():
+                    t.add_(1)
+            assert await engine.checksums(device=True) == want, step
+        await sync.close()
+
+
 NCCL_GROUP_TIMEOUT = 10.0  # NCCL's communicator set-up on a fresh group takes a few seconds
 
 
@@ -573,6 +650,18 @@ async def test_nccl_receiver_killed_mid_broadcast_fails_the_push_naming_it_and_t
     out = await faults.killed_receiver(nccl_rig)
     assert out.notes["fault_fired"] and out.error is not None, out
     assert out.error.stage == "send" and out.error.chunk is not None and out.error.receiver == "doomed", out.error
+    assert out.fail_s < NCCL_GROUP_TIMEOUT + 5 and out.close_s < 10
+    assert out.exact_after
+
+
+@gpu
+@two_gpus
+@pytest.mark.parametrize("protocol", ["direct", "chunk"])
+async def test_nccl_receiver_killed_mid_push_fails_naming_it_and_reconnects_in_either_protocol(nccl_rig, protocol):
+    nccl_rig.protocol = protocol
+    out = await faults.killed_receiver(nccl_rig)
+    assert out.notes["fault_fired"] and out.error is not None, out
+    assert out.error.stage == "send" and out.error.receiver == "doomed", out.error
     assert out.fail_s < NCCL_GROUP_TIMEOUT + 5 and out.close_s < 10
     assert out.exact_after
 

@@ -3,8 +3,11 @@
 Cases (each guarded: one failing does not stop the others; its row then carries `error`):
 
   remote-tp1     megatron-core GPTModel, Qwen3-8B shape, TP=1 on GPU 0, pushed with CollectiveTransport("nccl")
-                 into a receiver process on GPU 1 holding vLLM-style fused parameters. Window 4 and window 1
-                 (interleaved), a chunk-size sweep (window 4), bit-exactness on the device, one trace. Against
+                 into a receiver process on GPU 1 holding vLLM-style fused parameters. Both protocols (one row
+                 each): "direct" (one broadcast per tensor, one NCCL group per chunk, from the trainer's tensors
+                 into the receiver's fused slices: no pack or unpack copy) and "chunk" (packed chunk, one
+                 broadcast, the receiver copies out). Window 4 and window 1 (interleaved), a chunk-size sweep
+                 (window 4, both protocols), bit-exactness on the device, one trace (direct). Against
                  `raw_broadcast_ms`: plain torch.distributed NCCL broadcasts of the same byte count between two
                  other processes (GPU 0 -> GPU 1, buffers of the chunk size, two alternating, async), this run.
   tp2-dense      megatron-core trainer with TP=2 over both GPUs (one process per GPU, NCCL default group),
@@ -175,31 +178,37 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
         sync = WeightSync([engine], transport=transport, chunk_bytes=chunk, timeout=600)
         await sync.connect()
 
-        async def push(window: int, ordering: str = "device") -> Any:
+        async def push(window: int, ordering: str = "device", protocol: str = "direct") -> Any:
             transport.ordering = ordering
+            transport.protocol = protocol
             return await sync.push(model, max_inflight=window)
 
-        # Window 4 and 1 of the device-ordered protocol, and window 4 of the host-ordered one (each side waits
-        # for every broadcast and copy: the first version's protocol), interleaved.
-        configs = {"w4": (4, "device"), "w1": (1, "device"), "w4_host": (4, "host")}
+        # Window 4 and 1 of both protocols device-ordered, and window 4 of the host-ordered chunk protocol (each
+        # side waits for every broadcast and copy: the first version's protocol), interleaved.
+        protocols = ("direct", "chunk")
+        configs = {f"{p}_w{w}": (w, "device", p) for p in protocols for w in (4, 1)}
+        configs["chunk_w4_host"] = (4, "host", "chunk")
         for _ in range(args.warmup):
             for cfg in configs.values():
                 await push(*cfg)
         times: dict[str, list[float]] = {k: [] for k in configs}
-        stages: list[dict[str, float]] = []
-        lines: list[dict[str, float]] = []
+        stages: dict[str, list[dict[str, float]]] = {p: [] for p in protocols}
+        lines: dict[str, list[dict[str, float]]] = {p: [] for p in protocols}
         names = list(configs)
         for r in range(args.repeat):
             for k in names[r % len(names):] + names[:r % len(names)]:
                 rep = await push(*configs[k])
                 times[k].append(rep.seconds)
-                if k == "w4":
-                    stages.append(rep.stage_seconds)
-                    lines.append(timeline(rep))
-        t4, t1, t4h = _med(times["w4"]), _med(times["w1"]), _med(times["w4_host"])
-        log(f"  chunk {chunk // MiB} MiB: window 4 {t4 * 1e3:.2f} ms, window 1 {t1 * 1e3:.2f} ms, "
-            f"raw {raw[chunk]:.2f} ms -> {raw[chunk] / (t4 * 1e3):.0%} of raw; host-ordered window 4 "
-            f"{t4h * 1e3:.2f} ms ({raw[chunk] / (t4h * 1e3):.0%} of raw)")
+                if k.endswith("_w4"):
+                    stages[configs[k][2]].append(rep.stage_seconds)
+                    lines[configs[k][2]].append(timeline(rep))
+        med = {k: _med(v) for k, v in times.items()}
+        for p in protocols:
+            t4, t1 = med[f"{p}_w4"], med[f"{p}_w1"]
+            log(f"  {p}, chunk {chunk // MiB} MiB: window 4 {t4 * 1e3:.2f} ms, window 1 {t1 * 1e3:.2f} ms, "
+                f"raw {raw[chunk]:.2f} ms -> {raw[chunk] / (t4 * 1e3):.0%} of raw")
+        t4h = med["chunk_w4_host"]
+        log(f"  chunk, host-ordered window 4 {t4h * 1e3:.2f} ms ({raw[chunk] / (t4h * 1e3):.0%} of raw)")
 
         trace_summary = None
         if args.trace:  # one traced window-4 push
@@ -213,57 +222,66 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
                 trace_summary = viewer.summary(Path(rep.trace_path))
                 log(f"  trace of a window-4 push ({rep.seconds * 1e3:.2f} ms) -> {args.trace}\n{trace_summary}")
 
-        # Bit-exact: every weight changes, push (window 4, then window 1), compare checksums on the device.
-        exact = True
-        for step, w, ordering in ((101, 4, "device"), (102, 1, "device"), (103, 4, "host")):
+        # Bit-exact: every weight changes, push (each protocol and window), compare checksums on the device.
+        exact = {p: True for p in protocols}
+        for step, (w, ordering, p) in enumerate(configs.values(), start=101):
             one._perturb(model, step)
-            await push(w, ordering)
+            await push(w, ordering, p)
             got = await engine.checksums(device=True)
             want = await one._trainer_digests(sync, model)
             bad = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
-            exact = exact and not bad and len(want) == len(specs)
+            exact[p] = exact[p] and not bad and len(want) == len(specs)
             if bad:
-                log(f"  window {w} ({ordering}-ordered): {len(bad)} tensors differ, e.g. {bad[:3]}")
+                log(f"  {p} window {w} ({ordering}-ordered): {len(bad)} tensors differ, e.g. {bad[:3]}")
         log(f"  bit-exact: {exact}")
-        stage_ms = {k: _med([s.get(k, 0.0) for s in stages]) * 1e3 for k in (stages[0] if stages else {})}
-        line_ms = {k: _med([x[k] for x in lines if k in x]) for k in (lines[0] if lines else {})}
-        log(f"  window 4, medians: stage busy {json.dumps({k: round(v, 2) for k, v in stage_ms.items()})}; "
-            f"timeline {json.dumps({k: round(v, 2) for k, v in line_ms.items()})}")
-        rows.append({
-            "case": "remote-tp1", "model": f"{shape['label']} (megatron-core TP=1, GPU 0 -> GPU 1)",
-            "bytes": nbytes, "chunk_bytes": chunk, "chunks": len(plans),
-            "push_ms_window4": t4 * 1e3, "push_ms_window1": t1 * 1e3, "raw_broadcast_ms": raw[chunk],
-            "push_ms_window4_host_ordered": t4h * 1e3,
-            "fraction_of_raw_window4": raw[chunk] / (t4 * 1e3), "window4_over_raw": t4 * 1e3 / raw[chunk],
-            "bit_exact": exact, "stage_busy_ms_window4": stage_ms, "timeline_ms_window4": line_ms,
-            "push_ms_all": {k: [x * 1e3 for x in v] for k, v in times.items()},
-            "trace_summary": trace_summary,
-        })
+        label = f"{shape['label']} (megatron-core TP=1, GPU 0 -> GPU 1)"
+        for p in protocols:
+            stage_ms = {k: _med([s.get(k, 0.0) for s in stages[p]]) * 1e3 for k in (stages[p][0] if stages[p] else {})}
+            line_ms = {k: _med([x[k] for x in lines[p] if k in x]) for k in (lines[p][0] if lines[p] else {})}
+            log(f"  {p} window 4, medians: stage busy {json.dumps({k: round(v, 2) for k, v in stage_ms.items()})}; "
+                f"timeline {json.dumps({k: round(v, 2) for k, v in line_ms.items()})}")
+            t4, t1 = med[f"{p}_w4"], med[f"{p}_w1"]
+            row = {
+                "case": "remote-tp1", "protocol": p, "model": label,
+                "bytes": nbytes, "chunk_bytes": chunk, "chunks": len(plans),
+                "push_ms_window4": t4 * 1e3, "push_ms_window1": t1 * 1e3, "raw_broadcast_ms": raw[chunk],
+                "fraction_of_raw_window4": raw[chunk] / (t4 * 1e3), "window4_over_raw": t4 * 1e3 / raw[chunk],
+                "fraction_of_raw_window1": raw[chunk] / (t1 * 1e3),
+                "bit_exact": exact[p], "stage_busy_ms_window4": stage_ms, "timeline_ms_window4": line_ms,
+            }
+            if p == "chunk":
+                row["push_ms_window4_host_ordered"] = t4h * 1e3
+            else:
+                row["push_ms_all"] = {k: [x * 1e3 for x in v] for k, v in times.items()}
+                row["trace_summary"] = trace_summary
+            rows.append(row)
 
-        for c in sweep:  # window 4 at every chunk size (the pool starts over for each)
+        for c in sweep:  # window 4 at every chunk size, both protocols (the pool starts over for each size)
             if c == chunk:
                 continue
-            try:
-                transport.ordering = "device"
-                sync.chunk_bytes = c
-                transport.pool.release()
-                for _ in range(args.warmup):
-                    await push(4)
-                ts = [(await push(4)).seconds for _ in range(args.repeat)]
-                n_chunks = len(sync.plan(model)[1])
-                one._perturb(model, 200 + c // MiB)
-                await push(4)
-                got = await engine.checksums(device=True)
-                ok = got == await one._trainer_digests(sync, model)
-                rows.append({"case": "remote-tp1", "model": rows[0]["model"], "bytes": nbytes, "chunk_bytes": c,
-                             "chunks": n_chunks, "push_ms_window4": _med(ts) * 1e3, "push_ms_window1": None,
-                             "raw_broadcast_ms": raw[c], "fraction_of_raw_window4": raw[c] / (_med(ts) * 1e3),
-                             "window4_over_raw": _med(ts) * 1e3 / raw[c], "bit_exact": ok})
-                log(f"  sweep chunk {c // MiB} MiB ({n_chunks} chunks): window 4 {_med(ts) * 1e3:.2f} ms, "
-                    f"raw {raw[c]:.2f} ms -> {raw[c] / (_med(ts) * 1e3):.0%} of raw, bit-exact {ok}")
-            except Exception as e:  # one size failing keeps the rest
-                log(f"  sweep chunk {c // MiB} MiB failed:\n{traceback.format_exc()}")
-                rows.append({"case": "remote-tp1", "chunk_bytes": c, "error": f"{type(e).__name__}: {e}"})
+            sync.chunk_bytes = c
+            transport.pool.release()
+            for p in protocols:
+                try:
+                    for _ in range(args.warmup):
+                        await push(4, "device", p)
+                    ts = [(await push(4, "device", p)).seconds for _ in range(args.repeat)]
+                    n_chunks = len(sync.plan(model)[1])
+                    one._perturb(model, 200 + c // MiB)
+                    await push(4, "device", p)
+                    got = await engine.checksums(device=True)
+                    ok = got == await one._trainer_digests(sync, model)
+                    rows.append({"case": "remote-tp1", "protocol": p, "model": label, "bytes": nbytes,
+                                 "chunk_bytes": c, "chunks": n_chunks, "push_ms_window4": _med(ts) * 1e3,
+                                 "push_ms_window1": None, "raw_broadcast_ms": raw[c],
+                                 "fraction_of_raw_window4": raw[c] / (_med(ts) * 1e3),
+                                 "window4_over_raw": _med(ts) * 1e3 / raw[c], "bit_exact": ok})
+                    log(f"  sweep {p} chunk {c // MiB} MiB ({n_chunks} chunks): window 4 {_med(ts) * 1e3:.2f} ms, "
+                        f"raw {raw[c]:.2f} ms -> {raw[c] / (_med(ts) * 1e3):.0%} of raw, bit-exact {ok}")
+                except Exception as e:  # one size failing keeps the rest
+                    log(f"  sweep {p} chunk {c // MiB} MiB failed:\n{traceback.format_exc()}")
+                    rows.append({"case": "remote-tp1", "protocol": p, "chunk_bytes": c,
+                                 "error": f"{type(e).__name__}: {e}"})
         with_close = time.monotonic()
         await sync.close()
         log(f"  close: {time.monotonic() - with_close:.2f} s")
@@ -460,9 +478,10 @@ def _fmt(v: Any, digits: int = 2) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    cols = [("case", "case"), ("GB", "bytes"), ("chunk MiB", "chunk_bytes"), ("w4 ms", "push_ms_window4"),
-            ("w1 ms", "push_ms_window1"), ("w4 host-ordered ms", "push_ms_window4_host_ordered"),
-            ("raw ms", "raw_broadcast_ms"), ("raw/w4", "fraction_of_raw_window4"),
+    cols = [("case", "case"), ("protocol", "protocol"), ("GB", "bytes"), ("chunk MiB", "chunk_bytes"),
+            ("w4 ms", "push_ms_window4"), ("w1 ms", "push_ms_window1"),
+            ("w4 host-ordered ms", "push_ms_window4_host_ordered"), ("raw ms", "raw_broadcast_ms"),
+            ("raw/w4", "fraction_of_raw_window4"), ("raw/w1", "fraction_of_raw_window1"),
             ("coalesced ms", "coalesced_ms"), ("per-param ms", "per_parameter_ms"),
             ("gather busy c/p ms", "gather_busy_ms"), ("collectives c/p", "collectives"), ("exact", "bit_exact")]
     out = [[c for c, _ in cols]]

@@ -75,7 +75,7 @@ class ReceiverServer:
     def __init__(self, module: torch.nn.Module, device: str, delay_s: float = 0.0, gpu_delay_ms: float = 0.0, *,
                  secret: str, max_line: int = MAX_LINE, handshake_timeout: float = 5.0,
                  max_wait_s: float = 600.0, max_pending: int = 64,
-                 profiler: cProfile.Profile | None = None) -> None:
+                 profiler: cProfile.Profile | None = None, direct: bool = True) -> None:
         if not isinstance(secret, str) or len(secret) < 32:
             raise ValidationError("a receiver secret must be a string of at least 32 characters (new_secret())")
         self.module = module
@@ -83,6 +83,11 @@ class ReceiverServer:
         # A module with the vLLM model protocol (e.g. testing.fused.FusedModel) loads itself; else copy by name.
         self._plain = ModuleLoader(module)
         self.loader = getattr(module, "load_weights", None) or self._plain
+        # Where a transport may receive tensors directly (receiver.Destinations): the module's own, for a module
+        # that loads itself, else its parameters by name.
+        # direct=False: none (as a vLLM engine: every tensor through the receive buffer and the loader).
+        self.destinations = None if not direct else (
+            getattr(module, "destinations", None) if self.loader is not self._plain else self._plain.destinations)
         self.expected = getattr(module, "expected", None) or self._plain.expected
         self.rx = WeightReceiver(device)
         self.delay_s = delay_s
@@ -110,7 +115,7 @@ class ReceiverServer:
                 time.sleep(self.delay_s)
             if self.gpu_delay_ms:  # a device busy before the copies: tests that the sender waits on the device
                 torch.cuda._sleep(int(self.gpu_delay_ms * 2e6))
-            return self.rx.update(msg["info"], self.loader)
+            return self.rx.update(msg["info"], self.loader, self.destinations)
         elif op == "finish":
             self.rx.finish(msg["version"], owner)
         elif op == "abort":

@@ -37,6 +37,7 @@ class Rig:
     chunk_bytes: int = 1 << 20
     delay: float = 0.3            # a slow receiver's sleep per update: the push is mid-broadcast for seconds
     fused: bool = False
+    protocol: str = "auto"        # CollectiveTransport(protocol=): "direct", "chunk" or "auto"
 
     def receiver(self, name: str, delay: float = 0.0) -> ReceiverProcess:
         return ReceiverProcess(self.specs_path, name=name, delay=delay, threads=1, device=self.rx_device,
@@ -44,7 +45,7 @@ class Rig:
 
     def transport(self) -> CollectiveTransport:
         dev = next(self.model.parameters()).device
-        return CollectiveTransport(self.backend, group_timeout=self.group_timeout, device=dev)
+        return CollectiveTransport(self.backend, group_timeout=self.group_timeout, device=dev, protocol=self.protocol)
 
     def sync(self, rx: ReceiverProcess, transport: CollectiveTransport | None = None) -> WeightSync:
         # Engine calls and stages get a longer timeout than the group: the group timeout must be what fires.

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ValidationError
-from ..pack import batched, dtype_from_name, dtype_name, fits
+from ..pack import TensorSpec, batched, dtype_from_name, dtype_name, fits
+from ..receiver import as_destination
 from .models import Spec, _fill_random
 
 # (fused parameter, HF projection, shard id), as vLLM's Qwen3/Llama `stacked_params_mapping`. Shards lie in
@@ -195,6 +196,11 @@ class FusedModel(torch.nn.Module):
             if small_dst:
                 torch._foreach_copy_(small_dst, small_src, non_blocking=True)
         return loaded
+
+    def destinations(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
+        """Where each HF tensor lands (`streamsync.receiver.Destinations`): the row slice of its fused parameter
+        (contiguous: rows of a row-major tensor), or its own parameter. Direct receives write there."""
+        return [as_destination(self._dst.get(s.name), s) for s in specs]
 
     # -- what a sender compares against ----------------------------------------------------------------
 

@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fused", action="store_true", help="hold vLLM-style fused parameters (streamsync.testing.fused)")
     ap.add_argument("--gpu-delay-ms", type=float, default=0.0, help="keep the GPU busy ~this long before each "
                     "update's copies (tests that a sender waits for the receiver on the device)")
+    ap.add_argument("--no-direct", action="store_true", help="name no destinations for direct receives (the "
+                    "loader copies every tensor out of the receive buffer, as in a vLLM engine)")
     ap.add_argument("--secret-file", help=f"without {SECRET_ENV}: generate a secret and write it to this new file")
     ap.add_argument("--max-wait", type=float, default=600.0, help="longest wait a client may ask for (seconds)")
     args = ap.parse_args(argv)
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
 
     prof = cProfile.Profile() if profile_to else None
     server = ReceiverServer(module, args.device, args.delay, args.gpu_delay_ms, secret=secret,
-                            max_wait_s=args.max_wait, profiler=prof)
+                            max_wait_s=args.max_wait, profiler=prof, direct=not args.no_direct)
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: every chunk is unmapped before exiting
         signal.signal(sig, lambda *_: server.stop())
     server.serve(args.host, args.port, ready=lambda port: print(f"LISTENING {port}", flush=True))
@@ -90,10 +92,11 @@ class ReceiverProcess:
 
     def __init__(self, specs_path: str, *, delay: float = 0.0, threads: int = 0, start_timeout: float = 60.0,
                  name: str = "receiver", device: str = "cpu", fused: bool = False, gpu_delay_ms: float = 0.0,
-                 tie: bool = False, host: str = "127.0.0.1") -> None:
+                 tie: bool = False, host: str = "127.0.0.1", direct: bool = True) -> None:
         cmd = [sys.executable, "-m", "streamsync.testing.receiver", "--specs", str(specs_path),
                "--delay", str(delay), "--threads", str(threads), "--device", device, "--host", host,
-               "--gpu-delay-ms", str(gpu_delay_ms)] + (["--fused"] if fused else []) + (["--tie"] if tie else [])
+               "--gpu-delay-ms", str(gpu_delay_ms)] + (["--fused"] if fused else []) + (["--tie"] if tie else []) \
+            + ([] if direct else ["--no-direct"])
         self.name = name
         self.device = device
         self.host = host

@@ -1,4 +1,4 @@
-"""Remote transport: one broadcast per packed chunk over a dedicated process group.
+"""Remote transport: broadcasts over a dedicated process group, one per tensor or one per packed chunk.
 
 The group holds the sending rank (rank 0) and every engine worker (ranks 1..N). It is made by a stateless
 rendezvous: the sender hosts a `TCPStore` (listening on `master_addr` only), every side builds a
@@ -9,23 +9,47 @@ per `WeightSync`).
 NCCL moves CUDA buffers between GPUs and nodes; gloo is the same code for CPU buffers (and also accepts
 CUDA tensors, staging them through host memory). NCCL cannot put two ranks on one GPU.
 
-Per chunk, `send` starts every engine's update call and the sender's broadcast together: an engine's
-update enters the matching broadcast into its own buffer, loads the chunk, and returns. Broadcasts are
-issued in chunk order on every rank (the send stage is sequential); each handle carries a sequence number
-so a receiver that got out of step refuses before it enters a collective.
+Per chunk, `send` starts every engine's update call and the sender's broadcasts together: an engine's
+update enters the matching broadcasts, loads what it must, and returns. Broadcasts are issued in chunk order
+on every rank (the send stage is sequential); each handle carries a sequence number so a receiver that got
+out of step refuses before it enters a collective, and the protocol, which the receiver checks:
+
+* "direct" (NCCL's default): one broadcast per tensor of the chunk's layout (tensors of no bytes have none),
+  in layout order, all of a chunk's in one NCCL group (`ncclGroupStart`/`End` through the backend's
+  coalescing: one launch). The sender broadcasts a tensor from the trainer's memory when it is on the group's
+  device, contiguous and of the layout's dtype; the others (strided views, casts) are first copied into a
+  scratch buffer of their size. The receiver posts the same broadcasts, each into the tensor's destination
+  where its loader names one (`receiver.Destinations`: a parameter, or a row slice of a fused one) and into
+  its slot of a receive buffer otherwise (then the loader copies it, as vLLM's `load_weights` needs). Both
+  sides derive the ops from the layout alone, so they agree on count, order and sizes. No copy on either
+  side where nothing needs one: the copies used to overlap the broadcasts and slow them (SMs and HBM).
+  Small tensors (norms, biases) get a broadcast each too: inside one group they cost a work element of the
+  one launch, not a launch, and batching them would need the copies this protocol removes.
+* "chunk": the chunk is packed into one pool buffer and broadcast once into a receive buffer; the loader
+  copies every tensor out. gloo's default (a broadcast there costs a TCP round trip).
 
 With NCCL nothing waits on a host for a copy or a broadcast in the middle of a push; streams wait on events:
 
-  sender    pack stream:   [sent(i-w) of this buffer] pack i -> ready(i)
-            comm stream:   [ready(i)] broadcast i -> sent(i)         (launched from a worker thread)
-            send(i) returns when every engine acknowledged and broadcast i-1 finished (the last chunk: i)
-  receiver  recv stream:   [free(slot)] broadcast i into slot i % 2 -> got(i)
-            load stream:   [got(i)] copies into the parameters -> free(slot)   (the update returns here)
-            end of round:  waits (bounded) for both streams before the new version is reported
+  direct    sender    pack stream:  [producer] copies of strided/cast tensors into scratch -> ready(i)
+                      comm stream:  [ready(i)] group of broadcasts i -> sent(i)       (from a worker thread)
+            receiver  recv stream:  [free(slot) if any tensor is staged; the engine's stream if any goes into
+                                    a parameter] group of broadcasts i -> got(i)
+                      load stream:  [got(i)] copies of the staged tensors -> free(slot)  (the update returns)
+  chunk     sender    pack stream:  [sent(i-w) of this buffer] pack i -> ready(i)
+                      comm stream:  [ready(i)] broadcast i -> sent(i)
+            receiver  recv stream:  [free(slot)] broadcast i into slot i % 2 -> got(i)
+                      load stream:  [got(i)] copies into the parameters -> free(slot)
+  both      send(i) returns when every engine acknowledged and broadcast i-1 finished (the last chunk: i, so
+            the trainer may change its weights once the push returned); every tensor a broadcast reads is
+            marked used by the comm stream, so a failed push that drops it frees nothing still read.
+            end of round: waits (bounded) for the receive and load streams before the new version is reported
 
-So the pack of chunk i+1 and the receiver's unpack of chunk i-1 overlap broadcast i, and the receiver
-posts the next broadcast into its second buffer while it still unpacks the previous one. gloo keeps the
-plain protocol (each side waits for its broadcast in a thread; the receiver loads, then acknowledges).
+So the next chunk's pack and the receiver's loads of the previous one overlap broadcast i, and the receiver
+posts the next broadcast into its second buffer while it still unpacks the previous one. A direct receive
+writes live parameters from the receive stream: the round is marked dirty before it is posted (a push that
+fails after that leaves the engine reporting mixed weights), and the engine's stream waits for it. gloo (and
+`ordering="host"`) keeps the plain protocol: each side waits for its broadcasts in a thread; the receiver
+loads, then acknowledges.
 
 Nothing waits forever: the rendezvous, every collective and every acknowledgement have the group timeout,
 and the sender's blocking calls run in worker threads that a failed push abandons. NCCL groups are built
@@ -55,7 +79,7 @@ import torch
 
 from ..errors import EngineError, TransportError, ValidationError
 from ..log import get_logger
-from ..pack import Layout, pack_into, unpack
+from ..pack import Layout, TensorMeta, align_up, byte_view, dtype_from_name, fits, pack_into, unpack
 from ..sources.base import ChunkPlan
 from .base import Receiver, SendBuffer, Transport
 from .pool import BufferPool, PoolBuffer
@@ -64,6 +88,7 @@ if TYPE_CHECKING:
     from ..engines.base import Engine
 
 BACKENDS = ("gloo", "nccl")
+PROTOCOLS = ("direct", "chunk")
 CLOSE_TIMEOUT = 10.0
 T = TypeVar("T")
 
@@ -196,6 +221,85 @@ def launch_broadcast(pg: Any, tensor: torch.Tensor, stream: torch.cuda.Stream,
     return done
 
 
+def _sendable(t: torch.Tensor, meta: TensorMeta, device: torch.device) -> bool:
+    """Whether the direct protocol broadcasts `t` from where it lies: on the group's device, contiguous, of the
+    layout's dtype and shape (or a blocked view of it, `pack.fits`: same row-major bytes)."""
+    return (t.device == device and t.is_contiguous() and t.dtype == dtype_from_name(meta.dtype)
+            and not t.is_conj() and not t.is_neg()
+            and (tuple(t.shape) == meta.shape or fits(t, meta.shape)))
+
+
+def _coalesces(pg: Any) -> bool:
+    """Whether the backend groups collectives issued between `_start_coalescing()` and `_end_coalescing()` into
+    one launch. ProcessGroupNCCL does (ncclGroupStart/End, one Work for the group); gloo does not."""
+    try:
+        return bool(getattr(pg, "supports_coalescing", False)) and hasattr(pg, "_start_coalescing")
+    except RuntimeError:
+        return False
+
+
+def post_broadcasts(pg: Any, tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Issue one broadcast from rank 0 per tensor, in order; returns the Works to wait for.
+
+    Where the backend coalesces (NCCL) the broadcasts form one group: `ncclGroupStart`, one `ncclBroadcast`
+    per tensor, `ncclGroupEnd`, i.e. one kernel launch for all of them and one Work that ends when the last
+    one did (torch's `_coalescing_manager` makes the same calls through a registered `ProcessGroup`; this
+    backend object is not registered, so its own `_start_coalescing`/`_end_coalescing` are called, which take
+    no device). Each broadcast in the group still waits for the current stream (torch's syncStream), so the
+    caller queues its waits on that stream first. Elsewhere (gloo) one async broadcast per tensor: gloo
+    matches them by the tag each gets at issue, so every rank issuing them in the same order is enough.
+    Every rank must pass tensors of the same byte sizes in the same order (the layout decides both)."""
+    if not tensors:
+        return []
+    if len(tensors) > 1 and _coalesces(pg):
+        pg._start_coalescing()
+        try:
+            for t in tensors:
+                pg.broadcast([t], _bcast_opts())  # inside the group its own Work is not waited for: the group's is
+        except BaseException:
+            try:  # leave the group (ncclGroupEnd), or every later collective of this thread is swallowed
+                pg._end_coalescing()
+            except Exception:
+                pass
+            raise
+        work = pg._end_coalescing()
+        return [] if work is None else [work]
+    return [pg.broadcast([t], _bcast_opts()) for t in tensors]
+
+
+def broadcast_all(pg: Any, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream | None = None) -> None:
+    """Blocking broadcasts from rank 0 of every tensor (the host-ordered direct protocol). CUDA tensors:
+    returns when the bytes are in place on the device."""
+    if not tensors or not tensors[0].is_cuda:
+        for w in post_broadcasts(pg, tensors):
+            w.wait()
+        return
+    with torch.cuda.device(tensors[0].device):
+        s = stream or torch.cuda.current_stream(tensors[0].device)
+        with torch.cuda.stream(s):
+            for w in post_broadcasts(pg, tensors):
+                w.wait()
+        s.synchronize()
+
+
+def launch_broadcasts(pg: Any, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream,
+                      after: Sequence[torch.cuda.Event | None] = ()) -> torch.cuda.Event:
+    """Queue the broadcasts of CUDA tensors (one NCCL group) behind the events `after` on `stream`; returns
+    the event that marks their end. Blocks no host. Every tensor is marked used by `stream` (after `stream`
+    waited for the group), so memory freed meanwhile is not reused before the broadcasts read or wrote it."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        for ev in after:
+            if ev is not None:
+                stream.wait_event(ev)
+        for w in post_broadcasts(pg, tensors):
+            w.wait()  # `stream` waits for NCCL's stream
+        for t in tensors:
+            t.record_stream(stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
+
+
 class Stalled(TransportError):
     """A collective did not finish in time: a peer died or froze."""
 
@@ -261,6 +365,12 @@ class CollectiveTransport(Transport):
     ordering: "device" (NCCL with CUDA buffers: streams wait on events, module doc) or "host" (each side
     waits for every broadcast and copy on the host, the first version's protocol; kept for comparison). Each
     handle says which, so it may change between pushes.
+    protocol: "direct" (one broadcast per tensor, all of a chunk's in one NCCL group, straight from the
+    trainer's tensors where they are contiguous and of the layout's dtype, straight into the receiver's
+    parameters where its loader names them: module doc), "chunk" (pack the chunk into one buffer, one
+    broadcast, the receiver's loader copies out of its receive buffer) or "auto" (direct on NCCL, chunk on
+    gloo, where a broadcast costs a TCP round of its own). Each handle says which, so it may change between
+    pushes.
     An engine with several workers says so with an int attribute `workers` (default 1)."""
 
     name = "collective"
@@ -268,12 +378,15 @@ class CollectiveTransport(Transport):
     def __init__(self, backend: str = "auto", *, master_addr: str = "127.0.0.1", master_port: int = 0,
                  device: torch.device | str | None = None, keep_pool: bool = True,
                  group_timeout: float | None = None, close_timeout: float = CLOSE_TIMEOUT,
-                 ordering: str = "device") -> None:
+                 ordering: str = "device", protocol: str = "auto") -> None:
         if backend not in (*BACKENDS, "auto"):
             raise ValidationError(f"collective backend must be one of {(*BACKENDS, 'auto')}, got {backend!r}")
         if ordering not in ("device", "host"):
             raise ValidationError(f"ordering must be 'device' or 'host', got {ordering!r}")
+        if protocol not in (*PROTOCOLS, "auto"):
+            raise ValidationError(f"protocol must be one of {(*PROTOCOLS, 'auto')}, got {protocol!r}")
         self.ordering = ordering
+        self.protocol = protocol
         self.backend = backend
         self.master_addr = master_addr
         self.master_port = master_port
@@ -385,11 +498,27 @@ class CollectiveTransport(Transport):
         self._last_chunk = max(p.index for p in plans)
         self._prev_sent = None
 
+    @property
+    def chunk_protocol(self) -> str:
+        """The protocol of the chunks allocated now ("direct" or "chunk"; `protocol` resolved)."""
+        if self.protocol != "auto":
+            return self.protocol
+        return "direct" if getattr(self, "_backend", self.backend) == "nccl" else "chunk"
+
     def allocate(self, chunk: ChunkPlan, push_id: str) -> SendBuffer:
+        if self.chunk_protocol == "direct":
+            # No pool buffer: `pack` makes a scratch buffer only for the tensors that cannot be sent as they are.
+            # `nbytes` counts the chunk: its scratch plus the converted tensors it keeps alive until its
+            # broadcast ran stay within it.
+            empty = torch.empty(0, dtype=torch.uint8, device=self.device)
+            return SendBuffer(chunk.index, chunk.nbytes, empty, {"nbytes": chunk.nbytes}, {"direct": True})
         pb = self.pool.take(chunk.nbytes)
         return SendBuffer(chunk.index, pb.size, pb.tensor[: chunk.nbytes], {"nbytes": chunk.nbytes}, {"pb": pb})
 
     async def pack(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+        if buf.state.get("direct"):
+            await self._pack_direct(buf, layout, tensors)
+            return
         if self._streamed(buf.tensor):
             self._pack_streamed(buf, layout, tensors)
             return
@@ -420,6 +549,62 @@ class CollectiveTransport(Transport):
                     ready = pb.extra["ready"] = torch.cuda.Event()
                 ready.record(stream)
 
+    async def _pack_direct(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+        """The direct protocol's pack: decide per tensor whether it is broadcast from where it is, copy the others
+        (strided views, casts, tensors on another device) into a scratch buffer of their size, and keep, in
+        layout order, the flat byte view each broadcast will read (`buf.state["sends"]`).
+
+        Device-ordered: the copies are queued on the pack stream behind the producer's stream and `ready`
+        marks both (the producer's writes of the tensors sent as they are, and the copies); returns at once.
+        Otherwise the copies and the producer's writes have finished when this returns."""
+        if len(tensors) != len(layout.metas):
+            raise ValidationError(f"{len(tensors)} tensors for a layout of {len(layout.metas)}")
+        dev = buf.tensor.device
+        direct = [_sendable(t, m, dev) for t, m in zip(tensors, layout.metas, strict=True)]
+        copy_metas, copy_tensors, offset = [], [], 0
+        for t, m, d in zip(tensors, layout.metas, direct, strict=True):
+            if not d and m.nbytes:
+                copy_metas.append(TensorMeta(m.name, m.dtype, m.shape, offset, m.nbytes, m.part))
+                copy_tensors.append(t)
+                offset = align_up(offset + m.nbytes)
+        sub = Layout(tuple(copy_metas), offset)
+        scratch: torch.Tensor | None = None
+        streamed = self._streamed(buf.tensor)
+        if streamed:
+            with torch.cuda.device(dev):
+                producer = torch.cuda.current_stream(dev)
+                ready = torch.cuda.Event()
+                if copy_metas:
+                    stream = self._side_stream(dev)
+                    stream.wait_stream(producer)
+                    with torch.cuda.stream(stream):
+                        scratch = torch.empty(offset, dtype=torch.uint8, device=dev)
+                        pack_into(scratch, sub, copy_tensors)
+                        for t in copy_tensors:  # conversion temporaries may be freed before these copies ran
+                            if t.is_cuda:
+                                t.record_stream(stream)
+                        ready.record(stream)
+                else:
+                    ready.record(producer)
+            buf.state["ready"] = ready
+        elif copy_metas:
+            scratch = torch.empty(offset, dtype=torch.uint8, device=dev)
+            await Transport.pack(self, SendBuffer(buf.chunk, offset, scratch, {}), sub, copy_tensors)
+        if not streamed:  # the host protocol: every device write of what is broadcast has finished
+            for d in {t.device for t in tensors if t.is_cuda}:
+                await anyio.to_thread.run_sync(torch.cuda.current_stream(d).synchronize)
+        sends, k = [], 0
+        for t, m, d in zip(tensors, layout.metas, direct, strict=True):
+            if not m.nbytes:
+                continue  # nothing to move; the receiver skips it too
+            if d:
+                sends.append(byte_view(t.detach()))
+            else:
+                sends.append(scratch[copy_metas[k].offset: copy_metas[k].offset + m.nbytes])  # type: ignore[index]
+                k += 1
+        buf.state["sends"] = sends
+        buf.state["scratch"] = scratch
+
     async def send(self, buf: SendBuffer, update_info: dict[str, Any], engines: Sequence[Engine]) -> None:
         if self._pg is None:
             raise TransportError("collective transport is not connected")
@@ -430,14 +615,25 @@ class CollectiveTransport(Transport):
         self._seq += 1
         chunk = update_info.get("chunk")
         streamed = self._streamed(buf.tensor)
-        info = {**update_info, "handle": {"group": self._group, "seq": seq, "nbytes": buf.tensor.numel(),
-                                          "device_ordered": streamed}}
+        direct = bool(buf.state.get("direct"))
+        nbytes = int(buf.handle["nbytes"]) if direct else buf.tensor.numel()
+        info = {**update_info, "handle": {"group": self._group, "seq": seq, "nbytes": nbytes,
+                                          "device_ordered": streamed, "protocol": "direct" if direct else "chunk"}}
         pending = {e.name for e in engines}
         ok = False
 
         async def bcast() -> None:
             try:
-                if streamed:
+                if direct and streamed:
+                    sent = await _in_thread(launch_broadcasts, self._pg, buf.state["sends"],
+                                            self._side_stream_for(buf.tensor), (buf.state["ready"],))
+                    for ev in (self._prev_sent, sent if chunk == self._last_chunk else None):
+                        if ev is not None:
+                            await _in_thread(wait_event, ev, self._timeout, f"broadcast before chunk {chunk}")
+                    self._prev_sent = sent
+                elif direct:
+                    await _in_thread(broadcast_all, self._pg, buf.state["sends"], self._side_stream_for(buf.tensor))
+                elif streamed:
                     pb: PoolBuffer = buf.state["pb"]
                     comm = self._side_stream_for(buf.tensor)
                     pb.extra["sent"] = sent = await _in_thread(launch_broadcast, self._pg, buf.tensor, comm,
@@ -483,6 +679,10 @@ class CollectiveTransport(Transport):
         return self._stream
 
     def free(self, buf: SendBuffer) -> None:
+        # The direct protocol's tensors and scratch: marked used by the broadcast's stream (launch_broadcasts),
+        # so dropping them here, even with the broadcast still queued, frees nothing it reads.
+        for key in ("sends", "scratch", "ready"):
+            buf.state.pop(key, None)
         pb: PoolBuffer | None = buf.state.pop("pb", None)
         if pb is not None:
             buf.tensor = torch.empty(0, dtype=torch.uint8)
@@ -618,7 +818,17 @@ class CollectiveReceiver(Receiver):
         return buf[:nbytes]
 
     @contextmanager
-    def open(self, update_info: dict[str, Any], nbytes: int | None = None) -> Iterator[torch.Tensor]:
+    def open(self, update_info: dict[str, Any], nbytes: int | None = None, *, layout: Layout | None = None,
+             targets: list[torch.Tensor | None] | None = None,
+             before_write: Callable[[], None] | None = None) -> Iterator[torch.Tensor]:
+        """Receive the chunk; yield its receive buffer (module doc).
+
+        Direct protocol (the handle says so): needs the chunk's `layout`, and receives tensor i into
+        `targets[i]` where that is given (the whole tensor or, for a part, its rows of the destination: a
+        contiguous tensor of the meta's dtype and shape on this receiver's device), into its slot of the receive
+        buffer otherwise. On entry `targets[i]` is left set exactly where tensor i was (or is queued to be)
+        written there: those the caller must not load again; the others are set to None (the chunk protocol sets
+        them all to None). `before_write` is called before anything is written into a target."""
         h = update_info.get("handle")
         if not isinstance(h, dict):
             raise ValidationError(f"collective handle must be {{group, seq, nbytes}}, got {h!r:.200}")
@@ -634,8 +844,25 @@ class CollectiveReceiver(Receiver):
         ordered = h.get("device_ordered", False)
         if type(ordered) is not bool:
             raise ValidationError(f"collective handle device_ordered must be a bool, got {ordered!r:.40}")
+        protocol = h.get("protocol", "chunk")
+        if protocol not in PROTOCOLS:
+            raise ValidationError(f"collective handle protocol must be one of {PROTOCOLS}, got {protocol!r:.40}")
+        if protocol == "direct" and layout is None:
+            raise ValidationError(f"collective chunk {seq} uses the direct protocol: its receiver must pass the "
+                                  "chunk's layout to open (one broadcast per tensor)")
+        if layout is not None and layout.nbytes != size:
+            raise ValidationError(f"collective chunk {seq} is {size} bytes, its layout {layout.nbytes}")
+        if targets is not None and layout is not None and len(targets) != len(layout.metas):
+            raise ValidationError(f"{len(targets)} targets for a layout of {len(layout.metas)} tensors")
         if self._pg is None:
             raise TransportError("collective receiver is closed")
+        if protocol == "direct":
+            assert layout is not None
+            with self._open_direct(seq, layout, targets, before_write, ordered and self._nccl) as buf:
+                yield buf
+            return
+        if targets is not None:  # the chunk protocol writes nothing but its receive buffer
+            targets[:] = [None] * len(targets)
         if ordered and self._nccl:
             with self._open_streamed(seq, size) as buf:
                 yield buf
@@ -675,6 +902,68 @@ class CollectiveReceiver(Receiver):
             # The ack: the loader's copies are queued on `load`; the next broadcast into this slot waits for them.
             ev = self._free[slot] = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
+
+    def _accepts(self, target: torch.Tensor | None, meta: TensorMeta) -> bool:
+        return (target is not None and target.device == self.device and target.is_contiguous()
+                and target.dtype == dtype_from_name(meta.dtype) and tuple(target.shape) == meta.shape)
+
+    @contextmanager
+    def _open_direct(self, seq: int, layout: Layout, targets: list[torch.Tensor | None] | None,
+                     before_write: Callable[[], None] | None, streamed: bool) -> Iterator[torch.Tensor]:
+        """One broadcast per tensor of the layout (none for an empty one), in layout order, as the sender posts
+        them: into its target where one is given and fits, else into its slot of the receive buffer (made only
+        if some tensor lands there). Device-ordered (NCCL): one group on the receive stream behind the slot's
+        last loads (staged tensors) and the current stream's work (targets: nothing queued before this chunk on
+        the engine's stream still reads or writes them); the current stream waits for the group."""
+        metas = layout.metas
+        tg: list[torch.Tensor | None] = targets if targets is not None else [None] * len(metas)
+        for i, m in enumerate(metas):
+            if tg[i] is not None and not self._accepts(tg[i], m):
+                tg[i] = None
+        staged = any(t is None and m.nbytes for t, m in zip(tg, metas, strict=True))
+        slot = seq % self.SLOTS
+        buf = (self._buffer(slot, layout.nbytes) if staged
+               else torch.empty(0, dtype=torch.uint8, device=self.device))
+        recvs = [byte_view(t) if t is not None else buf[m.offset: m.offset + m.nbytes]
+                 for t, m in zip(tg, metas, strict=True) if m.nbytes]
+        writes = any(t is not None for t in tg)
+        if writes and before_write is not None:
+            before_write()
+        self._seq += 1
+        if not streamed:
+            if self._queued:  # the host protocol right after device-ordered chunks: their work is done first
+                self._drain()
+            try:
+                broadcast_all(self._pg, recvs)
+            except RuntimeError as e:
+                raise TransportError(f"broadcast of chunk {seq} failed: {e}") from e
+            try:
+                yield buf
+            finally:
+                if buf.is_cuda:  # the loader's copies out of the buffer finish before the ack
+                    torch.cuda.current_stream(buf.device).synchronize()
+            return
+        if self._recv_stream is None:
+            self._recv_stream = torch.cuda.Stream(self.device)
+        self._queued = True
+        load = torch.cuda.current_stream(self.device)
+        after: list[torch.cuda.Event | None] = [self._free[slot] if staged else None]
+        if writes:
+            engine = torch.cuda.Event()
+            engine.record(load)
+            after.append(engine)
+        try:
+            got = launch_broadcasts(self._pg, recvs, self._recv_stream, after)
+        except RuntimeError as e:
+            raise TransportError(f"broadcast of chunk {seq} failed: {e}") from e
+        self._load_streams.add(load)
+        load.wait_event(got)
+        try:
+            yield buf
+        finally:
+            if staged:  # the ack: the next broadcast into this slot waits for the loader's copies
+                ev = self._free[slot] = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
 
     def views(self, buf: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
         """The chunk's views, made once per (receive buffer, layout): a steady push unpacks nothing."""
