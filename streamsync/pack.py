@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
@@ -237,3 +238,59 @@ BATCH_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 def batched(t: torch.Tensor) -> bool:
     """Whether `t` goes into the batched copy (small, common float dtype)."""
     return t.dtype in BATCH_DTYPES and t.numel() * t.element_size() < BATCH_BELOW
+
+
+# ------------------------------------------------------------------------------------ engine layouts
+
+
+@dataclass(frozen=True, slots=True)
+class Fusion:
+    """A tensor an engine holds as one (vLLM's `qkv_proj`, `gate_up_proj`, FusedMoE's stacked `w13_weight`
+    [E, 2I, H] and `w2_weight` [E, H, I]) whose bytes are its HF members laid end to end, in this order."""
+
+    name: str
+    members: tuple[str, ...]
+    shape: tuple[int, ...]
+
+
+def fusions_from_json(obj: object) -> dict[str, Fusion]:
+    """An engine's fusions, sent as {fused name: [[member, ...], shape]}, keyed by their first member."""
+    if not isinstance(obj, dict):
+        raise ValidationError(f"fused layout must be a dict, got {type(obj).__name__}")
+    out: dict[str, Fusion] = {}
+    for name, v in obj.items():
+        try:
+            members, shape = v
+            f = Fusion(str(name), tuple(str(m) for m in members), tuple(int(d) for d in shape))
+        except (TypeError, ValueError) as e:
+            raise ValidationError(f"fused tensor {name!r:.80}: malformed entry {v!r:.120}: {e}") from None
+        if not f.members or any(d < 0 for d in f.shape):
+            raise ValidationError(f"fused tensor {name!r:.80} has no members or a negative shape")
+        out[f.members[0]] = f
+    return out
+
+
+def fuse_layout(layout: Layout, fusions: dict[str, Fusion]) -> Layout | None:
+    """`layout` with every run of metas that is exactly a fusion's members, in order, of one dtype, whole (no
+    parts) and end to end in the buffer, replaced by one meta of the fused tensor: the engine receives a layer
+    as a few large tensors instead of hundreds. None when nothing fuses (the layout goes as it is)."""
+    metas = layout.metas
+    out: list[TensorMeta] = []
+    i = fused = 0
+    while i < len(metas):
+        m = metas[i]
+        f = fusions.get(m.name)
+        k = len(f.members) if f is not None else 0
+        run = metas[i:i + k]
+        if (f is not None and len(run) == k and all(r.name == n for r, n in zip(run, f.members, strict=True))
+                and all(r.part is None and r.dtype == m.dtype for r in run)
+                and all(a.offset + a.nbytes == b.offset for a, b in pairwise(run))):
+            nbytes = sum(r.nbytes for r in run)
+            if TensorSpec(f.name, dtype_from_name(m.dtype), f.shape).nbytes == nbytes:
+                out.append(TensorMeta(f.name, m.dtype, f.shape, m.offset, nbytes))
+                i += k
+                fused += 1
+                continue
+        out.append(m)
+        i += 1
+    return Layout(tuple(out), layout.nbytes) if fused else None

@@ -29,8 +29,8 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from .engines.base import Engine
 from .errors import EngineError, PushError, ValidationError
-from .pack import castable, dtype_name, fits
-from .sources.base import ChunkPlan, Source
+from .pack import Layout, castable, dtype_name, fits, fuse_layout
+from .sources.base import ChunkPlan, Source, layout_key
 from .trace import Trace
 from .transports.base import SendBuffer, Transport
 
@@ -70,6 +70,7 @@ class Push:
     owner: str | None = None  # the WeightSync's id: every update_info carries it (receivers refuse others)
     sent_any: bool = False  # a chunk was handed to the engines: a failed push may have left them mixed
     convert_kwargs: dict[str, Any] = field(default_factory=dict)
+    engine_layout: bool = True  # engines with `fusions` get fused tensors (pack.fuse_layout)
     bytes_alive: int = 0
     peak_bytes: int = 0
     chunks_alive: int = 0
@@ -327,23 +328,50 @@ async def _send(push: Push, w: Work) -> None:
     if w.plan.index in push.hold:  # layers that continue in a later chunk: receivers must not keep views
         info["hold"] = push.hold[w.plan.index]
     push.sent_any = True
-    await push.transport.send(w.buf, info, [_TracedEngine(e, push.trace, w.plan) for e in push.engines])
+    await push.transport.send(w.buf, info, [_TracedEngine(e, push.trace, w.plan, push.engine_layout)
+                                            for e in push.engines])
+
+
+def engine_layout(engine: Engine, update_info: dict[str, Any]) -> dict[str, Any]:
+    """`update_info` with its layout converted to the engine's fused tensors (`pack.fuse_layout`), where the
+    engine has fusions and some run of the chunk's packed tensors makes one up. Cached per layout key."""
+    fusions = getattr(engine, "fusions", None)
+    key = update_info.get("layout_key")
+    if not fusions or not isinstance(key, str):
+        return update_info
+    cache: dict[str, tuple[dict, str] | None] = engine.__dict__.setdefault("_fused_layouts", {})
+    hit = cache.get(key, False)
+    if hit is False:
+        raw = update_info.get("layout")
+        fused = fuse_layout(Layout.from_json(raw), fusions) if isinstance(raw, dict) else None
+        if len(cache) > 4096:
+            cache.clear()
+        hit = cache[key] = None
+        if fused is not None:
+            js = fused.to_json()
+            hit = cache[key] = (js, layout_key(js))
+    if hit is None:
+        return update_info
+    return {**update_info, "layout": hit[0], "layout_key": hit[1]}
 
 
 class _TracedEngine:
     """An engine whose `update` records a send span of its own: one lane per engine in the trace, so a slow
-    engine shows. Everything else is the engine's (transports read `name`, `device`, ...)."""
+    engine shows; and that gets the chunk in its own fused layout where it has one (`engine_layout`).
+    Everything else is the engine's (transports read `name`, `device`, ...)."""
 
-    __slots__ = ("_engine", "_plan", "_trace")
+    __slots__ = ("_engine", "_fuse", "_plan", "_trace")
 
-    def __init__(self, engine: Engine, trace: Trace, plan: ChunkPlan) -> None:
-        self._engine, self._trace, self._plan = engine, trace, plan
+    def __init__(self, engine: Engine, trace: Trace, plan: ChunkPlan, fuse: bool = True) -> None:
+        self._engine, self._trace, self._plan, self._fuse = engine, trace, plan, fuse
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
     async def update(self, update_info: dict[str, Any]) -> None:
         start = self._trace.now()
+        if self._fuse:
+            update_info = engine_layout(self._engine, update_info)
         try:
             await self._engine.update(update_info)
         finally:

@@ -24,7 +24,7 @@ from .errors import EngineError, PushError, PushTimeout, StreamSyncError, Valida
 from .log import get_logger
 from .metrics import DEFAULT as DEFAULT_METRICS
 from .metrics import Metrics
-from .pack import dtype_name
+from .pack import dtype_name, fusions_from_json
 from .sources import Source, as_source
 from .sources.base import ChunkPlan
 from .trace import Trace
@@ -145,6 +145,10 @@ class WeightSync:
                   (default). One reduction per tensor on this rank (a few ms for an 8B model on an H200,
                   ~0.1 s per GB on CPU); False skips it. A Megatron rank that finds one raises at once; the
                   sender then fails at its gather timeout.
+    engine_layout: engines that say which of their tensors are fused (`fused_layout()`: vLLM-style
+                  `qkv_proj`, `gate_up_proj`, stacked MoE experts `w13_weight`/`w2_weight`) get each run of
+                  packed HF tensors that makes up one of them as that one tensor: an MoE layer arrives as a
+                  few large tensors instead of hundreds. The bytes are the same; other engines keep HF names.
     reset_prefix_cache: after every engine finished the round, reset its prefix cache, so no later request
                   reuses KV computed under the old weights (default). With False, a request whose prompt
                   shares a cached prefix (one cache block or more) with an earlier one is answered from KV
@@ -171,6 +175,7 @@ class WeightSync:
         reset_prefix_cache: bool = True,
         check_finite: bool = True,
         trace_live: bool | str = False,
+        engine_layout: bool = True,
     ) -> None:
         if max_inflight < 1:
             raise ValidationError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -201,6 +206,7 @@ class WeightSync:
         self.source_options = dict(source_options or {})
         self.reuse_plan = reuse_plan
         self.reset_prefix_cache = reset_prefix_cache
+        self.engine_layout = engine_layout
         self.check_finite = check_finite
         self._plan_cache: tuple[tuple[int | None, ...], object, Source, list[ChunkPlan]] | None = None
         self._hold_cache: tuple[list[ChunkPlan], dict[int, list[str]]] | None = None
@@ -258,6 +264,12 @@ class WeightSync:
                         exp = await e.expected_weights()
                     if exp is not None:
                         self._expected[e.name] = exp
+                    fused = getattr(e, "fused_layout", None)
+                    if fused is not None:  # the engine's own layout, which pushes may convert into
+                        with anyio.fail_after(self.timeout):
+                            layout = await fused()
+                        e.fusions = fusions_from_json(layout) if layout else None
+                        e.__dict__.pop("_fused_layouts", None)  # converted layouts of the previous connection
                     with anyio.fail_after(self.timeout):
                         v = await e.get_version()
                     if v is not None:
@@ -495,7 +507,7 @@ class WeightSync:
                 push_id=push_id, version=version, source=source, transport=self.transport,
                 engines=self.engines, plans=plans, trace=trace, max_inflight=window,
                 timeout=self.timeout, faults=self.faults, hold=self._hold(plans), owner=self.owner,
-                on_chunk=self._chunk_hook(push_id, version, plans, log),
+                on_chunk=self._chunk_hook(push_id, version, plans, log), engine_layout=self.engine_layout,
             )
             sending = source.is_sender and bool(self.engines)
             push_range = pipeline.ProfilerRange(f"streamsync.push v{version}").__enter__()

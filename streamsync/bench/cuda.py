@@ -325,7 +325,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         os.environ["STREAMSYNC_RECEIVER_PROFILE"] = str(rx_profile)
     with ReceiverProcess(str(specs_path), device=_DEV.type, fused=True, start_timeout=600, name=f"rx-{key}") as rp:
         engine = rp.engine(timeout=600)
-        paths = [p for p in args.paths if _cuda() or p == "packed"]  # one copy is CUDA IPC only
+        paths = [p for p in args.paths if _cuda() or p != "one_copy"]  # one copy is CUDA IPC only
         version = 0
 
         def next_version() -> int:
@@ -338,7 +338,8 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         cold: dict[str, dict[str, Any]] = {}
         for path in paths:
             t_cold = _transport(one_copy=path == "one_copy")
-            s_cold = WeightSync([engine], transport=t_cold, chunk_bytes=chunk, timeout=600, check_finite=False)
+            s_cold = WeightSync([engine], transport=t_cold, chunk_bytes=chunk, timeout=600, check_finite=False,
+                                engine_layout=path != "packed")
             s_cold.version = version
             _sync()
             t0 = time.perf_counter()
@@ -404,6 +405,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         for pi, path in enumerate(paths):
             if _cuda():
                 transport.one_copy = path == "one_copy"
+            sync.engine_layout = path != "packed"
             getattr(transport, "release_pool", lambda: None)()
             # First pushes: the pool grows to the window (1, then 4); their peaks are the memory figures.
             _, peak1, _ = await push(1)
@@ -460,6 +462,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         sweeps += [("one_copy", "ref_bytes", m) for m in args.ref_sweep_mib if "one_copy" in paths]
         for path, knob, mib in sweeps:
             transport.one_copy = path == "one_copy"
+            sync.engine_layout = path != "packed"
             if knob == "chunk_bytes":
                 sync.chunk_bytes = int(mib * MiB)
             else:
@@ -612,9 +615,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--trace-dir", type=Path)
-    ap.add_argument("--paths", type=lambda s: s.split(","), default=["one_copy", "packed"],
+    ap.add_argument("--paths", type=lambda s: s.split(","), default=["one_copy", "packed", "engine_layout"],
                     help="data paths to measure, the first is the default: one_copy (tensors that are views of "
-                    "trainer storages go by CUDA IPC reference), packed (every tensor packed)")
+                    "trainer storages go by CUDA IPC reference; the rest packed, in the engine's layout), packed "
+                    "(every tensor packed, HF names), engine_layout (every tensor packed; runs that make up one of "
+                    "the receiver's fused tensors go as that tensor)")
     ap.add_argument("--profile", type=int, default=0, help="profile this many window-4 pushes on the sender "
                     "(cProfile) and print where its host time goes")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run of this script (use --models tiny,tiny-moe)")

@@ -65,6 +65,9 @@ class Engine(ABC):
     owner: str | None = None
     #: "cpu" or "cuda:<uuid>"-style location, used to pick a transport when transport="auto".
     device: str = "cpu"
+    #: the engine's fused tensors by first HF member (`pack.Fusion`), set at connect from `fused_layout()`
+    #: where the engine has one: pushes then send a run of HF tensors as the one tensor it makes up.
+    fusions: dict | None = None
     #: the engine runs on another host (or GPU) than the sender: with transport="auto" only the collective
     #: transport reaches it (shared memory and CUDA IPC need the sender's host)
     remote: bool = False

@@ -126,6 +126,9 @@ class ReceiverServer:
             return {"version": self.rx.clean_version, "last_version": self.rx.version,
                     "updating": self.rx.updating, "dirty": self.rx.dirty,
                     "mixed": self.rx.dirty and not self.rx.updating, "paused": self.paused, "pid": os.getpid()}
+        elif op == "fused_layout":  # the engine's own layout a sender may convert into (pack.fuse_layout)
+            fused = getattr(self.module, "fused_layout", None)
+            return fused() if fused is not None else None
         elif op == "weight_info":
             return {n: [d, list(s)] for n, (d, s) in self.expected().items()}
         elif op == "checksums":
@@ -414,6 +417,11 @@ class ReceiverEngine(Engine):
     async def state(self) -> EngineState:
         st = await self.call("status")
         return EngineState(st["version"], mixed=bool(st.get("mixed")), updating=bool(st["updating"]))
+
+    async def fused_layout(self) -> dict[str, Any] | None:
+        """The receiver's fused tensors and their HF members ({name: [[members], shape]}), None if it takes
+        HF names only."""
+        return await self.call("fused_layout")
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         info = await self.call("weight_info")

@@ -319,6 +319,8 @@ class MegatronSource(Source):
 
         self.coords, self.groups = topology(first)
         self._local = {n: (p, e) for n, p, e in global_parameters(self.chunks)}
+        # chunk index -> (addresses and strides of its gathered tensors, their HF views): see `convert`
+        self._views: dict[int, tuple[tuple, list[torch.Tensor]]] = {}
         if not self._local:
             raise ValidationError("the megatron model has no parameters on this rank")
         devices = {p.device for p, _ in self._local.values()}
@@ -433,8 +435,28 @@ class MegatronSource(Source):
             unit = r.layer if r.layer is not None else name
             ref = views and all(s.dtype == info.dtype for s in self._specs[name])
             items.append(Item(name, nbytes, unit, ("experts", r.layer) if info.expert else None, ref=ref))
+        chunks = [self._experts_by_kind(keys) for keys in plan_chunks(items, chunk_bytes, ref_bytes)]
         return [ChunkPlan(i, tuple(s for k in keys for s in self._specs[k]), tuple(keys))  # type: ignore[index]
-                for i, keys in enumerate(plan_chunks(items, chunk_bytes, ref_bytes))]
+                for i, keys in enumerate(chunks)]
+
+    def _experts_by_kind(self, keys: list[object]) -> list[object]:
+        """A layer's experts (one atomic group, so always in one chunk) ordered every fc1 first, then every
+        fc2: the HF tensors then lie as [gate_0; up_0; gate_1; ...] then [down_0; down_1; ...], byte for byte
+        an engine's stacked w13 [E, 2I, H] and w2 [E, H, I] (`pack.fuse_layout`)."""
+        def kind(k: object) -> int:
+            return 1 if self.table[k].expert and ".linear_fc2." in str(k) else 0  # type: ignore[index]
+
+        out: list[object] = []
+        run: list[object] = []
+        for k in keys:
+            if run and (not self.table[k].expert or self._resolved[k].layer != self._resolved[run[0]].layer):  # type: ignore[index]
+                out += sorted(run, key=kind)
+                run = []
+            if self.table[k].expert:  # type: ignore[index]
+                run.append(k)
+            else:
+                out.append(k)
+        return out + sorted(run, key=kind)
 
     def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return ((n, p.detach()) for n, (p, _) in self._local.items())
@@ -455,6 +477,19 @@ class MegatronSource(Source):
 
     async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Sequence[torch.Tensor]:
         full: dict[str, torch.Tensor] = gathered  # type: ignore[assignment]
+        if not cast and not self.groups.sharded and self._device.type == "cuda":
+            # The sender's own parameters: the HF views of a chunk are the same while every parameter keeps
+            # its address, so the same list comes back (an MoE chunk has hundreds; building them is most of
+            # the sender's host time, and transports key their per-chunk caches on the list).
+            key = tuple((full[k].data_ptr(), full[k].stride()) for k in chunk.keys)  # type: ignore[index]
+            hit = self._views.get(chunk.index)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+            out: list[torch.Tensor] = []
+            for k in chunk.keys:
+                out += self._resolved[k].mapping.to_hf_views(full[k], self.dims)  # type: ignore[index]
+            self._views[chunk.index] = (key, out)
+            return out
 
         def work() -> list[torch.Tensor]:
             out: list[torch.Tensor] = []

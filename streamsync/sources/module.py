@@ -62,7 +62,9 @@ class ModuleSource(Source):
 
         `ref_bytes`: the transport sends plain views of CUDA tensors by reference (CUDA IPC one copy); those
         tensors (every tensor that is not cast) fill this budget per chunk instead (see `plan_chunks`)."""
-        names = sorted(self._tensors, key=order_key)  # stable: keeps module order within a layer
+        # Stable: module order within a layer, except that a layer's expert down projections follow all of
+        # its gate/up projections, so they lie as an engine's stacked w13 and w2 (`pack.fuse_layout`).
+        names = sorted(self._tensors, key=lambda n: (order_key(n), ".down_proj." in n and ".experts." in n))
         items: list[Item] = []
         specs: dict[object, TensorSpec] = {}
         for n in names:

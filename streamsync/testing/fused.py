@@ -121,6 +121,13 @@ class FusedModel(torch.nn.Module):
         # Where each HF tensor lands, resolved once: a chunk's load is then lookups and copies only.
         params = dict(self.named_parameters())
         self._dst: dict[str, torch.Tensor] = {n: self._target(n, params).detach() for n, _, _ in self.hf_specs_}
+        # Its fused parameters by their own names too: a sender that knows the layout (`fused_layout`) sends
+        # a fused tensor whole, in one piece.
+        self._fused: dict[str, list[str]] = {}
+        for name, slot in sorted(self.slots.items(), key=lambda kv: (kv[1].expert or 0, kv[1].offset)):
+            self._fused.setdefault(slot.param, []).append(name)
+        for fused in self._fused:
+            self._dst[fused] = params[fused].detach()
 
     def _fuse(self, fused: str, members: Sequence[tuple[tuple[int, int], str, torch.dtype, tuple[int, ...]]],
               device: str | torch.device) -> torch.Tensor:
@@ -196,6 +203,11 @@ class FusedModel(torch.nn.Module):
             if small_dst:
                 torch._foreach_copy_(small_dst, small_src, non_blocking=True)
         return loaded
+
+    def fused_layout(self) -> dict[str, list]:
+        """{fused parameter: [[its HF members, in the order their bytes lie in it], its shape]}: `load_weights`
+        also takes a fused parameter whole under its own name (see `pack.fuse_layout`)."""
+        return {f: [members, list(self._dst[f].shape)] for f, members in self._fused.items()}
 
     def destinations(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
         """Where each HF tensor lands (`streamsync.receiver.Destinations`): the row slice of its fused parameter

@@ -220,6 +220,8 @@ class CudaIpcTransport(Transport):
         self._push_ok = True
         self._compact: dict[tuple[str, tuple[bool, ...]], _Compact] = {}
         self._refsets: dict[tuple[int, str, tuple], _RefSet] = {}  # (engine, layout key, addresses) -> refs
+        self._masks: dict[str, tuple[Sequence[torch.Tensor], int, tuple[bool, ...]]] = {}  # see allocate_for
+        self._refs_fast: dict[tuple[int, str], tuple[Sequence[torch.Tensor], _RefSet, tuple]] = {}  # see _refs
         self._single_worker = True
         #: packs replayed from a captured graph, and graphs captured, since construction (for benchmarks)
         self.graph_stats = {"replayed": 0, "captured": 0}
@@ -280,9 +282,16 @@ class CudaIpcTransport(Transport):
         if not self._persistent:
             return self.allocate(chunk, push_id)
         dev = self.pool.device
-        mask = tuple(t.is_cuda and t.device == dev and t.dtype == s.dtype and t.numel() > 0
-                     and storage_address(t) in self._persistent and all(st >= 0 for st in t.stride())
-                     for s, t in zip(chunk.specs, tensors, strict=True))
+        last = self._masks.get(chunk.layout_key)
+        if last is not None and last[0] is tensors and last[1] == self._push_serial - 1:
+            mask = last[2]  # the source's cached views of the last push, their storages unchanged since
+        else:
+            mask = tuple(t.is_cuda and t.device == dev and t.dtype == s.dtype and t.numel() > 0
+                         and storage_address(t) in self._persistent and all(st >= 0 for st in t.stride())
+                         for s, t in zip(chunk.specs, tensors, strict=True))
+        if len(self._masks) > 4096:
+            self._masks.clear()
+        self._masks[chunk.layout_key] = (tensors, self._push_serial, mask)
         if not any(mask):
             self.ref_stats["packed"] += len(mask)
             return self.allocate(chunk, push_id)
@@ -309,11 +318,19 @@ class CudaIpcTransport(Transport):
         compact: _Compact = buf.state["compact"]
         plan: ChunkPlan = buf.state["plan"]
         tensors: Sequence[torch.Tensor] = buf.state["tensors"]
-        ts = [tensors[i] for i in compact.refs]
-        key = (engine, plan.layout_key, tuple((t.data_ptr(), t.stride()) for t in ts))
-        rs = self._refsets.get(key)
-        if rs is not None and all(self._exports.get((engine, a)) is ex for a, ex in rs.exports):
-            for _, ex in rs.exports:
+        def alive(rs: _RefSet | None) -> bool:
+            return rs is not None and all(self._exports.get((engine, a)) is ex for a, ex in rs.exports)
+
+        fast = self._refs_fast.get((engine, plan.layout_key))
+        rs = key = None
+        if fast is not None and fast[0] is tensors:  # a source's cached views: the same addresses
+            rs, key = fast[1], fast[2]
+        if not alive(rs):
+            ts = [tensors[i] for i in compact.refs]
+            key = (engine, plan.layout_key, tuple((t.data_ptr(), t.stride()) for t in ts))
+            rs = self._refsets.get(key)
+        if alive(rs):
+            for _, ex in rs.exports:  # type: ignore[union-attr]
                 ex.used = self._push_serial
         else:
             refs: list[list[Any]] = []
@@ -336,6 +353,9 @@ class CudaIpcTransport(Transport):
             if len(self._refsets) > 4096:
                 self._refsets.clear()
             rs = self._refsets[key] = _RefSet(secrets.token_hex(8), refs, exports)
+        if len(self._refs_fast) > 4096:
+            self._refs_fast.clear()
+        self._refs_fast[(engine, plan.layout_key)] = (tensors, rs, key)
         buf.state.setdefault("refsets", {})[engine] = rs
         if rs.known:
             return {"refs_id": rs.id}
@@ -360,13 +380,21 @@ class CudaIpcTransport(Transport):
         if compact is not None:  # only the chunk's packed part goes into the buffer
             layout = compact.layout
             tensors = [tensors[i] for i in compact.packed]
-        dsts = self._dst_views(pb, layout, tensors)
+        # The same tensor list as this buffer's last pack of this layout (a source that caches its views):
+        # its destination views and graph key are the same too, without a pass over hundreds of tensors.
+        fast = pb.extra.get(("fast", layout))
+        if fast is not None and fast[0] is tensors:
+            dsts, key = fast[1], fast[2]
+        else:
+            dsts = self._dst_views(pb, layout, tensors)
+            key = ("graph", layout, tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors))
+            _remember(pb, ("fast", layout), (tensors, dsts, key))
         device = pb.tensor.device
         stream = self._side_stream(device)
         ready = self._ready_event(pb)
         producer = torch.cuda.current_stream(device)
         with torch.cuda.device(device):
-            graph = self._graph(pb, layout, dsts, tensors, stream) if self.graphs and tensors else None
+            graph = self._graph(pb, key, dsts, tensors, stream) if self.graphs and tensors else None
             stream.wait_stream(producer)  # the producer's writes (convert) first
             for ev in pb.extra.get("release_events", ()):  # every receiver's copies out of the previous chunk
                 stream.wait_event(ev)
@@ -386,10 +414,10 @@ class CudaIpcTransport(Transport):
                 done.record(stream)
         await anyio.to_thread.run_sync(done.synchronize)
 
-    def _graph(self, pb: PoolBuffer, layout: Layout, dsts: list[torch.Tensor], tensors: Sequence[torch.Tensor],
+    def _graph(self, pb: PoolBuffer, key: tuple, dsts: list[torch.Tensor], tensors: Sequence[torch.Tensor],
                stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
-        """The captured pack of this chunk into `pb`, capturing it on the second sighting of its sources."""
-        key = ("graph", layout, tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors))
+        """The captured pack of this chunk into `pb`, capturing it on the second sighting of its sources
+        (`key`: the layout and every source's address, dtype, shape and strides)."""
         graph = pb.extra.get(key)
         if isinstance(graph, torch.cuda.CUDAGraph):
             return graph
