@@ -328,8 +328,10 @@ async def _send(push: Push, w: Work) -> None:
     if w.plan.index in push.hold:  # layers that continue in a later chunk: receivers must not keep views
         info["hold"] = push.hold[w.plan.index]
     push.sent_any = True
-    await push.transport.send(w.buf, info, [_TracedEngine(e, push.trace, w.plan, push.engine_layout)
-                                            for e in push.engines])
+    # A transport whose wire operations follow the layout tensor by tensor (NCCL direct: one broadcast per
+    # tensor on both sides) must give the receiver the layout it sends: no fused engine layout there.
+    fuse = push.engine_layout and not getattr(push.transport, "ops_per_tensor", False)
+    await push.transport.send(w.buf, info, [_TracedEngine(e, push.trace, w.plan, fuse) for e in push.engines])
 
 
 def engine_layout(engine: Engine, update_info: dict[str, Any]) -> dict[str, Any]:
