@@ -78,6 +78,13 @@ class WeightReceiver:
         self._open_targets = False
         self._dest_fn: Destinations | None = None
         self._dests: dict[Layout, list[torch.Tensor | None]] = {}  # per layout: each whole tensor's destination
+        # (layout, buffer address, reference set, loader) -> the chunk's load captured as a CUDA graph, or False
+        # after its first sighting (see `_load`)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph | bool] = {}
+        self._capture_stream: torch.cuda.Stream | None = None
+        #: loads replayed from a captured graph, and graphs captured (for benchmarks and tests)
+        self.graph_stats = {"replayed": 0, "captured": 0}
+        self.capture = True  # False: never capture (every load a Python call per tensor, as vLLM's)
         self.owner: str | None = None
         self.stale_after: float | None = None
         self._touched = 0.0
@@ -169,12 +176,64 @@ class WeightReceiver:
                 metas = (*metas, *(m for m, _ in refs))
             if got is not None or any(m.part is not None for m in metas):
                 views = self._assemble(views, metas, got, self._dests.get(layout) if got else None)
-            load(views)
+                load(views)
+            else:
+                self._load(load, views, layout, buf, update_info)
             del buf
         nbytes = layout.nbytes + sum(m.nbytes for m, _ in refs)
         self.chunks += 1
         self.bytes += nbytes
         return nbytes
+
+    def _load(self, load: Loader, views: Any, layout: Layout, buf: torch.Tensor, update_info: dict[str, Any]) -> None:
+        """`load(views)`, or its captured CUDA graph. A loader whose load is nothing but copies into its own
+        parameters says so (`capturable = True`: the fused stand-in, ModuleLoader; not vLLM's reload). The
+        second time the same chunk arrives from the same addresses (the same layout in the same mapped
+        buffer, the same reference set: every view is the same tensor), its copies are captured as one graph,
+        and later pushes replay it: one launch instead of a Python call and a launch per tensor. A graph
+        holds addresses, so it stays right whatever those addresses hold when it runs; keys change with them
+        (a new buffer address, a new reference set once storages change)."""
+        owner = getattr(load, "__self__", load)
+        if not self.capture or not buf.is_cuda or not getattr(owner, "capturable", False):
+            load(views)
+            return
+        h = update_info.get("handle")
+        key = (layout, buf.data_ptr(), h.get("refs_id") if isinstance(h, dict) else None, id(owner))
+        graph = self._graphs.get(key)
+        stream = torch.cuda.current_stream(buf.device)
+        if isinstance(graph, torch.cuda.CUDAGraph):
+            graph.replay()
+            self.graph_stats["replayed"] += 1
+            return
+        if graph is True:  # could not be captured
+            load(views)
+            return
+        if graph is None:  # first sighting: plain copies (a one-off never costs a capture)
+            if len(self._graphs) > 1024:
+                self._graphs.clear()
+            self._graphs[key] = False
+            load(views)
+            return
+        if self._capture_stream is None or self._capture_stream.device != buf.device:
+            self._capture_stream = torch.cuda.Stream(buf.device)
+        side = self._capture_stream
+        side.wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    load(list(views))
+                finally:
+                    graph.capture_end()
+        except RuntimeError:  # a load this build cannot capture: plain copies for this chunk from now on
+            self._graphs[key] = True
+            load(views)
+            return
+        stream.wait_stream(side)
+        self._graphs[key] = graph
+        self.graph_stats["captured"] += 1
+        graph.replay()  # capturing recorded the copies without running them
 
     def _layout(self, update_info: dict[str, Any]) -> Layout:
         """Parse and validate a chunk's layout once; later pushes of the same plan send the same key and the
@@ -314,6 +373,8 @@ class ModuleLoader:
 
     #: takes a tensor in a blocked shape of its parameter's (see `pack.fits`): copies it in row-major order
     accepts_blocked = True
+    #: a load is copies into the module's tensors and nothing else: WeightReceiver may replay it as a graph
+    capturable = True
 
     def destinations(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
         """The parameter each HF tensor loads into, where it is contiguous (`Destinations`); names this module

@@ -325,7 +325,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         os.environ["STREAMSYNC_RECEIVER_PROFILE"] = str(rx_profile)
     with ReceiverProcess(str(specs_path), device=_DEV.type, fused=True, start_timeout=600, name=f"rx-{key}") as rp:
         engine = rp.engine(timeout=600)
-        paths = [p for p in args.paths if _cuda() or p != "one_copy"]  # one copy is CUDA IPC only
+        paths = [p for p in args.paths if _cuda() or not p.startswith("one_copy")]  # one copy: CUDA IPC only
         version = 0
 
         def next_version() -> int:
@@ -336,10 +336,18 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         # Cold: a fresh transport and WeightSync (no pool, no plan, nothing exported or mapped), connect() and
         # the first push, then a second push; per path, the default (first) path first.
         cold: dict[str, dict[str, Any]] = {}
+        def path_of(path: str) -> str:
+            return path.split(":")[0]
+
+        async def receiver_graphs(path: str) -> None:
+            # ":plain": the receiver loads every tensor with its own call each push, as a vLLM engine does
+            await engine.call("capture", on=not path.endswith(":plain"))
+
         for path in paths:
-            t_cold = _transport(one_copy=path == "one_copy")
+            await receiver_graphs(path)
+            t_cold = _transport(one_copy=path_of(path) == "one_copy")
             s_cold = WeightSync([engine], transport=t_cold, chunk_bytes=chunk, timeout=600, check_finite=False,
-                                engine_layout=path != "packed")
+                                engine_layout=path_of(path) != "packed")
             s_cold.version = version
             _sync()
             t0 = time.perf_counter()
@@ -404,8 +412,9 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         by_path: dict[str, dict[str, Any]] = {}
         for pi, path in enumerate(paths):
             if _cuda():
-                transport.one_copy = path == "one_copy"
-            sync.engine_layout = path != "packed"
+                transport.one_copy = path_of(path) == "one_copy"
+            sync.engine_layout = path_of(path) != "packed"
+            await receiver_graphs(path)
             getattr(transport, "release_pool", lambda: None)()
             # First pushes: the pool grows to the window (1, then 4); their peaks are the memory figures.
             _, peak1, _ = await push(1)
@@ -453,16 +462,19 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             log(f"  [{path}] bit-exact: {exact} ({len(specs)} tensors compared)")
             by_path[path] = {"med": med, "times": times, "reports": reports, "peak4": max(peaks4), "peak1": peak1,
                              "exact": exact, "mismatched": mismatched, "final": final,
-                             "ref_stats": dict(getattr(transport, "ref_stats", {}))}
+                             "ref_stats": dict(getattr(transport, "ref_stats", {})),
+                             "receiver_graphs": (await engine.call("status")).get("graphs")}
 
         # Chunk-size sweep at window 4 (fresh pool per size): the packed path's chunk budget, and the one-copy
         # path's budget of referenced bytes per chunk (its packed budget stays `chunk`).
         sweep = []
-        sweeps = [("packed", "chunk_bytes", m) for m in args.sweep_mib if "packed" in paths]
-        sweeps += [("one_copy", "ref_bytes", m) for m in args.ref_sweep_mib if "one_copy" in paths]
+        packed = [p for p in paths if path_of(p) == "packed"][:1]
+        sweeps = [(p, "chunk_bytes", m) for m in args.sweep_mib for p in packed]
+        sweeps += [(paths[0], "ref_bytes", m) for m in args.ref_sweep_mib if path_of(paths[0]) == "one_copy"]
         for path, knob, mib in sweeps:
-            transport.one_copy = path == "one_copy"
-            sync.engine_layout = path != "packed"
+            transport.one_copy = path_of(path) == "one_copy"
+            sync.engine_layout = path_of(path) != "packed"
+            await receiver_graphs(path)
             if knob == "chunk_bytes":
                 sync.chunk_bytes = int(mib * MiB)
             else:
@@ -503,7 +515,9 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
                      "window4_over_floor": b["med"]["w4"] / floor_s, "peak_extra_bytes": b["peak4"],
                      "bit_exact": b["exact"], "connect_ms": cold.get(path, {}).get("connect_ms"),
                      "first_push_ms": cold.get(path, {}).get("first_push_ms"),
-                     "second_push_ms": cold.get(path, {}).get("second_push_ms"), "ref_stats": b["ref_stats"]})
+                     "second_push_ms": cold.get(path, {}).get("second_push_ms"), "ref_stats": b["ref_stats"],
+                     "receiver_replays_graphs": not path.endswith(":plain"),
+                     "receiver_graph_stats": b["receiver_graphs"]})
     result = {
         "model": f"{shape['label']} shape, bf16",
         "trainer": "megatron-core GPTModel (TP=1, local spec) via MegatronSource" if trainer == "megatron"
@@ -615,11 +629,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--trace-dir", type=Path)
-    ap.add_argument("--paths", type=lambda s: s.split(","), default=["one_copy", "packed", "engine_layout"],
+    ap.add_argument("--paths", type=lambda s: s.split(","),
+                    default=["one_copy", "one_copy:plain", "packed:plain", "engine_layout", "engine_layout:plain"],
                     help="data paths to measure, the first is the default: one_copy (tensors that are views of "
                     "trainer storages go by CUDA IPC reference; the rest packed, in the engine's layout), packed "
                     "(every tensor packed, HF names), engine_layout (every tensor packed; runs that make up one of "
-                    "the receiver's fused tensors go as that tensor)")
+                    "the receiver's fused tensors go as that tensor). ':plain': the receiver loads every tensor "
+                    "with a call of its own each push, as vLLM does (by default it replays a repeated chunk's "
+                    "copies as a captured CUDA graph)")
     ap.add_argument("--profile", type=int, default=0, help="profile this many window-4 pushes on the sender "
                     "(cProfile) and print where its host time goes")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run of this script (use --models tiny,tiny-moe)")

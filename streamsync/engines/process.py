@@ -125,7 +125,8 @@ class ReceiverServer:
         elif op == "status":
             return {"version": self.rx.clean_version, "last_version": self.rx.version,
                     "updating": self.rx.updating, "dirty": self.rx.dirty,
-                    "mixed": self.rx.dirty and not self.rx.updating, "paused": self.paused, "pid": os.getpid()}
+                    "mixed": self.rx.dirty and not self.rx.updating, "paused": self.paused, "pid": os.getpid(),
+                    "graphs": dict(self.rx.graph_stats)}
         elif op == "fused_layout":  # the engine's own layout a sender may convert into (pack.fuse_layout)
             fused = getattr(self.module, "fused_layout", None)
             return fused() if fused is not None else None
@@ -149,6 +150,8 @@ class ReceiverServer:
             return None
         elif op == "ping":
             return "pong"
+        elif op == "capture":  # benchmarks: replay loads as captured graphs (default) or load every tensor
+            self.rx.capture = bool(msg.get("on", True))
         else:
             raise ValueError(f"unknown op {op!r}")
         return None
