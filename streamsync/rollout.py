@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from .engines.base import Engine
@@ -319,6 +320,9 @@ class StreamingRollout:
                         sample._relabel(start, delta.spans)
                     if delta.finish_reason is not None:
                         sample.finish_reason = delta.finish_reason
+                    # Deltas already buffered (an HTTP response read late) are consumed without an await that
+                    # yields: let the loop run between them, so an update sees requests in flight as they are.
+                    await anyio.lowlevel.checkpoint()
                 if sample.finish_reason == "abort" and len(sample.tokens) < self.max_tokens:
                     # ended by an abort-mode update: continue from the prefix once the new weights are in
                     sample.resubmits += 1
