@@ -140,8 +140,8 @@ async def test_abort_resubmits_with_the_generated_prefix_on_vllm_serve(server, m
     server finishes one in a fraction of a second: in full-suite runs both of two requests were done before
     the pause arrived. So the scenario is tried up to three times (more streams at once made the shared
     server drop connections). A request that finished before the pause is whole on the old version, one
-    that started after it on the new. If no attempt cut one, the test is skipped saying so: the behaviour could not be exercised,
-    which is not a pass."""
+    that started after it on the new. If no attempt cut one, the test is skipped saying so: the behaviour
+    could not be exercised, which is not a pass."""
     engine = VllmHttpEngine(server.url, name="serve")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
     seen = []
