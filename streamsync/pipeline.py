@@ -74,6 +74,9 @@ class Push:
     bytes_alive: int = 0
     peak_bytes: int = 0
     chunks_alive: int = 0
+    # chunk index -> (plan, converted tensors) as last checked: a source that hands back the same list for the
+    # same plan (its cached views) is not checked again; kept across pushes by WeightSync
+    checked: dict[int, tuple[ChunkPlan, Sequence[torch.Tensor]]] = field(default_factory=dict)
 
 
 async def run(push: Push) -> None:
@@ -290,12 +293,15 @@ def _convert_kwargs(source: Source) -> dict[str, Any]:
 async def _convert(push: Push, w: Work) -> None:
     tensors = await push.source.convert(w.plan, w.gathered, **push.convert_kwargs)
     w.gathered = None
-    if len(tensors) != len(w.plan.specs):
-        raise ValidationError(f"converter returned {len(tensors)} tensors for {len(w.plan.specs)} specs")
-    for t, s in zip(tensors, w.plan.specs, strict=True):
-        if not castable(t.dtype, s.dtype) or (t.shape != s.shape and not fits(t, s.shape)):
-            raise ValidationError(f"tensor {s.name!r}: converted to {dtype_name(t.dtype)}{tuple(t.shape)}, "
-                                  f"plan says {dtype_name(s.dtype)}{s.shape}")
+    last = push.checked.get(w.plan.index)
+    if last is None or last[0] is not w.plan or last[1] is not tensors:
+        if len(tensors) != len(w.plan.specs):
+            raise ValidationError(f"converter returned {len(tensors)} tensors for {len(w.plan.specs)} specs")
+        for t, s in zip(tensors, w.plan.specs, strict=True):
+            if not castable(t.dtype, s.dtype) or (t.shape != s.shape and not fits(t, s.shape)):
+                raise ValidationError(f"tensor {s.name!r}: converted to {dtype_name(t.dtype)}{tuple(t.shape)}, "
+                                      f"plan says {dtype_name(s.dtype)}{s.shape}")
+        push.checked[w.plan.index] = (w.plan, tensors)
     w.tensors = tensors
 
 

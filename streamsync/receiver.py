@@ -84,7 +84,14 @@ class WeightReceiver:
         self._capture_stream: torch.cuda.Stream | None = None
         #: loads replayed from a captured graph, and graphs captured (for benchmarks and tests)
         self.graph_stats = {"replayed": 0, "captured": 0}
+        #: host seconds in update, by part: the transport's open (mapping a buffer), the references (mapping
+        #: trainer storages, building views), the load, and closing the buffer (the ack); for benchmarks
+        self.timing = {"open": 0.0, "refs": 0.0, "load": 0.0, "close": 0.0}
         self.capture = True  # False: never capture (every load a Python call per tensor, as vLLM's)
+        # layout -> (packed views, reference views, loader takes blocked, joined views, joined metas, any part):
+        # a chunk whose views and references are the same objects as last time joins nothing again
+        self._joined: dict[Layout, tuple[Any, Any, bool, list, tuple, bool]] = {}
+        self._parts: dict[Layout, bool] = {}  # layout -> whether it holds parts of a split tensor
         self.owner: str | None = None
         self.stale_after: float | None = None
         self._touched = 0.0
@@ -156,8 +163,11 @@ class WeightReceiver:
             targets = None
             opened = (self.transport.open(update_info, layout.nbytes) if self._open_sized
                       else self.transport.open(update_info))
+        t0 = time.perf_counter()
         with opened as buf:
+            t1 = time.perf_counter()
             refs = self.transport.ref_views(update_info)
+            t2 = time.perf_counter()
             self.dirty = True
             got = targets if targets is not None and any(t is not None for t in targets) else None
             if got is None or not all(t is not None for t, m in zip(got, layout.metas, strict=True) if m.nbytes):
@@ -168,22 +178,50 @@ class WeightReceiver:
                 views = [(m.name, None if t is not None else torch.empty(m.shape, dtype=dtype_from_name(m.dtype),
                                                                         device=buf.device))
                          for t, m in zip(got, layout.metas, strict=True)]
-            metas: tuple[TensorMeta, ...] = layout.metas
-            if refs:  # tensors sent by reference (CUDA IPC one copy): after the packed ones
-                if not getattr(getattr(load, "__self__", load), "accepts_blocked", False):
-                    refs = [(m, t if t.shape == m.shape else t.reshape(m.shape)) for m, t in refs]
-                views = [*views, *((m.name, t) for m, t in refs)]
-                metas = (*metas, *(m for m, _ in refs))
-            if got is not None or any(m.part is not None for m in metas):
+            views, metas, parts = self._join(layout, views, refs, load)
+            if got is not None or parts:
                 views = self._assemble(views, metas, got, self._dests.get(layout) if got else None)
                 load(views)
             else:
                 self._load(load, views, layout, buf, update_info)
+            t3 = time.perf_counter()
             del buf
+        t4 = time.perf_counter()
+        tm = self.timing
+        tm["open"] += t1 - t0
+        tm["refs"] += t2 - t1
+        tm["load"] += t3 - t2
+        tm["close"] += t4 - t3
         nbytes = layout.nbytes + sum(m.nbytes for m, _ in refs)
         self.chunks += 1
         self.bytes += nbytes
         return nbytes
+
+    def _join(self, layout: Layout, views: Any, refs: list[tuple[TensorMeta, torch.Tensor]],
+              load: Loader) -> tuple[Any, tuple[TensorMeta, ...], bool]:
+        """(views, metas, whether any is a part): the packed views, then the tensors sent by reference (CUDA IPC
+        one copy), reshaped to their HF shapes for loaders that take no blocked views. Cached per layout while
+        the transport hands back the same view and reference lists (an MoE chunk has thousands)."""
+        if not refs:
+            parts = self._parts.get(layout)
+            if parts is None:
+                if len(self._parts) > 4096:
+                    self._parts.clear()
+                parts = self._parts[layout] = any(m.part is not None for m in layout.metas)
+            return views, layout.metas, parts
+        blocked = bool(getattr(getattr(load, "__self__", load), "accepts_blocked", False))
+        hit = self._joined.get(layout)
+        if hit is not None and hit[0] is views and hit[1] is refs and hit[2] == blocked:
+            return hit[3], hit[4], hit[5]
+        fixed = refs if blocked else [(m, t if t.shape == m.shape else t.reshape(m.shape)) for m, t in refs]
+        joined = [*views, *((m.name, t) for m, t in fixed)]
+        metas = (*layout.metas, *(m for m, _ in fixed))
+        parts = any(m.part is not None for m in metas)
+        if isinstance(views, list):  # a transport's cached views (a fresh generator is never cached)
+            if len(self._joined) > 256:
+                self._joined.clear()
+            self._joined[layout] = (views, refs, blocked, joined, metas, parts)
+        return joined, metas, parts
 
     def _load(self, load: Loader, views: Any, layout: Layout, buf: torch.Tensor, update_info: dict[str, Any]) -> None:
         """`load(views)`, or its captured CUDA graph. A loader whose load is nothing but copies into its own

@@ -209,6 +209,7 @@ class WeightSync:
         self.engine_layout = engine_layout
         self.check_finite = check_finite
         self._plan_cache: tuple[tuple[int | None, ...], object, Source, list[ChunkPlan]] | None = None
+        self._checked: dict[int, tuple[ChunkPlan, Sequence[Any]]] = {}  # see pipeline._convert
         self._hold_cache: tuple[list[ChunkPlan], dict[int, list[str]]] | None = None
         #: the last version pushed (or found on the engines at connect); versions only move forward
         self.version = 0
@@ -508,6 +509,7 @@ class WeightSync:
                 engines=self.engines, plans=plans, trace=trace, max_inflight=window,
                 timeout=self.timeout, faults=self.faults, hold=self._hold(plans), owner=self.owner,
                 on_chunk=self._chunk_hook(push_id, version, plans, log), engine_layout=self.engine_layout,
+                checked=self._checked,
             )
             sending = source.is_sender and bool(self.engines)
             push_range = pipeline.ProfilerRange(f"streamsync.push v{version}").__enter__()

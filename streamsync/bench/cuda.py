@@ -339,6 +339,12 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         def path_of(path: str) -> str:
             return path.split(":")[0]
 
+        async def rx_busy() -> dict[str, list[float]]:
+            st = await engine.call("status")
+            busy = st.get("busy_ms") or {}
+            calls = busy.get("update", [0, 0.0])[0]
+            return {**busy, **{f"update.{k}": [calls, ms] for k, ms in (st.get("update_split_ms") or {}).items()}}
+
         async def receiver_graphs(path: str) -> None:
             # ":plain": the receiver loads every tensor with its own call each push, as a vLLM engine does
             await engine.call("capture", on=not path.endswith(":plain"))
@@ -349,6 +355,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             s_cold = WeightSync([engine], transport=t_cold, chunk_bytes=chunk, timeout=600, check_finite=False,
                                 engine_layout=path_of(path) != "packed")
             s_cold.version = version
+            b0 = await rx_busy()
             _sync()
             t0 = time.perf_counter()
             await s_cold.connect()
@@ -358,14 +365,17 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             r1 = await s_cold.push(model, version=next_version())
             t2 = time.perf_counter()
             s_cold.trace_dir = None
+            first_rx = busy_since(b0, await rx_busy())
             r2 = await s_cold.push(model, version=next_version())
             cold[path] = {"connect_ms": (t1 - t0) * 1e3, "first_push_ms": r1.seconds * 1e3,
                           "first_push_wall_ms": (t2 - t1) * 1e3, "second_push_ms": r2.seconds * 1e3,
                           "first_push_stage_busy_ms": {k: v * 1e3 for k, v in r1.stage_seconds.items()},
-                          "exports": dict(getattr(t_cold, "ref_stats", {}))}
+                          "exports": dict(getattr(t_cold, "ref_stats", {})),
+                          "connect_and_first_push_receiver_busy_ms": first_rx}
             log(f"  cold {path}: connect {cold[path]['connect_ms']:.1f} ms, first push {r1.seconds * 1e3:.1f} ms, "
                 f"second {r2.seconds * 1e3:.1f} ms; first push busy (ms): " + ", ".join(
-                    f"{k} {v:.1f}" for k, v in cold[path]["first_push_stage_busy_ms"].items()))
+                    f"{k} {v:.1f}" for k, v in cold[path]["first_push_stage_busy_ms"].items())
+                + "; receiver, connect and first push (ms): " + _busy_text(first_rx))
             await s_cold.close()
             del s_cold, t_cold
             _free_cached()
@@ -446,6 +456,16 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
                 text = io.StringIO()
                 pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
                 log(f"  sender profile, {args.profile} window-4 pushes (cProfile slows it down):\n{text.getvalue()}")
+            # Where a steady window-4 push spends its time: the sender's stage busy times and the receiver's
+            # host time per op (from its line read to its reply written).
+            b0 = await rx_busy()
+            split = [await push(4) for _ in range(3)]
+            rx_split = busy_since(b0, await rx_busy(), 3)
+            tx_busy = {k: statistics.median(r[2].stage_seconds[k] for r in split) * 1e3
+                       for k in split[0][2].stage_seconds}
+            log(f"  [{path}] window-4 push {statistics.median(r[0] for r in split) * 1e3:.2f} ms; sender busy (ms): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in tx_busy.items()) + "; receiver busy per push (ms): "
+                + _busy_text(rx_split))
             if trace_dir:  # one traced push of each configuration, for the record
                 sync.trace_dir = Path(trace_dir) / path
                 for w, ack in configs.values():
@@ -463,7 +483,8 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             by_path[path] = {"med": med, "times": times, "reports": reports, "peak4": max(peaks4), "peak1": peak1,
                              "exact": exact, "mismatched": mismatched, "final": final,
                              "ref_stats": dict(getattr(transport, "ref_stats", {})),
-                             "receiver_graphs": (await engine.call("status")).get("graphs")}
+                             "receiver_graphs": (await engine.call("status")).get("graphs"),
+                             "tx_busy": tx_busy, "rx_busy": rx_split}
 
         # Chunk-size sweep at window 4 (fresh pool per size): the packed path's chunk budget, and the one-copy
         # path's budget of referenced bytes per chunk (its packed budget stays `chunk`).
@@ -517,7 +538,8 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
                      "first_push_ms": cold.get(path, {}).get("first_push_ms"),
                      "second_push_ms": cold.get(path, {}).get("second_push_ms"), "ref_stats": b["ref_stats"],
                      "receiver_replays_graphs": not path.endswith(":plain"),
-                     "receiver_graph_stats": b["receiver_graphs"]})
+                     "receiver_graph_stats": b["receiver_graphs"], "sender_busy_ms_window4": b["tx_busy"],
+                     "receiver_busy_ms_window4": b["rx_busy"]})
     result = {
         "model": f"{shape['label']} shape, bf16",
         "trainer": "megatron-core GPTModel (TP=1, local spec) via MegatronSource" if trainer == "megatron"
@@ -615,6 +637,17 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     print()
     print(_table(results))
     return out
+
+
+def busy_since(b0: dict[str, list[float]], b1: dict[str, list[float]], n: int = 1) -> dict[str, list[float]]:
+    """A receiver's host time per op between two `status` answers (`busy_ms`), per push over `n` pushes:
+    {op: [calls, ms]}."""
+    return {op: [(c - b0.get(op, [0, 0.0])[0]) / n, (ms - b0.get(op, [0, 0.0])[1]) / n]
+            for op, (c, ms) in b1.items() if op != "status" and c > b0.get(op, [0, 0.0])[0]}
+
+
+def _busy_text(busy: dict[str, list[float]]) -> str:
+    return ", ".join(f"{op} {ms:.1f} ({calls:g} calls)" for op, (calls, ms) in busy.items())
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -67,6 +67,10 @@ def _same(a: object, b: str) -> bool:
 # --------------------------------------------------------------------------------------------- server
 
 
+_OPS = frozenset({"init", "start", "update", "finish", "abort", "version", "status", "fused_layout", "weight_info",
+                  "checksums", "pause", "resume", "shutdown", "ping", "capture"})
+
+
 class ReceiverServer:
     """Serve one module to authenticated clients. `secret`: at least 32 characters (`new_secret()`),
     handed to clients out of band. `max_wait_s` caps the waits a client may ask for (a collective's
@@ -101,6 +105,8 @@ class ReceiverServer:
         self._pending = threading.BoundedSemaphore(max_pending)  # connections not yet authenticated
         self._lock = threading.Lock()  # one op at a time on the receiver's state
         self._server: _Listener | None = None
+        #: op -> [calls, seconds from its line read to its reply written]: where a push's time goes here
+        self.busy: dict[str, list[float]] = {}
 
     def handle(self, msg: dict[str, Any]) -> Any:
         op = msg.get("op")
@@ -126,7 +132,10 @@ class ReceiverServer:
             return {"version": self.rx.clean_version, "last_version": self.rx.version,
                     "updating": self.rx.updating, "dirty": self.rx.dirty,
                     "mixed": self.rx.dirty and not self.rx.updating, "paused": self.paused, "pid": os.getpid(),
-                    "graphs": dict(self.rx.graph_stats)}
+                    "graphs": dict(self.rx.graph_stats),
+                    "busy_ms": {k: [int(n), round(t * 1e3, 3)] for k, (n, t) in self.busy.items()},
+                    "update_split_ms": {k: round(t * 1e3, 3) for k, t in
+                                        {**self.rx.timing, **getattr(self.rx.transport, "timing", {})}.items()}}
         elif op == "fused_layout":  # the engine's own layout a sender may convert into (pack.fuse_layout)
             fused = getattr(self.module, "fused_layout", None)
             return fused() if fused is not None else None
@@ -203,11 +212,16 @@ class ReceiverServer:
             if not authenticated:
                 return
             while line := rf.readline(self.max_line + 1):  # an authenticated client may idle between pushes
+                t0 = time.perf_counter()
                 if not line.endswith(b"\n") and len(line) > self.max_line:
                     _refuse(conn, rf, wf, f"request line longer than {self.max_line} bytes: connection closed")
                     return
-                reply, shutdown = self._answer(line)
+                reply, shutdown, op = self._answer(line)
                 _send(wf, reply)
+                if isinstance(op, str) and op in _OPS:
+                    b = self.busy.setdefault(op, [0, 0.0])
+                    b[0] += 1
+                    b[1] += time.perf_counter() - t0
                 if shutdown:
                     self.stop()
                     return
@@ -235,8 +249,9 @@ class ReceiverServer:
         _send(wf, {"ok": True, "result": {"mac": proof(self._secret, "server", challenge, nonce)}})
         return True
 
-    def _answer(self, line: bytes) -> tuple[dict[str, Any], bool]:
-        """(reply, shutdown requested)."""
+    def _answer(self, line: bytes) -> tuple[dict[str, Any], bool, object]:
+        """(reply, shutdown requested, the op asked for)."""
+        msg: Any = None
         try:
             msg = json.loads(line)
             if not isinstance(msg, dict):
@@ -245,8 +260,9 @@ class ReceiverServer:
                 result = self._call(msg)
             json.dumps(result)  # a result that cannot be sent is this op's error, not the connection's
         except Exception as e:
-            return {"ok": False, "error": f"{type(e).__name__}: {e}"}, False
-        return {"ok": True, "result": result}, msg.get("op") == "shutdown"
+            op = msg.get("op") if isinstance(msg, dict) else None
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}, False, op
+        return {"ok": True, "result": result}, msg.get("op") == "shutdown", msg.get("op")
 
 
 class _Listener(socketserver.ThreadingTCPServer):

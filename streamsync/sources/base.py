@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +16,14 @@ from ..pack import Layout, TensorSpec, plan_layout
 def layout_key(layout_json: dict) -> str:
     """A short digest of a layout's JSON: updates name a layout a receiver has seen by it."""
     return hashlib.blake2b(json.dumps(layout_json).encode(), digest_size=12).hexdigest()
+
+
+def addresses(tensors: Iterable[torch.Tensor], device: torch.device) -> set[int]:
+    """The storage addresses of `tensors` on `device` that hold elements (no tensor objects made: an MoE model
+    has thousands of parameters, and this runs every push)."""
+    want = -1 if device.type == "cpu" else (device.index if device.index is not None else torch.cuda.current_device())
+    return {t.data_ptr() - t.storage_offset() * t.element_size() for t in tensors
+            if t.get_device() == want and t.numel()}
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,11 @@ class Source(ABC):
         """(name, tensor) of every weight this rank holds and will contribute, for checks before a push
         (names as the trainer knows them). Empty where a source cannot say."""
         return iter(())
+
+    def local_addresses(self, device: torch.device) -> set[int]:
+        """Storage addresses of the tensors `local_tensors` yields that lie on `device` and hold elements: the
+        storages a transport may send by reference (CUDA IPC one copy). Computed every push."""
+        return addresses((t for _, t in self.local_tensors()), device)
 
     def begin_push(self) -> None:  # noqa: B027 - optional hook
         """A push of this source's plan starts (a plan is reused across pushes): reset per-push counters."""

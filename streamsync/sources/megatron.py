@@ -45,7 +45,7 @@ from ..convert import Dims, Resolved, canonical_arch, detect_arch, get_converter
 from ..convert.mappings import TPLayout, tp_merge
 from ..errors import ValidationError
 from ..pack import TensorSpec, dtype_from_name, dtype_name
-from .base import ChunkPlan, Source
+from .base import ChunkPlan, Source, addresses
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 # local expert index: SequentialMLP `experts.local_experts.<i>.`, TEGroupedMLP `experts.linear_fc1.weight<i>`
@@ -320,7 +320,8 @@ class MegatronSource(Source):
         self.coords, self.groups = topology(first)
         self._local = {n: (p, e) for n, p, e in global_parameters(self.chunks)}
         # chunk index -> (addresses and strides of its gathered tensors, their HF views): see `convert`
-        self._views: dict[int, tuple[tuple, list[torch.Tensor]]] = {}
+        self._views: dict[int, tuple[dict[str, torch.Tensor], list[torch.Tensor]]] = {}  # see convert
+        self._own: dict[int, tuple[Sequence[object], tuple, dict[str, torch.Tensor]]] = {}  # see gather
         if not self._local:
             raise ValidationError("the megatron model has no parameters on this rank")
         devices = {p.device for p, _ in self._local.values()}
@@ -461,6 +462,9 @@ class MegatronSource(Source):
     def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return ((n, p.detach()) for n, (p, _) in self._local.items())
 
+    def local_addresses(self, device: torch.device) -> set[int]:
+        return addresses((p for p, _ in self._local.values()), device)
+
     def begin_push(self) -> None:
         self._collectives = 0
         self.events = []
@@ -471,9 +475,23 @@ class MegatronSource(Source):
         # abandon_on_cancel: a push that times out (a peer died) fails on time instead of waiting for the
         # process group's own timeout; the group is then out of step and the trainer must not reuse it.
         if not self.groups.sharded:  # nothing to collect: the sender's own parameters, no thread hop
-            return {k: self._local[k][0].detach() for k in chunk.keys} if self.is_sender else None  # type: ignore[index]
+            return self._own_tensors(chunk) if self.is_sender else None
         consumer = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
         return await anyio.to_thread.run_sync(self._gather_sync, chunk, consumer, abandon_on_cancel=True)
+
+    def _own_tensors(self, chunk: ChunkPlan) -> dict[str, torch.Tensor]:
+        """{name: the sender's own parameter, detached}. The same dict comes back while every parameter of the
+        chunk keeps its address, shape and strides (checked each push; a parameter the trainer replaced or
+        resized gets a fresh one), so `convert` can reuse its views: an MoE chunk has thousands of tensors,
+        and making new tensor objects for them was most of the sender's host time."""
+        params = [self._local[k][0] for k in chunk.keys]  # type: ignore[index]
+        key = tuple((p.data_ptr(), p.shape, p.stride()) for p in params)
+        hit = self._own.get(chunk.index)
+        if hit is not None and hit[1] == key and hit[0] == chunk.keys:
+            return hit[2]
+        own = {k: p.detach() for k, p in zip(chunk.keys, params, strict=True)}  # type: ignore[misc]
+        self._own[chunk.index] = (chunk.keys, key, own)
+        return own
 
     async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Sequence[torch.Tensor]:
         full: dict[str, torch.Tensor] = gathered  # type: ignore[assignment]
@@ -481,14 +499,13 @@ class MegatronSource(Source):
             # The sender's own parameters: the HF views of a chunk are the same while every parameter keeps
             # its address, so the same list comes back (an MoE chunk has hundreds; building them is most of
             # the sender's host time, and transports key their per-chunk caches on the list).
-            key = tuple((full[k].data_ptr(), full[k].stride()) for k in chunk.keys)  # type: ignore[index]
             hit = self._views.get(chunk.index)
-            if hit is not None and hit[0] == key:
+            if hit is not None and hit[0] is full:  # gather's cached tensors: every parameter where it was
                 return hit[1]
             out: list[torch.Tensor] = []
             for k in chunk.keys:
                 out += self._resolved[k].mapping.to_hf_views(full[k], self.dims)  # type: ignore[index]
-            self._views[chunk.index] = (key, out)
+            self._views[chunk.index] = (full, out)
             return out
 
         def work() -> list[torch.Tensor]:

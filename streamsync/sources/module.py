@@ -10,7 +10,7 @@ import torch
 from ..chunking import Item, layer_index, order_key, plan_chunks, row_parts
 from ..errors import ValidationError
 from ..pack import TensorSpec, align_up, dtype_name
-from .base import ChunkPlan, Source
+from .base import ChunkPlan, Source, addresses
 
 
 class ModuleSource(Source):
@@ -50,6 +50,9 @@ class ModuleSource(Source):
 
     def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return ((n, t.detach()) for n, t in self._tensors.items())
+
+    def local_addresses(self, device: torch.device) -> set[int]:
+        return addresses(self._tensors.values(), device)
 
     def _spec(self, name: str) -> TensorSpec:
         t = self._tensors[name]
