@@ -266,9 +266,10 @@ async def _stage(push: Push, name: str, fn: Callable[[Push, Work], Awaitable[Non
                  inbox: ObjectReceiveStream[Work], out: ObjectSendStream[Work]) -> None:
     async with inbox, out:
         async for w in inbox:
-            if name == "send" and push.started is not None:
+            if name == "send" and push.started is not None and not push.started.is_set():
                 # The engines' start_update runs alongside the first gathers and packs. Not the send stage's
-                # time: start has its own timeout per engine.
+                # time: start has its own timeout per engine. (Once set, no wait: waiting on a set event still
+                # yields, and the next chunk's pack would then run before this chunk goes out.)
                 await push.started.wait()
             try:
                 with _Busy(push, name, w.plan.index, w.plan.nbytes):

@@ -108,3 +108,27 @@ def test_the_buffer_pool_hands_buffers_out_in_creation_order_every_push():
     pool.end()
     pool.begin(64)
     assert [pool.take(64).token for _ in range(3)] == [a.token, b.token, c.token]
+
+
+def test_coalesce_merges_only_runs_that_continue_each_other_on_both_sides() -> None:
+    """An MoE expert's gate and up rows are one block of fc1 and one of w13: one copy, not two. Pairs that are
+    adjacent on one side only, or adjacent addresses in different storages, stay apart; results are exact."""
+    from streamsync.pack import coalesce
+
+    fc1 = [torch.randn(6, 4) for _ in range(3)]
+    w13 = torch.zeros(3, 6, 4)
+    dsts = [t for e in range(3) for t in (w13[e, :3], w13[e, 3:])]
+    srcs = [t for e in range(3) for t in (fc1[e][:3], fc1[e][3:])]
+    d, s = coalesce(dsts, srcs)
+    assert len(d) == 3 and all(x.shape == (24,) for x in d)
+    for a, b in zip(d, s, strict=True):
+        a.copy_(b)
+    assert all(torch.equal(w13[e], fc1[e]) for e in range(3))
+    # the destination continues, the source does not (another expert's gate): two copies
+    d, s = coalesce([w13[0, :3], w13[0, 3:]], [fc1[0][:3], fc1[1][:3]])
+    assert len(d) == 2
+    # a cast or a strided pair is never merged
+    d, s = coalesce([w13[0, :3], w13[0, 3:]], [fc1[0][:3].double(), fc1[0][3:].double()])
+    assert len(d) == 2
+    d, s = coalesce([w13[0, :, :2], w13[0, :, 2:]], [fc1[0][:, :2], fc1[0][:, 2:]])
+    assert len(d) == 2

@@ -26,6 +26,22 @@ def addresses(tensors: Iterable[torch.Tensor], device: torch.device) -> set[int]
             if t.get_device() == want and t.numel()}
 
 
+class AddressCache:
+    """`addresses` of a source's own tensors, computed again only when one of their data pointers moved (one
+    pass of `data_ptr` over thousands of parameters, instead of five calls each). A storage swapped under an
+    unchanged data pointer keeps its old address here: its tensors are then packed, never misread."""
+
+    def __init__(self) -> None:
+        self._key: tuple[list[int], torch.device] | None = None
+        self._value: set[int] = set()
+
+    def get(self, tensors: list[torch.Tensor], device: torch.device) -> set[int]:
+        key = (list(map(torch.Tensor.data_ptr, tensors)), device)
+        if key != self._key:
+            self._key, self._value = key, addresses(tensors, device)
+        return self._value
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
     """One chunk: the HF tensors it will carry (in pack order), their packed layout and source keys."""

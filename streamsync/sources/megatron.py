@@ -45,7 +45,7 @@ from ..convert import Dims, Resolved, canonical_arch, detect_arch, get_converter
 from ..convert.mappings import TPLayout, tp_merge
 from ..errors import ValidationError
 from ..pack import TensorSpec, dtype_from_name, dtype_name
-from .base import ChunkPlan, Source, addresses
+from .base import AddressCache, ChunkPlan, Source
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 # local expert index: SequentialMLP `experts.local_experts.<i>.`, TEGroupedMLP `experts.linear_fc1.weight<i>`
@@ -321,7 +321,8 @@ class MegatronSource(Source):
         self._local = {n: (p, e) for n, p, e in global_parameters(self.chunks)}
         # chunk index -> (addresses and strides of its gathered tensors, their HF views): see `convert`
         self._views: dict[int, tuple[dict[str, torch.Tensor], list[torch.Tensor]]] = {}  # see convert
-        self._own: dict[int, tuple[Sequence[object], tuple, dict[str, torch.Tensor]]] = {}  # see gather
+        self._addresses = AddressCache()
+        self._own: dict[int, tuple[Sequence[object], tuple[list, list, list], dict[str, torch.Tensor]]] = {}
         if not self._local:
             raise ValidationError("the megatron model has no parameters on this rank")
         devices = {p.device for p, _ in self._local.values()}
@@ -463,7 +464,8 @@ class MegatronSource(Source):
         return ((n, p.detach()) for n, (p, _) in self._local.items())
 
     def local_addresses(self, device: torch.device) -> set[int]:
-        return addresses((p for p, _ in self._local.values()), device)
+        params = [p for p, _ in self._local.values()]
+        return self._addresses.get(params, device)
 
     def begin_push(self) -> None:
         self._collectives = 0
@@ -481,11 +483,14 @@ class MegatronSource(Source):
 
     def _own_tensors(self, chunk: ChunkPlan) -> dict[str, torch.Tensor]:
         """{name: the sender's own parameter, detached}. The same dict comes back while every parameter of the
-        chunk keeps its address, shape and strides (checked each push; a parameter the trainer replaced or
-        resized gets a fresh one), so `convert` can reuse its views: an MoE chunk has thousands of tensors,
+        chunk keeps its address, size and contiguity (checked each push; a parameter the trainer replaced, resized
+        or transposed gets a fresh one), so `convert` can reuse its views: an MoE chunk has thousands of tensors,
         and making new tensor objects for them was most of the sender's host time."""
         params = [self._local[k][0] for k in chunk.keys]  # type: ignore[index]
-        key = tuple((p.data_ptr(), p.shape, p.stride()) for p in params)
+        # Plain ints, no tuples per parameter: nothing the garbage collector tracks (thousands of small tuples a
+        # push set off collections). A new storage moves the address, a resize the size, a transpose the order.
+        T = torch.Tensor
+        key = list(map(T.data_ptr, params)), list(map(T.numel, params)), list(map(T.is_contiguous, params))
         hit = self._own.get(chunk.index)
         if hit is not None and hit[1] == key and hit[0] == chunk.keys:
             return hit[2]

@@ -10,7 +10,7 @@ import torch
 from ..chunking import Item, layer_index, order_key, plan_chunks, row_parts
 from ..errors import ValidationError
 from ..pack import TensorSpec, align_up, dtype_name
-from .base import ChunkPlan, Source, addresses
+from .base import AddressCache, ChunkPlan, Source
 
 
 class ModuleSource(Source):
@@ -25,6 +25,7 @@ class ModuleSource(Source):
         self.module = module
         self.dtype = dtype
         self._tensors: dict[str, torch.Tensor] = {}
+        self._addresses = AddressCache()
         seen: dict[tuple[int, int], str] = {}
         # Parameter objects are kept (detached at gather), so a later `param.data = ...` is still seen when
         # WeightSync reuses this source for the next push.
@@ -52,7 +53,7 @@ class ModuleSource(Source):
         return ((n, t.detach()) for n, t in self._tensors.items())
 
     def local_addresses(self, device: torch.device) -> set[int]:
-        return addresses(self._tensors.values(), device)
+        return self._addresses.get(list(self._tensors.values()), device)
 
     def _spec(self, name: str) -> TensorSpec:
         t = self._tensors[name]

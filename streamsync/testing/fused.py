@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ValidationError
-from ..pack import TensorSpec, batched, dtype_from_name, dtype_name, fits
+from ..pack import TensorSpec, batched, coalesce, dtype_from_name, dtype_name, fits
 from ..receiver import as_destination
 from .models import Spec, _fill_random
 
@@ -184,9 +184,8 @@ class FusedModel(torch.nn.Module):
         Every tensor of the call is checked before any is copied, so a bad one leaves the weights as they were.
         """
         loaded: set[str] = set()
-        big: list[tuple[torch.Tensor, torch.Tensor]] = []
-        small_dst: list[torch.Tensor] = []
-        small_src: list[torch.Tensor] = []
+        all_dst: list[torch.Tensor] = []
+        all_src: list[torch.Tensor] = []
         for name, src in weights:
             dst = self._dst.get(name)
             if dst is None:
@@ -196,12 +195,20 @@ class FusedModel(torch.nn.Module):
             if dst.shape != src.shape or dst.dtype != src.dtype:
                 raise ValidationError(f"parameter {name!r}: received {src.dtype}{tuple(src.shape)}, receiver "
                                       f"holds {dst.dtype}{tuple(dst.shape)}")
+            all_dst.append(dst)
+            all_src.append(src)
+            loaded.add(name)
+        if all_dst and all_dst[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            all_dst, all_src = coalesce(all_dst, all_src)  # captured once, replayed every push: fewer copies
+        big: list[tuple[torch.Tensor, torch.Tensor]] = []
+        small_dst: list[torch.Tensor] = []
+        small_src: list[torch.Tensor] = []
+        for dst, src in zip(all_dst, all_src, strict=True):
             if batched(src):
                 small_dst.append(dst)
                 small_src.append(src)
             else:
                 big.append((dst, src))
-            loaded.add(name)
         with torch.no_grad():
             for dst, src in big:
                 dst.copy_(src, non_blocking=True)

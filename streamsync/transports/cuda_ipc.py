@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
 import secrets
 import time
@@ -65,7 +66,19 @@ import torch
 
 from ..errors import TransportError, ValidationError
 from ..log import get_logger
-from ..pack import ALIGN, Layout, TensorMeta, batched, castable, dtype_from_name, dtype_name, fits, plan_layout, unpack
+from ..pack import (
+    ALIGN,
+    Layout,
+    TensorMeta,
+    batched,
+    castable,
+    coalesce,
+    dtype_from_name,
+    dtype_name,
+    fits,
+    plan_layout,
+    unpack,
+)
 from ..sources.base import ChunkPlan, addresses, layout_key
 from .base import Receiver, SendBuffer, Transport
 from .pool import BufferPool, PoolBuffer
@@ -86,6 +99,7 @@ def gpu_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+@functools.lru_cache(maxsize=64)
 def local_index(uuid: str) -> int:
     """This process's index of the GPU with `uuid`."""
     for i in range(torch.cuda.device_count()):
@@ -215,7 +229,7 @@ class CudaIpcTransport(Transport):
         self.one_copy = one_copy
         self.ref_bytes = int(ref_bytes)
         #: tensors sent by reference and packed, since construction (for benchmarks and tests)
-        self.ref_stats = {"referenced": 0, "packed": 0, "exports": 0}
+        self.ref_stats: dict[str, float] = {"referenced": 0, "packed": 0, "exports": 0, "export_ms": 0.0}
         self._persistent: set[int] = set()  # storage addresses of the source's own tensors (this push)
         self._exports: dict[tuple[int, int], _Export] = {}  # (engine, storage address) -> export
         self._push_serial = 0
@@ -350,9 +364,11 @@ class CudaIpcTransport(Transport):
                 addr = storage_address(t)
                 ex = self._exports.get((engine, addr))
                 if ex is None:
+                    t0 = time.perf_counter()
                     ex = self._exports[(engine, addr)] = _Export(secrets.token_hex(8),
                                                                  export_handle(_flat_storage(t)), self._push_serial)
                     self.ref_stats["exports"] += 1
+                    self.ref_stats["export_ms"] += (time.perf_counter() - t0) * 1e3
                 ex.used = self._push_serial
                 exports.append((addr, ex))
                 ref = [spec.name, dtype_name(spec.dtype), list(spec.shape), ex.token,
@@ -441,7 +457,7 @@ class CudaIpcTransport(Transport):
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    _copy_all(dsts, tensors)
+                    _copy_all(*coalesce(dsts, tensors))  # replayed every push: fewer, larger copies
                 finally:
                     graph.capture_end()
         except RuntimeError as e:  # a copy this CUDA build cannot capture: plain copies from now on
@@ -714,6 +730,20 @@ def _ints(v: object, what: str, n: int | None = None) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _warm_copies(device: torch.device) -> None:
+    """Run each kind of copy a load uses once, on tiny tensors: CUDA loads a kernel on its first use (a few ms
+    each), and a first push would otherwise pay that inside its copies. Done while connecting."""
+    with torch.cuda.device(device):
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            a = torch.zeros(4, 2, 8, dtype=dt, device="cuda")
+            b = torch.ones(2, 4, 8, dtype=dt, device="cuda")
+            a.copy_(b.transpose(0, 1))  # strided (Q, K, V views of a fused QKV)
+            a[0].copy_(b[0, :2], non_blocking=True)  # contiguous
+            torch._foreach_copy_([a[1], a[2]], [b[1, :2], b[0, 2:]], non_blocking=True)  # batched small tensors
+            a.copy_(b.float().transpose(0, 1))  # cast
+        torch.cuda.current_stream().synchronize()
+
+
 class CudaIpcReceiver(Receiver):
     name = "cuda_ipc"
 
@@ -721,6 +751,7 @@ class CudaIpcReceiver(Receiver):
         super().__init__(init_info, device)
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise TransportError(f"the cuda_ipc receiver needs a CUDA device, got {self.device}")
+        _warm_copies(self.device)
         self._maps: dict[str, _Mapped] = {}
         self._open: _Mapped | None = None
         self._storages: dict[str, _Storage] = {}  # token -> mapped trainer storage (references)
@@ -728,7 +759,7 @@ class CudaIpcReceiver(Receiver):
         # reference set id -> (its views, the storage tokens they lie on); see CudaIpcTransport._refs
         self._refsets: dict[str, tuple[list[tuple[TensorMeta, torch.Tensor]], frozenset[str]]] = {}
         #: host seconds spent opening trainer storages (for benchmarks: part of the receiver's `refs` time)
-        self.timing = {"map_storages": 0.0}
+        self.timing = {"map_storages": 0.0, "map_storages.parse": 0.0}
 
     def _storage(self, token: str, exports: dict[str, Any]) -> _Storage:
         st = self._storages.get(token)
@@ -742,8 +773,12 @@ class CudaIpcReceiver(Receiver):
                                   "mapped and the update does not export")
         t0 = time.perf_counter()
         h = parse_handle({"token": token, "nbytes": 0, "ipc": raw})
-        st = self._storages[token] = _Storage(self._rebuild(h), dict(raw))
+        t1 = time.perf_counter()
+        # No export event to wait on: the chunk's ready event, which every update waits for before its loads,
+        # already orders these reads after the trainer's writes (it is recorded after the producer's stream).
+        st = self._storages[token] = _Storage(self._rebuild(h, event=False), dict(raw))
         self.timing["map_storages"] += time.perf_counter() - t0
+        self.timing["map_storages.parse"] += t1 - t0
         return st
 
     def ref_views(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]]:
@@ -822,7 +857,9 @@ class CudaIpcReceiver(Receiver):
             view = view.view(hf_shape)
         return meta, view
 
-    def _rebuild(self, h: IpcHandle) -> torch.Tensor:
+    def _rebuild(self, h: IpcHandle, event: bool = True) -> torch.Tensor:
+        """Open an export. `event`: make the current stream wait on the export's event (opening that event
+        costs about as much as mapping the memory)."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         index = local_index(h.gpu)
@@ -831,7 +868,7 @@ class CudaIpcReceiver(Receiver):
                 t = rebuild_cuda_tensor(
                     torch.Tensor, torch.Size([h.size]), (1,), h.tensor_offset, torch.UntypedStorage, torch.uint8,
                     index, h.handle, h.storage_size, h.storage_offset, False, h.ref_counter, h.ref_counter_offset,
-                    h.event, h.event_sync)
+                    h.event, h.event_sync and event)
             except RuntimeError as e:
                 raise TransportError(f"cannot open CUDA IPC handle of buffer {h.token}: {e}") from e
         if t.numel() != h.size or t.dtype != torch.uint8:
