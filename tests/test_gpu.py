@@ -480,6 +480,45 @@ async def test_the_receiver_replays_a_repeated_chunks_copies_as_a_graph_and_stay
         await sync.close()
 
 
+@gpu
+async def test_moe_experts_by_reference_replay_coalesced_copies_and_stay_exact(tmp_path):
+    # Each expert's gate and up projections are two halves of one trainer tensor (megatron's fc1) and land as
+    # two halves of one w13 slice: a captured load copies each pair as one block. Exact at every push, also
+    # after the trainer moved its parameters (new references, new captures).
+    from streamsync.testing.megatron import TinyModel
+
+    specs = TinyModel(arch="qwen3-moe", vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                      ffn=128, experts=8, moe_ffn=32).hf_specs()
+    model = StateModule(specs, fill="random", seed=21, device="cuda")
+
+    def fuse_fc1() -> None:
+        with torch.no_grad():
+            for name, gate in list(model.named_parameters()):
+                if ".experts." in name and name.endswith("gate_proj.weight"):
+                    up = model.get_parameter(name.replace("gate_proj", "up_proj"))
+                    fc1 = torch.cat([gate, up])
+                    gate.data, up.data = fc1[:gate.shape[0]], fc1[gate.shape[0]:]
+
+    fuse_fc1()
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "moe.json")), device="cuda", fused=True) as rp:
+        engine = rp.engine()
+        transport = CudaIpcTransport()
+        sync = WeightSync([engine], transport=transport)
+        for step in range(4):
+            _perturb(model, 110 + step)
+            await sync.push(model)
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), step
+        graphs = (await engine.call("status"))["graphs"]
+        assert graphs["captured"] >= 1 and graphs["replayed"] >= 1
+        assert transport.ref_stats["referenced"] > 0
+        fuse_fc1()  # new storages for every expert
+        for step in range(3):
+            _perturb(model, 120 + step)
+            await sync.push(model)
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), step
+        await sync.close()
+
+
 class _Tamper(ReceiverEngine):
     async def update(self, update_info: dict[str, Any]) -> None:
         info = copy.deepcopy(update_info)
