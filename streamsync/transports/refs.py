@@ -92,9 +92,9 @@ class RefSender:
 
     name: str
 
-    def _init_refs(self, one_copy: bool, ref_bytes: int) -> None:
+    def _init_refs(self, one_copy: bool, ref_bytes: int | None) -> None:
         self.one_copy = one_copy
-        self.ref_bytes = int(ref_bytes)
+        self.ref_bytes = int(ref_bytes) if ref_bytes is not None else None
         #: tensors sent by reference and packed, since construction (for benchmarks and tests)
         self.ref_stats = {"referenced": 0, "packed": 0, "exports": 0}
         self._persistent: set[int] = set()  # storage addresses of the source's own tensors (this push)
@@ -114,9 +114,10 @@ class RefSender:
 
     @property
     def ref_chunk_bytes(self) -> int | None:
-        """The per-chunk budget of referenced bytes (`plan_chunks`), None when nothing goes by reference. A
-        referenced tensor costs the sender no memory; chunks of them are few and large, since each costs
-        host work on both sides (an update call, its handle, its events)."""
+        """The per-chunk budget of referenced bytes (`plan_chunks`), None when nothing goes by reference or
+        referenced tensors fill the chunk budget like packed ones. A referenced tensor costs the sender no
+        memory; chunks of them are few and large, since each costs host work on both sides (an update call,
+        its handle, its events)."""
         return self.ref_bytes if self.one_copy else None
 
     def _ref_compact(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor], dev: torch.device) -> _Compact | None:

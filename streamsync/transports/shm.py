@@ -134,14 +134,20 @@ class ShmTransport(RefSender, Transport):
     `/dev/shm` (counted against that filesystem's size; the sender packs instead, with a warning, where
     `/dev/shm` has no room for it), and stays there after the sync closes. torch cannot grow a storage in
     shared memory in place (`t.resize_(larger)` crashes the process in torch 2.x): replace such a parameter
-    (`p.data = new`) instead. Opt-in (default False): on the 2-core CI machine, one copy was not faster than
-    the packed path (`docs/benchmarks/cpu-onecopy.json`; see the README there).
-    ref_bytes: referenced bytes per chunk (the chunk budget, `chunk_bytes`, bounds only the packed bytes).
+    (`p.data = new`) instead. The default, because it was faster in every comparison on the 2-core CI machine
+    (`python -m streamsync bench --one-copy --repeat 5`, 0.94 GB bf16 model, 64 MiB chunks, one receiver
+    process; `docs/benchmarks/cpu-onecopy.json`): window 4, 197 ms against 208 ms packed (1.05x; an earlier
+    run on a quieter machine 172 against 271 ms, 1.58x); window 1, 197 against 362 ms (1.83x). It also needs
+    no pack work from the trainer and no segment memory for referenced tensors. Its first push is slower
+    (787 against 292 ms: the one-time move into shared memory and the receiver's first mapping).
+    ref_bytes: referenced bytes per chunk (the chunk budget, `chunk_bytes`, then bounds only the packed bytes);
+    None (default): referenced tensors fill `chunk_bytes` like packed ones, so the chunking is the packed
+    path's. 1 GiB (one chunk for the 0.94 GB model) measured 187 ms at window 4 in the same run (1.11x).
     """
 
     name = "shm"
 
-    def __init__(self, keep_pool: bool = True, one_copy: bool = False, ref_bytes: int = 1 << 30) -> None:
+    def __init__(self, keep_pool: bool = True, one_copy: bool = True, ref_bytes: int | None = None) -> None:
         self.pool = BufferPool(torch.device("cpu"), keep=keep_pool, alloc=_create_segment,
                                destroy=_destroy_segment)
         self._init_refs(one_copy, ref_bytes)
