@@ -10,7 +10,7 @@ no segment can be left behind by a push, a failed push, a crashed receiver or a 
 Receivers open a segment through `/proc/<sender pid>/fd/<fd>` (same host, same user), check that it is
 exactly the memfd named with the handle's token and large enough, and keep the mapping while the token is live.
 
-One copy (`one_copy=True`; opt-in or default: see `ShmTransport`). A converted tensor that is a plain view of one
+One copy (`one_copy=True`, the default; numbers in `ShmTransport`). A converted tensor that is a plain view of one
 of the source's own CPU storages (`Source.local_addresses`) in the plan's dtype is not packed: the chunk's
 handle names it by reference (storage token, byte offset, view shape, strides; `refs.py`) and the receiver
 copies it straight out of the trainer's memory into its parameters. For that the trainer's storages must be
