@@ -263,8 +263,11 @@ def test_a_malformed_message_does_not_kill_the_receiver(qwen_receiver):
 
 
 async def test_layouts_go_by_key_once_known_and_are_resent_when_the_receiver_lacks_them(qwen_receiver, qwen_model):
+    from streamsync.transports.shm import ShmTransport
+
     engine = qwen_receiver.engine()
-    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    # Packed: the plan's layouts are what goes (one copy sends each chunk's packed part's own layout instead).
+    sync = WeightSync([engine], chunk_bytes=CHUNK, transport=ShmTransport(one_copy=False))
     plans = sync.plan(qwen_model)[1]
     # The client believes the receiver knows every layout; it does not (a cache it cleared, say).
     engine._known.update(p.layout_key for p in plans)

@@ -64,8 +64,9 @@ class ModuleSource(Source):
         """Keys are names, or (name, row0, row1) for the parts of a tensor larger than `chunk_bytes`, which is
         split by rows so that every chunk (its aligned layout) fits the budget.
 
-        `ref_bytes`: the transport sends plain views of CUDA tensors by reference (CUDA IPC one copy); those
-        tensors (every tensor that is not cast) fill this budget per chunk instead (see `plan_chunks`)."""
+        `ref_bytes`: the transport sends plain views of the model's tensors by reference (one copy: CUDA IPC, or
+        shared memory on CPU); those tensors (every tensor that is not cast) fill this budget per chunk instead
+        (see `plan_chunks`)."""
         # Stable: module order within a layer, except that a layer's expert down projections follow all of
         # its gate/up projections, so they lie as an engine's stacked w13 and w2 (`pack.fuse_layout`).
         names = sorted(self._tensors, key=lambda n: (order_key(n), ".down_proj." in n and ".experts." in n))
@@ -74,7 +75,8 @@ class ModuleSource(Source):
         for n in names:
             spec = self._spec(n)
             unit = layer_index(n) if layer_index(n) is not None else n
-            ref = ref_bytes is not None and self._tensors[n].is_cuda and self._tensors[n].dtype == spec.dtype
+            ref = (ref_bytes is not None and self._tensors[n].device.type in ("cuda", "cpu")
+                   and self._tensors[n].dtype == spec.dtype)
             parts = row_parts(spec.shape, spec.dtype.itemsize, ref_bytes if ref and ref_bytes else chunk_bytes)
             if len(parts) == 1:
                 specs[n] = spec

@@ -54,8 +54,6 @@ import base64
 import binascii
 import functools
 import re
-import secrets
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,22 +64,11 @@ import torch
 
 from ..errors import TransportError, ValidationError
 from ..log import get_logger
-from ..pack import (
-    ALIGN,
-    Layout,
-    TensorMeta,
-    batched,
-    castable,
-    coalesce,
-    dtype_from_name,
-    dtype_name,
-    fits,
-    plan_layout,
-    unpack,
-)
-from ..sources.base import ChunkPlan, addresses, layout_key
+from ..pack import ALIGN, Layout, TensorMeta, batched, castable, coalesce, dtype_from_name, fits, unpack
+from ..sources.base import ChunkPlan, addresses
 from .base import Receiver, SendBuffer, Transport
 from .pool import BufferPool, PoolBuffer
+from .refs import RefReceiver, RefSender, _Compact, _Storage, storage_address  # noqa: F401 - re-export
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
@@ -160,52 +147,13 @@ def export_handle(tensor: torch.Tensor) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ sender
 
 
-@dataclass
-class _Export:
-    """One trainer storage exported to one engine: `token` names it in references."""
-
-    token: str
-    ipc: dict[str, Any]
-    used: int  # the push serial that last referenced it
-    sent: bool = False  # the engine got the export data (a later reference sends the token only)
-
-
-@dataclass
-class _RefSet:
-    """A chunk's references for one engine, as last sent: reused while the same tensors sit at the same
-    addresses and every export it names is alive; the engine caches it by `id` once it acknowledged it."""
-
-    id: str
-    refs: list[list[Any]]
-    exports: list[tuple[int, _Export]]  # (storage address, export)
-    known: bool = False
-    gen: int = -1  # the sender's export generation when every export it names was last seen alive
-
-
-@dataclass(frozen=True)
-class _Compact:
-    """A chunk's packed part when some of its tensors go by reference: its own layout, sent in place of the
-    plan's, and which of the plan's tensors it holds."""
-
-    layout: Layout
-    layout_json: dict
-    layout_key: str
-    packed: tuple[int, ...]  # indices into the plan's specs
-    refs: tuple[int, ...]
-
-
-def storage_address(t: torch.Tensor) -> int:
-    """The address of `t`'s storage (cheaper than `t.untyped_storage().data_ptr()`: no storage object)."""
-    return t.data_ptr() - t.storage_offset() * t.element_size()
-
-
 def _flat_storage(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 tensor over the whole of `t`'s storage (what an export maps)."""
     st = t.untyped_storage()
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
 
 
-class CudaIpcTransport(Transport):
+class CudaIpcTransport(RefSender, Transport):
     """device: where send buffers live (default: the current CUDA device when the first push starts; it
     should be the model's device). keep_pool: keep up to `max_inflight` buffers between pushes.
     graphs: replay a chunk's pack copies as one captured CUDA graph once the same chunk has been packed
@@ -226,19 +174,7 @@ class CudaIpcTransport(Transport):
         self.keep_pool = keep_pool
         self.release = release
         self.graphs = graphs
-        self.one_copy = one_copy
-        self.ref_bytes = int(ref_bytes)
-        #: tensors sent by reference and packed, since construction (for benchmarks and tests)
-        self.ref_stats: dict[str, float] = {"referenced": 0, "packed": 0, "exports": 0, "export_ms": 0.0}
-        self._persistent: set[int] = set()  # storage addresses of the source's own tensors (this push)
-        self._exports: dict[tuple[int, int], _Export] = {}  # (engine, storage address) -> export
-        self._push_serial = 0
-        self._push_ok = True
-        self._export_gen = 0  # bumped whenever exports are dropped: a reference set checked since is alive
-        self._compact: dict[tuple[str, tuple[bool, ...]], _Compact] = {}
-        self._refsets: dict[tuple[int, str, tuple], _RefSet] = {}  # (engine, layout key, addresses) -> refs
-        self._masks: dict[str, tuple[Sequence[torch.Tensor], int, tuple[bool, ...]]] = {}  # see allocate_for
-        self._refs_fast: dict[tuple[int, str], tuple[Sequence[torch.Tensor], _RefSet, tuple]] = {}  # see _refs
+        self._init_refs(one_copy, ref_bytes)
         self._single_worker = True
         #: packs replayed from a captured graph, and graphs captured, since construction (for benchmarks)
         self.graph_stats = {"replayed": 0, "captured": 0}
@@ -258,18 +194,8 @@ class CudaIpcTransport(Transport):
             self._pool = BufferPool(dev, keep=self.keep_pool, on_drop=torch.cuda.ipc_collect)
         return self._pool
 
-    @property
-    def ref_chunk_bytes(self) -> int | None:
-        """The per-chunk budget of referenced bytes (`plan_chunks`), None when nothing goes by reference. A
-        referenced tensor costs the sender no memory; chunks of them are few and large, since each costs
-        host work on both sides (an update call, its handle, its events)."""
-        return self.ref_bytes if self.one_copy else None
-
     def init_info(self, index: int, engine: Engine) -> dict[str, Any]:
-        # A (re)connected engine maps nothing yet: every storage is exported to it afresh.
-        self._export_gen += 1
-        self._exports = {k: v for k, v in self._exports.items() if k[0] != index}
-        self._refsets = {k: v for k, v in self._refsets.items() if k[0] != index}
+        self._forget_engine(index)  # a (re)connected engine maps nothing yet: every storage is exported afresh
         return super().init_info(index, engine)
 
     def note_source(self, source: Any, engines: Sequence[Engine]) -> None:
@@ -290,6 +216,9 @@ class CudaIpcTransport(Transport):
         # (pool.take) instead of every buffer taking the largest chunk's size.
         self.pool.begin(self.pool.size if self._persistent else max(p.nbytes for p in plans))
 
+    def _ref_export(self, t: torch.Tensor) -> tuple[dict[str, Any], Any]:
+        return export_handle(_flat_storage(t)), None  # the caching allocator keeps an exported block from reuse
+
     def allocate(self, chunk: ChunkPlan, push_id: str) -> SendBuffer:
         pb = self.pool.take(chunk.nbytes)
         return SendBuffer(chunk.index, pb.size, pb.tensor[: chunk.nbytes], {"token": pb.token}, {"pb": pb})
@@ -299,94 +228,13 @@ class CudaIpcTransport(Transport):
         are plain views of the source's own storages go by reference (module doc)."""
         if not self._persistent:
             return self.allocate(chunk, push_id)
-        dev = self.pool.device
-        last = self._masks.get(chunk.layout_key)
-        if last is not None and last[0] is tensors and last[1] == self._push_serial - 1:
-            mask = last[2]  # the source's cached views of the last push, their storages unchanged since
-        else:
-            mask = tuple(t.is_cuda and t.device == dev and t.dtype == s.dtype and t.numel() > 0
-                         and storage_address(t) in self._persistent and all(st >= 0 for st in t.stride())
-                         for s, t in zip(chunk.specs, tensors, strict=True))
-        if len(self._masks) > 4096:
-            self._masks.clear()
-        self._masks[chunk.layout_key] = (tensors, self._push_serial, mask)
-        if not any(mask):
-            self.ref_stats["packed"] += len(mask)
-            return self.allocate(chunk, push_id)
-        compact = self._compact.get((chunk.layout_key, mask))
+        compact = self._ref_compact(chunk, tensors, self.pool.device)
         if compact is None:
-            if len(self._compact) > 4096:
-                self._compact.clear()
-            specs = [s for s, m in zip(chunk.specs, mask, strict=True) if not m]
-            layout = plan_layout(specs)
-            js = layout.to_json()
-            compact = self._compact[(chunk.layout_key, mask)] = _Compact(
-                layout, js, layout_key(js), tuple(i for i, m in enumerate(mask) if not m),
-                tuple(i for i, m in enumerate(mask) if m))
-        self.ref_stats["referenced"] += len(compact.refs)
-        self.ref_stats["packed"] += len(compact.packed)
+            return self.allocate(chunk, push_id)
         need = max(compact.layout.nbytes if compact.packed else 0, ALIGN)
         pb = self.pool.take(need)
         return SendBuffer(chunk.index, pb.size, pb.tensor[:need], {"token": pb.token},
                           {"pb": pb, "compact": compact, "plan": chunk, "tensors": tensors})
-
-    def _refs(self, buf: SendBuffer, engine: int) -> dict[str, Any]:
-        """The handle fields naming `buf`'s referenced tensors for engine `engine`: the references (and the
-        exports it has not had yet), or only their id when the engine has them from an earlier push."""
-        compact: _Compact = buf.state["compact"]
-        plan: ChunkPlan = buf.state["plan"]
-        tensors: Sequence[torch.Tensor] = buf.state["tensors"]
-        def alive(rs: _RefSet | None) -> bool:
-            if rs is None:
-                return False
-            if rs.gen != self._export_gen:  # exports were dropped since: are this set's still there?
-                if not all(self._exports.get((engine, a)) is ex for a, ex in rs.exports):
-                    return False
-                rs.gen = self._export_gen
-            return True
-
-        fast = self._refs_fast.get((engine, plan.layout_key))
-        rs = key = None
-        if fast is not None and fast[0] is tensors:  # a source's cached views: the same addresses
-            rs, key = fast[1], fast[2]
-        if not alive(rs):
-            ts = [tensors[i] for i in compact.refs]
-            key = (engine, plan.layout_key, tuple((t.data_ptr(), t.stride()) for t in ts))
-            rs = self._refsets.get(key)
-        if alive(rs):
-            for _, ex in rs.exports:  # type: ignore[union-attr]
-                ex.used = self._push_serial
-        else:
-            refs: list[list[Any]] = []
-            exports: list[tuple[int, _Export]] = []
-            for i, t in zip(compact.refs, ts, strict=True):
-                spec = plan.specs[i]
-                addr = storage_address(t)
-                ex = self._exports.get((engine, addr))
-                if ex is None:
-                    t0 = time.perf_counter()
-                    ex = self._exports[(engine, addr)] = _Export(secrets.token_hex(8),
-                                                                 export_handle(_flat_storage(t)), self._push_serial)
-                    self.ref_stats["exports"] += 1
-                    self.ref_stats["export_ms"] += (time.perf_counter() - t0) * 1e3
-                ex.used = self._push_serial
-                exports.append((addr, ex))
-                ref = [spec.name, dtype_name(spec.dtype), list(spec.shape), ex.token,
-                       t.storage_offset() * t.element_size(), list(t.shape), list(t.stride())]
-                if spec.part is not None:
-                    ref.append(list(spec.part))
-                refs.append(ref)
-            if len(self._refsets) > 4096:
-                self._refsets.clear()
-            rs = self._refsets[key] = _RefSet(secrets.token_hex(8), refs, exports)
-        if len(self._refs_fast) > 4096:
-            self._refs_fast.clear()
-        self._refs_fast[(engine, plan.layout_key)] = (tensors, rs, key)
-        buf.state.setdefault("refsets", {})[engine] = rs
-        if rs.known:
-            return {"refs_id": rs.id}
-        new = {ex.token: ex.ipc for _, ex in rs.exports if not ex.sent}
-        return {"refs_id": rs.id, "refs": rs.refs, **({"storages": new} if new else {})}
 
     async def pack(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
         """Queue the chunk's copies into its buffer on a side stream; with release events, return at once.
@@ -524,21 +372,8 @@ class CudaIpcTransport(Transport):
 
     def _info(self, buf: SendBuffer, update_info: dict[str, Any], engine: int, live: list[str]) -> dict[str, Any]:
         pb: PoolBuffer = buf.state["pb"]
-        handle = self._handle(pb, engine, buf.tensor.numel(), live)
-        compact: _Compact | None = buf.state.get("compact")
-        if compact is None:
-            return {**update_info, "handle": handle}
-        handle = {**handle, **self._refs(buf, engine)}
         # The packed part's own layout replaces the plan's (whose other tensors go by reference).
-        return {**update_info, "handle": handle, "layout": compact.layout_json, "layout_key": compact.layout_key}
-
-    def _sent(self, buf: SendBuffer, engine: int) -> None:
-        """Engine `engine` acknowledged a chunk: it holds every export and the reference set it carried."""
-        rs: _RefSet | None = buf.state.get("refsets", {}).get(engine)
-        if rs is not None:
-            rs.known = True
-            for _, ex in rs.exports:
-                ex.sent = True
+        return self._ref_info(buf, update_info, self._handle(pb, engine, buf.tensor.numel(), live), engine)
 
     async def send(self, buf: SendBuffer, update_info: dict[str, Any], engines: Sequence[Engine]) -> None:
         live = self.pool.live_tokens
@@ -562,26 +397,12 @@ class CudaIpcTransport(Transport):
             buf.tensor = torch.empty(0, dtype=torch.uint8)
             self.pool.give(pb)
 
-    def push_succeeded(self) -> None:
-        """Every engine acknowledged every chunk of this push (called before `end_push`)."""
-        self._push_ok = True
-
     def end_push(self) -> None:
         self._wait_packs()
         self.pool.end()
         # Receivers drop the storages a round did not reference (CudaIpcReceiver.end_round); so does the
         # sender, after a success. After a failure it cannot tell what each receiver mapped: export afresh.
-        if self._push_ok:
-            kept = {k: v for k, v in self._exports.items() if v.used == self._push_serial}
-            if len(kept) != len(self._exports):
-                self._export_gen += 1
-                self._exports = kept
-                self._refsets = {k: v for k, v in self._refsets.items()
-                                 if all(ex.used == self._push_serial for _, ex in v.exports)}
-        else:
-            self._export_gen += 1
-            self._exports.clear()
-            self._refsets.clear()
+        self._end_push_refs()
 
     def release_pool(self) -> None:
         """Drop every pooled buffer. Memory comes back once receivers dropped their mappings (they do when
@@ -596,9 +417,7 @@ class CudaIpcTransport(Transport):
             self._pool.end()
             self._pool.release()
         self._events.clear()
-        self._export_gen += 1
-        self._exports.clear()
-        self._refsets.clear()
+        self._drop_all_exports()
 
 
 # ---------------------------------------------------------------------------------------------- receiver
@@ -714,22 +533,6 @@ def _live(h: dict[str, Any]) -> tuple[str, ...] | None:
     return tuple(live)
 
 
-@dataclass
-class _Storage:
-    """A trainer storage mapped for references, and the views built on it (keyed by their reference)."""
-
-    tensor: torch.Tensor
-    raw: dict[str, Any]
-    views: dict[tuple, tuple[TensorMeta, torch.Tensor]] = field(default_factory=dict)
-
-
-def _ints(v: object, what: str, n: int | None = None) -> tuple[int, ...]:
-    if not isinstance(v, list) or len(v) > 8 or (n is not None and len(v) != n) or not all(
-            type(x) is int and 0 <= x < _MAX_INT for x in v):
-        raise ValidationError(f"cuda_ipc reference {what} must be a list of non-negative ints, got {v!r:.80}")
-    return tuple(v)
-
-
 def _warm_copies(device: torch.device) -> None:
     """Run each kind of copy a load uses once, on tiny tensors: CUDA loads a kernel on its first use (a few ms
     each), and a first push would otherwise pay that inside its copies. Done while connecting."""
@@ -744,7 +547,7 @@ def _warm_copies(device: torch.device) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-class CudaIpcReceiver(Receiver):
+class CudaIpcReceiver(RefReceiver, Receiver):
     name = "cuda_ipc"
 
     def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cuda") -> None:
@@ -759,103 +562,12 @@ class CudaIpcReceiver(Receiver):
         # reference set id -> (its views, the storage tokens they lie on); see CudaIpcTransport._refs
         self._refsets: dict[str, tuple[list[tuple[TensorMeta, torch.Tensor]], frozenset[str]]] = {}
         #: host seconds spent opening trainer storages (for benchmarks: part of the receiver's `refs` time)
-        self.timing = {"map_storages": 0.0, "map_storages.parse": 0.0}
+        self.timing = {"map_storages": 0.0}
 
-    def _storage(self, token: str, exports: dict[str, Any]) -> _Storage:
-        st = self._storages.get(token)
-        raw = exports.get(token)
-        if st is not None:
-            if raw is not None and raw != st.raw:
-                raise ValidationError(f"cuda_ipc storage {token} changed its export data")
-            return st
-        if raw is None:
-            raise ValidationError(f"cuda_ipc reference to storage {token!r:.40}, which this receiver has not "
-                                  "mapped and the update does not export")
-        t0 = time.perf_counter()
-        h = parse_handle({"token": token, "nbytes": 0, "ipc": raw})
-        t1 = time.perf_counter()
+    def _ref_map(self, token: str, raw: dict[str, Any]) -> torch.Tensor:
         # No export event to wait on: the chunk's ready event, which every update waits for before its loads,
         # already orders these reads after the trainer's writes (it is recorded after the producer's stream).
-        st = self._storages[token] = _Storage(self._rebuild(h, event=False), dict(raw))
-        self.timing["map_storages"] += time.perf_counter() - t0
-        self.timing["map_storages.parse"] += t1 - t0
-        return st
-
-    def ref_views(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]]:
-        """The chunk's tensors sent by reference: views on mapped trainer storages, each with its metadata
-        (HF name, dtype, shape, part). A view is in the HF shape, or in the sender's *blocked* shape where the
-        strides allow no HF-shaped view (Q of an interleaved QKV): same row-major order (see `pack.fits`)."""
-        h = update_info.get("handle")
-        if not isinstance(h, dict) or ("refs" not in h and "refs_id" not in h):
-            return []
-        rid = h.get("refs_id")
-        if rid is not None and (not isinstance(rid, str) or not _TOKEN.match(rid)):
-            raise ValidationError(f"cuda_ipc handle refs_id must be a hex token, got {rid!r:.80}")
-        refs = h.get("refs")
-        if refs is None:
-            known = self._refsets.get(rid) if rid is not None else None
-            if known is None:
-                raise ValidationError(f"cuda_ipc reference set {rid!r:.40} is not known here and the update does "
-                                      "not carry it")
-            self._round |= known[1]
-            return known[0]
-        exports = h.get("storages") or {}
-        if not isinstance(refs, list) or len(refs) > 1 << 16 or not isinstance(exports, dict) or len(exports) > 1 << 16:
-            raise ValidationError("cuda_ipc handle 'refs' must be a list and 'storages' a dict")
-        out = []
-        for ref in refs:
-            if not isinstance(ref, list) or len(ref) not in (7, 8) or not isinstance(ref[3], str):
-                raise ValidationError(f"malformed cuda_ipc reference {ref!r:.200}")
-            token = ref[3]
-            st = self._storage(token, exports)
-            self._round.add(token)
-            key = tuple(tuple(x) if isinstance(x, list) else x for x in ref)
-            hit = st.views.get(key)
-            if hit is None:
-                hit = st.views[key] = self._ref_view(ref, st.tensor)
-            out.append(hit)
-        if rid is not None:
-            if len(self._refsets) > 4096:
-                self._refsets.clear()
-            self._refsets[rid] = (out, frozenset(r[3] for r in refs))
-        return out
-
-    @staticmethod
-    def _ref_view(ref: list[Any], storage: torch.Tensor) -> tuple[TensorMeta, torch.Tensor]:
-        name, dt, hf_shape = ref[0], ref[1], ref[2]
-        if not isinstance(name, str) or not isinstance(dt, str):
-            raise ValidationError(f"malformed cuda_ipc reference {ref!r:.200}")
-        dtype = dtype_from_name(dt)
-        hf_shape = _ints(hf_shape, f"{name!r} shape")
-        offset = ref[4]
-        if type(offset) is not int or not 0 <= offset < _MAX_INT:
-            raise ValidationError(f"cuda_ipc reference {name!r} offset must be a non-negative int")
-        shape = _ints(ref[5], f"{name!r} view shape")
-        stride = _ints(ref[6], f"{name!r} view strides", len(shape))
-        item = dtype.itemsize
-        numel = 1
-        for d in hf_shape:
-            numel *= d
-        meta_json: list[Any] = [name, dt, list(hf_shape), 0, numel * item]
-        if len(ref) == 8:
-            meta_json.append(ref[7])
-        meta = TensorMeta.from_json(meta_json)
-        view_numel = 1
-        for d in shape:
-            view_numel *= d
-        if view_numel != numel or numel == 0 or shape[len(shape) - len(hf_shape) + 1:] != hf_shape[1:]:
-            raise ValidationError(f"cuda_ipc reference {name!r}: view {list(shape)} is not a blocked form of "
-                                  f"{list(hf_shape)}")
-        span = (1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))) * item
-        if offset % item or (storage.data_ptr() + offset) % item or offset + span > storage.numel():
-            raise ValidationError(f"cuda_ipc reference {name!r} [{offset}, +{span}) misaligned or outside its "
-                                  f"{storage.numel()}-byte storage")
-        view = storage[offset:offset + span].view(dtype).as_strided(shape, stride)
-        # Otherwise blocked (Q of an interleaved QKV): loaders that take blocked tensors copy it as is, others
-        # reshape (receiver.py). Never a failed `view` to find out: each raised error costs ~0.15 ms.
-        if shape != hf_shape and view.is_contiguous():
-            view = view.view(hf_shape)
-        return meta, view
+        return self._rebuild(parse_handle({"token": token, "nbytes": 0, "ipc": raw}), event=False)
 
     def _rebuild(self, h: IpcHandle, event: bool = True) -> torch.Tensor:
         """Open an export. `event`: make the current stream wait on the export's event (opening that event
@@ -957,17 +669,7 @@ class CudaIpcReceiver(Receiver):
         """Before a round's end is acknowledged, every queued copy into the parameters has finished. Trainer
         storages this round did not reference are unmapped (the sender frees or reuses them once we let go)."""
         self._synchronize()
-        gone = {t for t in self._storages if t not in self._round}
-        for token in gone:
-            del self._storages[token]
-        if gone:
-            self._refsets = {k: v for k, v in self._refsets.items() if not v[1] & gone}
-        self._round = set()
-
-    @property
-    def storages(self) -> int:
-        """Trainer storages this receiver holds mapped for references."""
-        return len(self._storages)
+        self._end_round_refs()
 
     @property
     def mapped(self) -> int:

