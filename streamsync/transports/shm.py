@@ -10,7 +10,7 @@ no segment can be left behind by a push, a failed push, a crashed receiver or a 
 Receivers open a segment through `/proc/<sender pid>/fd/<fd>` (same host, same user), check that it is
 exactly the memfd named with the handle's token and large enough, and keep the mapping while the token is live.
 
-One copy (`one_copy=True`, the default; numbers in `ShmTransport`). A converted tensor that is a plain view of one
+One copy (`one_copy=True`, opt-in; numbers and why in `ShmTransport`). A converted tensor that is a plain view of one
 of the source's own CPU storages (`Source.local_addresses`) in the plan's dtype is not packed: the chunk's
 handle names it by reference (storage token, byte offset, view shape, strides; `refs.py`) and the receiver
 copies it straight out of the trainer's memory into its parameters. For that the trainer's storages must be
@@ -134,12 +134,14 @@ class ShmTransport(RefSender, Transport):
     `/dev/shm` (counted against that filesystem's size; the sender packs instead, with a warning, where
     `/dev/shm` has no room for it), and stays there after the sync closes. torch cannot grow a storage in
     shared memory in place (`t.resize_(larger)` crashes the process in torch 2.x): replace such a parameter
-    (`p.data = new`) instead. The default, because it was faster in every comparison on the 2-core CI machine
-    (`python -m streamsync bench --one-copy --repeat 5`, 0.94 GB bf16 model, 64 MiB chunks, one receiver
-    process; `docs/benchmarks/cpu-onecopy.json`): window 4, 197 ms against 208 ms packed (1.05x; an earlier
-    run on a quieter machine 172 against 271 ms, 1.58x); window 1, 197 against 362 ms (1.83x). It also needs
-    no pack work from the trainer and no segment memory for referenced tensors. Its first push is slower
-    (787 against 292 ms: the one-time move into shared memory and the receiver's first mapping).
+    (`p.data = new`) instead. Opt-in, not the default: on the 2-core CI machine (`python -m streamsync bench
+    --one-copy --repeat 5`, 0.94 GB bf16 model, 64 MiB chunks, one receiver process;
+    `docs/benchmarks/cpu-onecopy.json`) it was faster in steady state, but little at window 4: 197 ms against
+    208 ms packed (1.05x; an earlier run on a quieter machine 172 against 271 ms, 1.58x); window 1, 197
+    against 362 ms (1.83x). Its first push was slower (787 against 292 ms: the one-time move into shared
+    memory and the receiver's first mapping), and it changes where the trainer's parameters live for good,
+    with the resize hazard above. It needs no pack work from the trainer and no segment memory for referenced
+    tensors: a trainer short of CPU or memory, or pushing at window 1, should ask for it.
     ref_bytes: referenced bytes per chunk (the chunk budget, `chunk_bytes`, then bounds only the packed bytes);
     None (default): referenced tensors fill `chunk_bytes` like packed ones, so the chunking is the packed
     path's. 1 GiB (one chunk for the 0.94 GB model) measured 187 ms at window 4 in the same run (1.11x).
@@ -147,7 +149,7 @@ class ShmTransport(RefSender, Transport):
 
     name = "shm"
 
-    def __init__(self, keep_pool: bool = True, one_copy: bool = True, ref_bytes: int | None = None) -> None:
+    def __init__(self, keep_pool: bool = True, one_copy: bool = False, ref_bytes: int | None = None) -> None:
         self.pool = BufferPool(torch.device("cpu"), keep=keep_pool, alloc=_create_segment,
                                destroy=_destroy_segment)
         self._init_refs(one_copy, ref_bytes)
