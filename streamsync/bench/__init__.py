@@ -3,9 +3,9 @@
 CPU (default): a ~1 GB Qwen3-shaped bf16 model made locally, pushed over shared memory into a receiver
 process. Sender and receiver each get one intra-op thread, so on a 2-core machine the pipeline's
 overlap (pack of chunk i+1 while the receiver loads chunk i) is what the ratio measures.
-`--one-copy` (CPU): the same pushes over the packed shared-memory path (`ShmTransport(one_copy=False)`) and over
-one copy (the default `ShmTransport()`: the receiver copies the trainer's own storages, mapped by reference; and
-with 1 GiB of references per chunk), in blocks into one receiver, printed with their ratios.
+`--one-copy` (CPU): the same pushes over the packed shared-memory path (the default `ShmTransport()`) and over
+one copy (`ShmTransport(one_copy=True)`: the receiver copies the trainer's own storages, mapped by reference;
+and with 1 GiB of references per chunk), in blocks into one receiver, printed with their ratios.
 `--device cuda` runs the GPU benchmark: with two GPUs visible the two-GPU cases (streamsync.bench.two_gpu:
 NCCL push against a raw broadcast, TP=2 trainers), else the one-GPU colocated benchmark (streamsync.bench.cuda);
 `--gpus 1|2` picks one explicitly.
@@ -107,7 +107,8 @@ async def _bench_one_copy(rp: ReceiverProcess, model: torch.nn.Module, nbytes: i
     from ..transports.shm import ShmTransport
 
     runs = {}
-    modes = {"packed": dict(one_copy=False), "one_copy": {}, "one_copy_ref1g": dict(ref_bytes=1 << 30)}
+    modes = {"packed": dict(one_copy=False), "one_copy": dict(one_copy=True),
+             "one_copy_ref1g": dict(one_copy=True, ref_bytes=1 << 30)}
     for mode, kw in modes.items():
         print(f"{mode}:", flush=True)
         transport = ShmTransport(**kw)

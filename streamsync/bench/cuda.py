@@ -94,7 +94,7 @@ def _transport(one_copy: bool = True) -> Any:
         return CudaIpcTransport(one_copy=one_copy)
     from ..transports.shm import ShmTransport
 
-    return ShmTransport()
+    return ShmTransport(one_copy=one_copy)  # a CPU smoke run: the same paths over shared memory
 
 
 def log(msg: str) -> None:
