@@ -653,8 +653,14 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 def busy_since(b0: dict[str, list[float]], b1: dict[str, list[float]], n: int = 1) -> dict[str, list[float]]:
     """A receiver's host time per op between two `status` answers (`busy_ms`), per push over `n` pushes:
     {op: [calls, ms]}."""
-    return {op: [(c - b0.get(op, [0, 0.0])[0]) / n, (ms - b0.get(op, [0, 0.0])[1]) / n]
-            for op, (c, ms) in b1.items() if op != "status" and c > b0.get(op, [0, 0.0])[0]}
+    out = {}
+    for op, (c, ms) in b1.items():
+        c0, ms0 = b0.get(op, [0, 0.0])
+        if ms < ms0:  # the counter started over (a transport's own, made afresh at each connect)
+            c0, ms0 = 0, 0.0
+        if op != "status" and c > c0:
+            out[op] = [(c - c0) / n, (ms - ms0) / n]
+    return out
 
 
 def _timeline(what: str, report: Any) -> None:
