@@ -436,17 +436,11 @@ async def test_one_copy_after_a_failed_push_exports_again_and_is_exact(tmp_path)
         engine = rp.engine()
         transport = CudaIpcTransport(ref_bytes=CHUNK // 2)
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK // 2)
-        await sync.push(model)
-        exports = transport.ref_stats["exports"]
-        sync.faults = {"send": 2}
-        with pytest.raises(PushError):
-            await sync.push(model)
-        assert not transport._exports  # it cannot know what the receiver kept: everything goes again
-        sync.faults = {}
-        _perturb(model, 70)
-        await sync.push(model)
-        assert transport.ref_stats["exports"] == 2 * exports
-        assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
+
+        async def exact() -> bool:
+            return await engine.checksums(device=True) == device_digests(model.state_dict().items())
+
+        await faults.one_copy_failed_push(sync, transport, model, _perturb, exact)
         await sync.close()
 
 

@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,3 +180,25 @@ async def frozen_receiver(rig: Rig) -> Outcome:
 
 SCENARIOS = {"close_live": close_with_live_receivers, "close_shutdown": close_while_receivers_shut_down,
              "sigkill": killed_receiver, "sigstop": frozen_receiver}
+
+
+async def one_copy_failed_push(sync: WeightSync, transport: Any, model: torch.nn.Module,
+                               perturb: Callable[[torch.nn.Module, int], None],
+                               weights_match: Callable[[], Awaitable[bool]]) -> None:
+    """A one-copy transport (CUDA IPC, shm) after a push failed mid-way: it drops every export (it cannot know
+    what the receiver kept), the next push exports everything again, and the engine is exact. Asserts."""
+    await sync.push(model)
+    exports = transport.ref_stats["exports"]
+    sync.faults = {"send": 2}
+    try:
+        await sync.push(model)
+    except PushError:
+        pass
+    else:
+        raise AssertionError("the push with an injected fault in send of chunk 2 did not fail")
+    assert not transport._exports, "exports kept after a failed push"
+    sync.faults = {}
+    perturb(model, 70)
+    await sync.push(model)
+    assert transport.ref_stats["exports"] == 2 * exports, transport.ref_stats
+    assert await weights_match(), "engine weights differ from the trainer's after the failed push"
