@@ -27,7 +27,7 @@ from .metrics import Metrics
 from .pack import dtype_name, fusions_from_json
 from .sources import Source, as_source
 from .sources.base import ChunkPlan
-from .trace import Trace
+from .trace import Trace, watching_gc
 from .transports.base import Transport, transport_class
 
 if TYPE_CHECKING:
@@ -65,6 +65,8 @@ class PushReport:
     engines: list[str]
     #: engine -> whether its prefix cache was reset after the round (absent when `reset_prefix_cache=False`)
     cache_reset: dict[str, bool] = field(default_factory=dict)
+    #: milliseconds the interpreter spent in garbage collections during the push (any thread's)
+    gc_ms: float = 0.0
     trace_path: str | None = None
     trace: Trace | None = field(default=None, repr=False)
 
@@ -80,6 +82,7 @@ class PushReport:
         return (f"push {self.push_id} v{self.version}: {self.bytes / MiB:.1f} MiB in {self.chunks} chunks, "
                 f"{self.seconds * 1e3:.0f} ms ({self.gbps:.2f} GB/s) to {len(self.engines)} engine(s); "
                 f"busy: {busy}; peak in flight {self.peak_bytes_inflight / MiB:.1f} MiB"
+                + (f"; garbage collection {self.gc_ms:.0f} ms" if self.gc_ms >= 1 else "")
                 + (f"; trace {self.trace_path}" if self.trace_path else ""))
 
 
@@ -516,6 +519,8 @@ class WeightSync:
             rounds = _Rounds()
             cache_reset: dict[str, bool] = {}
             limit = anyio.CancelScope(deadline=math.inf if time_limit is None else anyio.current_time() + time_limit)
+            gc_watch = watching_gc(trace)
+            gc_watch.__enter__()
             try:
                 with limit:
                     if sending:  # gathers and packs need no engine: they start while the engines open the round
@@ -533,6 +538,7 @@ class WeightSync:
                 raise
             finally:
                 push_range.__exit__()
+                gc_watch.__exit__(None, None, None)
             if limit.cancelled_caught:
                 err = PushTimeout(f"push did not finish within {time_limit:.1f} s ({_running(job)})",
                                   stage=_running_stage(job), chunk=_running_chunk(job), push_id=push_id)
@@ -551,7 +557,12 @@ class WeightSync:
                 stage_seconds=trace.busy_seconds(), peak_bytes_inflight=job.peak_bytes,
                 max_chunks_alive=trace.max_alive(), collectives=source.collectives,
                 engines=[e.name for e in self.engines], cache_reset=cache_reset, trace=trace,
+                gc_ms=trace.counts.get("gc_us", 0) / 1e3,
             )
+            if report.gc_ms >= 20 and report.gc_ms > 0.2 * seconds * 1e3:
+                log.warning("garbage collection paused this push", gc_ms=round(report.gc_ms, 1),
+                            push_ms=round(seconds * 1e3, 1),
+                            fix="call gc.freeze() once the model is built: objects alive then are not scanned again")
             trace.count("collectives", source.collectives)
             report.trace_path = self._write_trace(trace)
             log.info("push done", ms=round(seconds * 1e3, 1), mib=round(total / MiB, 1), gbps=round(report.gbps, 2),

@@ -29,6 +29,31 @@ async def test_on_chunk_sees_every_chunk_once_in_order_and_on_push_the_report(mi
     await sync.close()  # frees its shared-memory pool (the memfd checks of later tests count them)
 
 
+async def test_a_garbage_collection_during_a_push_is_in_its_report(mixed_model):
+    # A full collection in a trainer holding many objects pauses the push (~0.2 s with megatron loaded); the
+    # report and the trace say how long, so a slow push is not left unexplained. Here one is forced mid-push.
+    import gc
+
+    def collect(c: ChunkDone) -> None:
+        if c.chunk == 0:
+            gc.collect()
+
+    sync = WeightSync([], chunk_bytes=2048, on_chunk=collect, metrics=None)
+    report = await sync.push(mixed_model)
+    assert report.gc_ms > 0 and report.trace is not None and report.trace.counts.get("gc_gen2", 0) >= 1
+    was = gc.isenabled()
+    gc.disable()
+    other = WeightSync([], chunk_bytes=2048, metrics=None)
+    try:  # no collection at all: nothing reported
+        quiet = await other.push(mixed_model)
+    finally:
+        if was:
+            gc.enable()
+    assert quiet.gc_ms == 0 and quiet.trace is not None and "gc_us" not in quiet.trace.counts
+    await sync.close()
+    await other.close()
+
+
 async def test_a_failing_hook_is_logged_and_does_not_fail_the_push(mixed_model):
     def broken(_: object) -> None:
         raise RuntimeError("dashboard down")

@@ -265,3 +265,40 @@ def merge(profiler: dict, *traces: dict) -> dict:
     other = dict(profiler.get("otherData") or {})
     other["streamsync"] = [tr.get("otherData", {}) for tr in traces]
     return {**profiler, "traceEvents": events, "otherData": other}
+
+
+# -- garbage collections during a push --------------------------------------------------------------------
+
+_gc_traces: list[Trace] = []  # pushes running now (a gc callback adds its pause to each)
+_gc_started = [0.0]
+_gc_lock = threading.Lock()
+
+
+def _on_gc(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+        return
+    if not _gc_traces:
+        return
+    us = int((time.perf_counter() - _gc_started[0]) * 1e6)
+    for tr in list(_gc_traces):
+        tr.count("gc_us", us)
+        tr.count(f"gc_gen{info.get('generation', '?')}")
+
+
+@contextmanager
+def watching_gc(trace: Trace) -> Iterator[None]:
+    """Count the interpreter's garbage collections while `trace`'s push runs (`counts["gc_us"]`, and one count
+    per generation). A full collection in a trainer process holding many Python objects (megatron) pauses every
+    thread for ~0.2 s, whatever the push is doing; the report says so instead of leaving a slow push unexplained."""
+    import gc
+
+    with _gc_lock:
+        if _on_gc not in gc.callbacks:
+            gc.callbacks.append(_on_gc)
+        _gc_traces.append(trace)
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_traces.remove(trace)
