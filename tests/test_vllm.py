@@ -13,8 +13,7 @@ vllm = pytest.importorskip("vllm")
 
 from streamsync import PushError, ValidationError, WeightSync  # noqa: E402
 from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, VllmHttpEngine  # noqa: E402
-from streamsync.testing.vllm import LOGPROB_TOL, greedy, trainer_from  # noqa: E402
-from streamsync.verify import compare_generation, load_reference, reference_logprobs  # noqa: E402
+from streamsync.testing.vllm import generation_matches_reference, greedy, trainer_from  # noqa: E402
 from streamsync.vllm.extension import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -58,10 +57,7 @@ async def test_llm_generations_match_a_reference_holding_the_trainer_weights(llm
     trainer = trainer_from(model_dir, step=2)
     sync = WeightSync([engine], chunk_bytes=1 << 20)
     await sync.push(trainer)
-    tokens, lps = _greedy(llm, prompt)
-    assert tokens != before  # the new weights are the ones generating
-    ref = load_reference(model_dir, trainer.state_dict())
-    check = compare_generation(reference_logprobs(ref, prompt, tokens), tokens, lps, LOGPROB_TOL)
+    check = generation_matches_reference(llm, model_dir, trainer, prompt, before)
     assert check.ok, f"steps {check.mismatches} differ; max logprob diff {check.max_logprob_diff:.4f}"
     await sync.close()
 

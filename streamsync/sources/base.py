@@ -26,6 +26,15 @@ def addresses(tensors: Iterable[torch.Tensor], device: torch.device) -> set[int]
             if t.get_device() == want and t.numel()}
 
 
+def own_addresses(source: object, device: torch.device) -> set[int]:
+    """`source.local_addresses(device)`, or, for a duck-typed source without it, the same from its
+    `local_tensors()`."""
+    own = getattr(source, "local_addresses", None)
+    if own is not None:
+        return own(device)
+    return addresses((t for _, t in source.local_tensors()), device)  # type: ignore[attr-defined]
+
+
 class AddressCache:
     """`addresses` of a source's own tensors, computed again only when one of their data pointers moved (one
     pass of `data_ptr` over thousands of parameters, instead of five calls each). A storage swapped under an

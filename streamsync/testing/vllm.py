@@ -38,3 +38,15 @@ def greedy(llm: Any, prompt_ids: Sequence[int], n: int = 12) -> tuple[list[int],
     out = llm.generate([{"prompt_token_ids": list(prompt_ids)}],
                        vllm.SamplingParams(temperature=0, max_tokens=n, logprobs=1), use_tqdm=False)[0].outputs[0]
     return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+
+
+def generation_matches_reference(llm: Any, model_dir: str | os.PathLike, trainer: torch.nn.Module,
+                                 prompt_ids: Sequence[int], before: Sequence[int]) -> Any:
+    """After a push of `trainer`: greedy tokens from `llm` differ from `before` (the pushed weights generate) and
+    match, step by step, a transformers reference holding the trainer's weights. Returns the check (`.ok`)."""
+    from ..verify import compare_generation, load_reference, reference_logprobs
+
+    tokens, lps = greedy(llm, prompt_ids)
+    assert list(tokens) != list(before), "the engine generates as before the push"
+    ref = load_reference(model_dir, trainer.state_dict())
+    return compare_generation(reference_logprobs(ref, prompt_ids, tokens), tokens, lps, LOGPROB_TOL)

@@ -65,7 +65,7 @@ import torch
 from ..errors import TransportError, ValidationError
 from ..log import get_logger
 from ..pack import ALIGN, Layout, TensorMeta, batched, castable, coalesce, dtype_from_name, fits, unpack
-from ..sources.base import ChunkPlan, addresses
+from ..sources.base import ChunkPlan, own_addresses
 from .base import Receiver, SendBuffer, Transport
 from .pool import BufferPool, PoolBuffer
 from .refs import RefReceiver, RefSender, _Compact, _Storage, storage_address  # noqa: F401 - re-export
@@ -204,9 +204,7 @@ class CudaIpcTransport(RefSender, Transport):
         self._persistent = set()
         if not self.one_copy or not self._single_worker:
             return
-        own = getattr(source, "local_addresses", None)  # a duck-typed source may lack it: its tensors then
-        dev = self.pool.device
-        self._persistent = own(dev) if own is not None else addresses((t for _, t in source.local_tensors()), dev)
+        self._persistent = own_addresses(source, self.pool.device)
 
     def begin_push(self, plans: Sequence[ChunkPlan], push_id: str) -> None:
         torch.cuda.ipc_collect()  # free buffers dropped earlier whose receivers have let go since

@@ -52,7 +52,7 @@ import torch
 from ..errors import TransportError, ValidationError
 from ..log import get_logger
 from ..pack import ALIGN, Layout, TensorMeta
-from ..sources.base import ChunkPlan, addresses
+from ..sources.base import ChunkPlan, own_addresses
 from .base import Receiver, SendBuffer, Transport
 from .pool import BufferPool, PoolBuffer
 from .refs import RefReceiver, RefSender, _Compact, _Storage
@@ -190,8 +190,7 @@ class ShmTransport(RefSender, Transport):
                 del self._exports[k]
             self._refsets = {k: v for k, v in self._refsets.items() if not any(
                 self._exports.get((k[0], a)) is not ex for a, ex in v.exports)}
-        own = getattr(source, "local_addresses", None)  # a duck-typed source may lack it
-        mine = own(cpu) if own is not None else addresses((t for _, t in source.local_tensors()), cpu)
+        mine = own_addresses(source, cpu)
         self._shared = shared
         self._persistent = mine & shared.keys()
 
