@@ -178,9 +178,11 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
         sync = WeightSync([engine], transport=transport, chunk_bytes=chunk, timeout=600)
         await sync.connect()
 
-        async def push(window: int, ordering: str = "device", protocol: str = "direct") -> Any:
+        async def push(window: int, ordering: str = "device", protocol: str = "direct",
+                       programs: int | None = None) -> Any:
             transport.ordering = ordering
             transport.protocol = protocol
+            transport.pack_programs = programs
             return await sync.push(model, max_inflight=window)
 
         # Window 4 and 1 of both protocols device-ordered, and window 4 of the host-ordered chunk protocol (each
@@ -188,6 +190,9 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
         protocols = ("direct", "chunk")
         configs = {f"{p}_w{w}": (w, "device", p) for p in protocols for w in (4, 1)}
         configs["chunk_w4_host"] = (4, "host", "chunk")
+        # The chunk protocol's pack copy on N programs (0: PyTorch copies on every SM); the default is above.
+        for n in args.pack_programs:
+            configs[f"chunk_w4_p{n}"] = (4, "device", "chunk", n)
         for _ in range(args.warmup):
             for cfg in configs.values():
                 await push(*cfg)
@@ -209,6 +214,10 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
                 f"raw {raw[chunk]:.2f} ms -> {raw[chunk] / (t4 * 1e3):.0%} of raw")
         t4h = med["chunk_w4_host"]
         log(f"  chunk, host-ordered window 4 {t4h * 1e3:.2f} ms ({raw[chunk] / (t4h * 1e3):.0%} of raw)")
+        by_programs = {n: med[f"chunk_w4_p{n}"] * 1e3 for n in args.pack_programs}
+        transport.pack_programs = None  # the default, for what follows
+        log(f"  chunk, default pack programs {transport._programs()}; window 4 by pack programs: "
+            + ", ".join(f"{n}: {ms:.2f} ms ({raw[chunk] / ms:.0%})" for n, ms in by_programs.items()))
 
         trace_summary = None
         if args.trace:  # one traced window-4 push
@@ -224,15 +233,16 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
 
         # Bit-exact: every weight changes, push (each protocol and window), compare checksums on the device.
         exact = {p: True for p in protocols}
-        for step, (w, ordering, p) in enumerate(configs.values(), start=101):
+        for step, cfg in enumerate(configs.values(), start=101):
+            w, ordering, p = cfg[:3]
             one._perturb(model, step)
-            await push(w, ordering, p)
+            await push(*cfg)
             got = await engine.checksums(device=True)
             want = await one._trainer_digests(sync, model)
             bad = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
             exact[p] = exact[p] and not bad and len(want) == len(specs)
             if bad:
-                log(f"  {p} window {w} ({ordering}-ordered): {len(bad)} tensors differ, e.g. {bad[:3]}")
+                log(f"  {p} window {w} ({ordering}-ordered, {cfg[3:]}): {len(bad)} tensors differ, e.g. {bad[:3]}")
         log(f"  bit-exact: {exact}")
         label = f"{shape['label']} (megatron-core TP=1, GPU 0 -> GPU 1)"
         for p in protocols:
@@ -251,6 +261,8 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
             }
             if p == "chunk":
                 row["push_ms_window4_host_ordered"] = t4h * 1e3
+                row["pack_programs"] = transport._programs()
+                row["push_ms_window4_by_pack_programs"] = by_programs
             else:
                 row["push_ms_all"] = {k: [x * 1e3 for x in v] for k, v in times.items()}
                 row["trace_summary"] = trace_summary
@@ -560,6 +572,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     default=["remote-tp1", "tp2-dense", "tp2-moe"])
     ap.add_argument("--chunk-mib", type=float, default=1024)
     ap.add_argument("--sweep-mib", type=lambda s: [float(x) for x in s.split(",") if x], default=[256, 512, 2048])
+    ap.add_argument("--pack-programs", type=lambda s: [int(x) for x in s.split(",") if x], default=[0, 8, 32],
+                    help="remote-tp1: also push (chunk protocol, window 4) with the pack copy on these many "
+                         "programs (0: PyTorch copies)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--trace", type=Path, help="copy the trace of one window-4 remote push here")

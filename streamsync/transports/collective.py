@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import torch
 
+from .. import kernels
 from ..errors import EngineError, TransportError, ValidationError
 from ..log import get_logger
 from ..pack import Layout, TensorMeta, align_up, byte_view, dtype_from_name, fits, pack_into, unpack
@@ -92,6 +93,9 @@ if TYPE_CHECKING:
 BACKENDS = ("gloo", "nccl")
 PROTOCOLS = ("direct", "chunk")
 CLOSE_TIMEOUT = 10.0
+#: programs of the throttled pack copy where Triton is there (CollectiveTransport.pack_programs)
+PACK_PROGRAMS = 16
+THROTTLE_BYTES = 1 << 20  # smaller tensors: a PyTorch copy (a Triton launch costs more host time)
 T = TypeVar("T")
 
 
@@ -380,15 +384,18 @@ class CollectiveTransport(Transport):
     def __init__(self, backend: str = "auto", *, master_addr: str = "127.0.0.1", master_port: int = 0,
                  device: torch.device | str | None = None, keep_pool: bool = True,
                  group_timeout: float | None = None, close_timeout: float = CLOSE_TIMEOUT,
-                 ordering: str = "device", protocol: str = "auto") -> None:
+                 ordering: str = "device", protocol: str = "auto", pack_programs: int | None = None) -> None:
         if backend not in (*BACKENDS, "auto"):
             raise ValidationError(f"collective backend must be one of {(*BACKENDS, 'auto')}, got {backend!r}")
         if ordering not in ("device", "host"):
             raise ValidationError(f"ordering must be 'device' or 'host', got {ordering!r}")
         if protocol not in (*PROTOCOLS, "auto"):
             raise ValidationError(f"protocol must be one of {(*PROTOCOLS, 'auto')}, got {protocol!r}")
+        if pack_programs is not None and (type(pack_programs) is not int or pack_programs < 0):
+            raise ValidationError(f"pack_programs must be a non-negative int or None, got {pack_programs!r}")
         self.ordering = ordering
         self.protocol = protocol
+        self.pack_programs = pack_programs
         self.backend = backend
         self.master_addr = master_addr
         self.master_port = master_port
@@ -404,7 +411,7 @@ class CollectiveTransport(Transport):
         self._broken: str | None = None
         self._stream: torch.cuda.Stream | None = None
         self._timeout = 60.0
-        self._last_chunk = -1
+        self._last_chunk = self._first_chunk = -1
         self._prev_sent: torch.cuda.Event | None = None
         self._group: str | None = None
 
@@ -452,6 +459,8 @@ class CollectiveTransport(Transport):
             pg = make_group(backend, prefixed, 0, world, gtimeout, self.master_addr)
             # First collective: NCCL builds its communicator here, not in the middle of the first push.
             broadcast(pg, torch.zeros(1, dtype=torch.uint8, device=device if backend == "nccl" else "cpu"))
+            if backend == "nccl" and self._programs() and self.ordering == "device":
+                kernels.warm(device)  # the throttled pack's compile, here rather than in the first push
             return pg
 
         async def own_side() -> None:
@@ -498,6 +507,7 @@ class CollectiveTransport(Transport):
     def begin_push(self, plans: Sequence[ChunkPlan], push_id: str) -> None:
         self.pool.begin(max(p.nbytes for p in plans))
         self._last_chunk = max(p.index for p in plans)
+        self._first_chunk = min(p.index for p in plans)
         self._prev_sent = None
 
     @property
@@ -535,9 +545,21 @@ class CollectiveTransport(Transport):
             for dev in {t.device for t in tensors if t.is_cuda}:
                 await anyio.to_thread.run_sync(torch.cuda.current_stream(dev).synchronize)
 
+    def _programs(self) -> int:
+        """Programs of the throttled pack copy (`pack_programs`; 0: PyTorch copies)."""
+        if self.pack_programs is not None:
+            return self.pack_programs
+        return PACK_PROGRAMS if kernels.available() else 0
+
+    def _throttled(self, programs: int) -> Callable[[torch.Tensor, torch.Tensor], bool]:
+        def copy(dst: torch.Tensor, t: torch.Tensor) -> bool:
+            return dst.numel() >= THROTTLE_BYTES and kernels.copy_rows(dst, t, programs)
+        return copy
+
     def _pack_streamed(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
         """Queue the copies on the pack stream behind the producer's writes and behind the last broadcast out
-        of this buffer; return at once (the broadcast waits for `ready` on the device)."""
+        of this buffer; return at once (the broadcast waits for `ready` on the device). Every chunk but a
+        push's first is copied on `pack_programs` programs (module doc): those run beside broadcasts."""
         pb: PoolBuffer = buf.state["pb"]
         dev = buf.tensor.device
         stream = self._side_stream(dev)
@@ -546,8 +568,9 @@ class CollectiveTransport(Transport):
             sent = pb.extra.get("sent")
             if sent is not None:
                 stream.wait_event(sent)
+            programs = self._programs() if buf.chunk != self._first_chunk else 0
             with torch.cuda.stream(stream):
-                pack_into(buf.tensor, layout, tensors)
+                pack_into(buf.tensor, layout, tensors, self._throttled(programs) if programs else None)
                 for t in tensors:  # conversion temporaries may be freed before these copies ran
                     if t.is_cuda:
                         t.record_stream(stream)
