@@ -67,6 +67,8 @@ class Push:
     busy: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (chunk, since), for the watchdog
     cut: dict[str, int] = field(default_factory=dict)  # stage -> chunk it was on when an error or cancel hit
     started: anyio.Event | None = None  # set once every engine opened its round: sends wait for it
+    send_idle: bool = False  # the send stage waits for its next chunk
+    send_took: anyio.Event | None = None  # set when the send stage takes the chunk the pack stage waits on
     owner: str | None = None  # the WeightSync's id: every update_info carries it (receivers refuse others)
     sent_any: bool = False  # a chunk was handed to the engines: a failed push may have left them mixed
     convert_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -265,7 +267,17 @@ async def _gather(push: Push, credits: anyio.Semaphore, out: ObjectSendStream[Wo
 async def _stage(push: Push, name: str, fn: Callable[[Push, Work], Awaitable[None]],
                  inbox: ObjectReceiveStream[Work], out: ObjectSendStream[Work]) -> None:
     async with inbox, out:
-        async for w in inbox:
+        while True:
+            if name == "send":
+                push.send_idle = True
+            try:
+                w = await inbox.receive()
+            except anyio.EndOfStream:
+                break
+            if name == "send":
+                push.send_idle = False
+                if push.send_took is not None:
+                    push.send_took.set()
             if name == "send" and push.started is not None and not push.started.is_set():
                 # The engines' start_update runs alongside the first gathers and packs. Not the send stage's
                 # time: start has its own timeout per engine. (Once set, no wait: waiting on a set event still
@@ -279,6 +291,16 @@ async def _stage(push: Push, name: str, fn: Callable[[Push, Work], Awaitable[Non
                 raise _wrap(push, name, w.plan.index, e) from None
             await out.send(w)
             push.trace.sample(f"queue {name}→next", out.statistics().current_buffer_used)
+            if name == "pack" and push.send_idle:
+                # An idle send stage goes first: its chunk leaves, and while the engines work on it this
+                # stage packs the next. Otherwise the loop would run the next (synchronous) pack first, as
+                # it did at the start of every push: the first chunk went out only after the second's pack.
+                push.send_took = took = anyio.Event()
+                try:
+                    with anyio.fail_after(push.timeout):
+                        await took.wait()
+                except TimeoutError as e:
+                    raise _wrap(push, "send", w.plan.index, e) from None
 
 
 def _convert_kwargs(source: Source) -> dict[str, Any]:

@@ -361,10 +361,13 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             t0 = time.perf_counter()
             await s_cold.connect()
             t1 = time.perf_counter()
+            # The update split's transport counters (map_storages) are the new receiver transport's: from here.
+            b0.update({k: v for k, v in (await rx_busy()).items() if k.startswith("update.")})
+            t1b = time.perf_counter()
             if trace_dir:
                 s_cold.trace_dir = Path(trace_dir) / f"first-push-{path}"
             r1 = await s_cold.push(model, version=next_version())
-            t2 = time.perf_counter()
+            t2 = time.perf_counter() - (t1b - t1)
             s_cold.trace_dir = None
             first_rx = busy_since(b0, await rx_busy())
             r2 = await s_cold.push(model, version=next_version())

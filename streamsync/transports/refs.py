@@ -216,7 +216,8 @@ class RefSender:
         compact: _Compact | None = buf.state.get("compact")
         if compact is None:
             return {**update_info, "handle": handle}
-        handle = {**handle, **self._refs(buf, engine)}
+        ready = buf.state.get("refs_ready", {}).pop(engine, None)  # made when the chunk was packed
+        handle = {**handle, **(ready if ready is not None else self._refs(buf, engine))}
         return {**update_info, "handle": handle, "layout": compact.layout_json, "layout_key": compact.layout_key}
 
     def _sent(self, buf: SendBuffer, engine: int) -> None:
