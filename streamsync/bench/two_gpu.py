@@ -178,6 +178,12 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
         sync = WeightSync([engine], transport=transport, chunk_bytes=chunk, timeout=600)
         await sync.connect()
 
+        async def rx_busy() -> dict[str, list[float]]:
+            st = await engine.call("status")
+            busy = st.get("busy_ms") or {}
+            calls = busy.get("update", [0, 0.0])[0]
+            return {**busy, **{f"update.{k}": [calls, ms] for k, ms in (st.get("update_split_ms") or {}).items()}}
+
         async def push(window: int, ordering: str = "device", protocol: str = "direct",
                        programs: int | None = None) -> Any:
             transport.ordering = ordering
@@ -202,6 +208,9 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
         names = list(configs)
         for r in range(args.repeat):
             for k in names[r % len(names):] + names[:r % len(names)]:
+                # The first push after a change of protocol or ordering pays for the switch (the receiver's
+                # buffers and caches): one untimed push of each config before its timed one.
+                await push(*configs[k])
                 rep = await push(*configs[k])
                 times[k].append(rep.seconds)
                 if k.endswith("_w4"):
@@ -216,6 +225,13 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
         log(f"  chunk, host-ordered window 4 {t4h * 1e3:.2f} ms ({raw[chunk] / (t4h * 1e3):.0%} of raw)")
         by_programs = {n: med[f"chunk_w4_p{n}"] * 1e3 for n in args.pack_programs}
         transport.pack_programs = None  # the default, for what follows
+        # The receiver's host time per push (its status counters around pushes of the default chunk config).
+        await push(4, "device", "chunk")
+        b0 = await rx_busy()
+        for _ in range(3):
+            await push(4, "device", "chunk")
+        rx_chunk = one.busy_since(b0, await rx_busy(), 3)
+        log(f"  chunk window 4, receiver busy per push (ms): {one._busy_text(rx_chunk)}")
         log(f"  chunk, default pack programs {transport._programs()}; window 4 by pack programs: "
             + ", ".join(f"{n}: {ms:.2f} ms ({raw[chunk] / ms:.0%})" for n, ms in by_programs.items()))
 
@@ -263,6 +279,7 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
                 row["push_ms_window4_host_ordered"] = t4h * 1e3
                 row["pack_programs"] = transport._programs()
                 row["push_ms_window4_by_pack_programs"] = by_programs
+                row["receiver_busy_ms_per_push"] = rx_chunk
             else:
                 row["push_ms_all"] = {k: [x * 1e3 for x in v] for k, v in times.items()}
                 row["trace_summary"] = trace_summary
