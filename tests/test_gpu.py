@@ -582,10 +582,12 @@ async def test_collective_over_nccl_between_two_gpus(tmp_path):
         engine = rp.engine()
         transport = CollectiveTransport("nccl", group_timeout=60)
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK, timeout=120)
-        for window in (4, 1):
-            _perturb(model, window)
+        for step, window in enumerate((4, 1, 4, 4)):
+            _perturb(model, step)
             await sync.push(model, max_inflight=window)
             assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
+        # From the second push of a chunk into the same buffer its pack is a captured graph: replayed since.
+        assert transport.graph_stats["captured"] > 0 and transport.graph_stats["replayed"] > 0
         with anyio.fail_after(15):  # it used to hang here forever (ProcessGroupNCCL.shutdown on the loop)
             await sync.close()
 

@@ -85,7 +85,7 @@ from ..log import get_logger
 from ..pack import Layout, TensorMeta, align_up, byte_view, dtype_from_name, fits, pack_into, unpack
 from ..sources.base import ChunkPlan
 from .base import Receiver, SendBuffer, Transport
-from .pool import BufferPool, PoolBuffer
+from .pool import BufferPool, PoolBuffer, remember
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
@@ -377,6 +377,10 @@ class CollectiveTransport(Transport):
     broadcast, the receiver's loader copies out of its receive buffer) or "auto" (chunk: on two H200s the
     chunk protocol pushed the Qwen3-8B shape in 52.7 ms and direct in 65.6 ms, docs/benchmarks; on gloo every
     broadcast costs a TCP round of its own). Each handle says which, so it may change between pushes.
+    pack_programs: the chunk protocol's pack copies (NCCL, device-ordered) on this many programs of a Triton
+    kernel (`streamsync.kernels`), about as many SMs, so that they leave the broadcasts running beside them
+    their share of the GPU; 0: PyTorch copies on every SM; None: PACK_PROGRAMS where Triton is installed.
+    graphs: replay a chunk's pack as a captured CUDA graph once it was packed the same way before.
     An engine with several workers says so with an int attribute `workers` (default 1)."""
 
     name = "collective"
@@ -384,7 +388,8 @@ class CollectiveTransport(Transport):
     def __init__(self, backend: str = "auto", *, master_addr: str = "127.0.0.1", master_port: int = 0,
                  device: torch.device | str | None = None, keep_pool: bool = True,
                  group_timeout: float | None = None, close_timeout: float = CLOSE_TIMEOUT,
-                 ordering: str = "device", protocol: str = "auto", pack_programs: int | None = None) -> None:
+                 ordering: str = "device", protocol: str = "auto", pack_programs: int | None = None,
+                 graphs: bool = True) -> None:
         if backend not in (*BACKENDS, "auto"):
             raise ValidationError(f"collective backend must be one of {(*BACKENDS, 'auto')}, got {backend!r}")
         if ordering not in ("device", "host"):
@@ -396,6 +401,9 @@ class CollectiveTransport(Transport):
         self.ordering = ordering
         self.protocol = protocol
         self.pack_programs = pack_programs
+        self.graphs = graphs
+        #: chunk packs replayed from a captured graph, and graphs captured (benchmarks and tests)
+        self.graph_stats = {"replayed": 0, "captured": 0}
         self.backend = backend
         self.master_addr = master_addr
         self.master_port = master_port
@@ -545,6 +553,41 @@ class CollectiveTransport(Transport):
             for dev in {t.device for t in tensors if t.is_cuda}:
                 await anyio.to_thread.run_sync(torch.cuda.current_stream(dev).synchronize)
 
+    def _graph(self, pb: PoolBuffer, dst: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tensor],
+               programs: int, copy: Callable[[torch.Tensor, torch.Tensor], bool] | None,
+               stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
+        """The pack of this chunk into `pb` captured as a CUDA graph, from the second time the same tensors
+        (addresses, dtypes, shapes, strides) are packed into it the same way: a dense chunk's ~14 copy
+        launches cost the event loop ~1 ms, which the replies of the engines' updates waited behind."""
+        fast = pb.extra.get(("fast", layout, programs))
+        if fast is not None and fast[0] is tensors:  # a source's cached views: the same key
+            key = fast[1]
+        else:
+            key = ("graph", layout, programs, dst.data_ptr(),
+                   tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors))
+            remember(pb, ("fast", layout, programs), (tensors, key))
+        graph = pb.extra.get(key)
+        if isinstance(graph, torch.cuda.CUDAGraph):
+            return graph
+        if graph is None:  # first sighting: plain copies (a one-off never costs a capture)
+            remember(pb, key, False)
+            return None
+        graph = torch.cuda.CUDAGraph()
+        try:  # on the pack stream, which records nothing else meanwhile; other threads may use CUDA
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    pack_into(dst, layout, tensors, copy)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as e:  # a copy this build cannot capture: plain copies from now on
+            get_logger().warning("collective: pack capture failed; packing with plain copies", error=str(e))
+            self.graphs = False
+            return None
+        remember(pb, key, graph)
+        self.graph_stats["captured"] += 1
+        return graph
+
     def _programs(self) -> int:
         """Programs of the throttled pack copy (`pack_programs`; 0: PyTorch copies)."""
         if self.pack_programs is not None:
@@ -559,18 +602,25 @@ class CollectiveTransport(Transport):
     def _pack_streamed(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
         """Queue the copies on the pack stream behind the producer's writes and behind the last broadcast out
         of this buffer; return at once (the broadcast waits for `ready` on the device). Every chunk but a
-        push's first is copied on `pack_programs` programs (module doc): those run beside broadcasts."""
+        push's first is copied on `pack_programs` programs (module doc): those run beside broadcasts. A chunk
+        packed before from the same addresses into the same buffer replays its captured pack (`_graph`)."""
         pb: PoolBuffer = buf.state["pb"]
         dev = buf.tensor.device
         stream = self._side_stream(dev)
+        programs = self._programs() if buf.chunk != self._first_chunk else 0
+        copy = self._throttled(programs) if programs else None
         with torch.cuda.device(dev):
+            graph = self._graph(pb, buf.tensor, layout, tensors, programs, copy, stream) if self.graphs else None
             stream.wait_stream(torch.cuda.current_stream(dev))
             sent = pb.extra.get("sent")
             if sent is not None:
                 stream.wait_event(sent)
-            programs = self._programs() if buf.chunk != self._first_chunk else 0
             with torch.cuda.stream(stream):
-                pack_into(buf.tensor, layout, tensors, self._throttled(programs) if programs else None)
+                if graph is not None:
+                    graph.replay()
+                    self.graph_stats["replayed"] += 1
+                else:
+                    pack_into(buf.tensor, layout, tensors, copy)
                 for t in tensors:  # conversion temporaries may be freed before these copies ran
                     if t.is_cuda:
                         t.record_stream(stream)

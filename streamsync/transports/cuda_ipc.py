@@ -68,6 +68,7 @@ from ..pack import ALIGN, Layout, TensorMeta, batched, castable, coalesce, dtype
 from ..sources.base import ChunkPlan, own_addresses
 from .base import Receiver, SendBuffer, Transport
 from .pool import BufferPool, PoolBuffer
+from .pool import remember as _remember
 from .refs import RefReceiver, RefSender, _Compact, _Storage, storage_address  # noqa: F401 - re-export
 
 if TYPE_CHECKING:
@@ -108,15 +109,6 @@ def _copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Non
             d.copy_(t, non_blocking=True)
     if small_d:
         torch._foreach_copy_(small_d, small_s, non_blocking=True)
-
-
-def _remember(pb: PoolBuffer, key: tuple, value: Any) -> None:
-    """Put an entry in a buffer's per-chunk caches (destination views, pack graphs: tuple keys). When the
-    chunking or the sources' addresses changed many times, start those caches over; exports stay."""
-    if len(pb.extra) > 512:
-        for k in [k for k in pb.extra if isinstance(k, tuple)]:
-            del pb.extra[k]
-    pb.extra[key] = value
 
 
 def export_handle(tensor: torch.Tensor) -> dict[str, Any]:

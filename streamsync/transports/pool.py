@@ -138,3 +138,12 @@ class BufferPool:
             b.extra.clear()
         if self.on_drop is not None:
             self.on_drop()
+
+
+def remember(pb: PoolBuffer, key: tuple, value: Any) -> None:
+    """Put an entry in a buffer's per-chunk caches (destination views, pack graphs: tuple keys). When the
+    chunking or the sources' addresses changed many times, start those caches over; exports stay."""
+    if len(pb.extra) > 512:
+        for k in [k for k in pb.extra if isinstance(k, tuple)]:
+            del pb.extra[k]
+    pb.extra[key] = value
