@@ -1,9 +1,11 @@
-"""How fast can one process copy the 8B shape's tensors into a flat buffer, by copy method? (H200 probe.)
+"""How fast can one process copy a model's tensors into a flat buffer, by copy method? (H200 probe.)
 
-Copies the Qwen3-8B shapes (as HF tensors, bf16) into one flat buffer four ways and prints the rate each
-reaches, against one large copy: per-tensor `copy_` (cudaMemcpyAsync), the same captured as a CUDA graph
-(memcpy nodes), `torch._foreach_copy_` (kernels), and that captured. Run on the GPU machine:
-    python3 scripts/gpu_copy_modes.py [--json OUT]
+Copies the Qwen3-8B shapes (as HF tensors, bf16), or with `--shape moe` the copies a one-copy MoE push makes
+(Qwen3-30B-A3B widths, 12 layers: per expert its fc1, gate and up as one run, and its fc2: 3,072 copies of 3-6
+MB, plus attention), into one flat buffer four ways and prints the rate each reaches, against one large copy:
+per-tensor `copy_` (cudaMemcpyAsync), the same captured as a CUDA graph (memcpy nodes), `torch._foreach_copy_`
+(kernels), and that captured. Run on the GPU machine:
+    python3 scripts/gpu_copy_modes.py [--shape 8b|moe] [--json OUT]
 """
 
 from __future__ import annotations
@@ -35,10 +37,20 @@ def timed(fn, repeat: int = 7) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--shape", choices=("8b", "moe"), default="8b")
     args = ap.parse_args()
-    specs = qwen3_specs(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
-                        intermediate=12288)
-    srcs = [torch.randn(tuple(s), device="cuda").to(dtype_from_name(d)) for _, d, s in specs]
+    if args.shape == "8b":
+        specs = qwen3_specs(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
+                            intermediate=12288)
+        shapes = [(tuple(s), dtype_from_name(d)) for _, d, s in specs]
+    else:  # per layer: q, k, v, o; 128 experts x (fc1 [2I, H], fc2 [H, I]); and the embeddings
+        hidden, inter, heads, kv, hd = 2048, 768, 32, 4, 128
+        shapes = [((151936, hidden), torch.bfloat16)] * 2
+        for _ in range(12):
+            shapes += [((heads * hd, hidden), torch.bfloat16), ((kv * hd, hidden), torch.bfloat16),
+                       ((kv * hd, hidden), torch.bfloat16), ((hidden, heads * hd), torch.bfloat16)]
+            shapes += [((2 * inter, hidden), torch.bfloat16), ((hidden, inter), torch.bfloat16)] * 128
+    srcs = [torch.randn(shape, device="cuda").to(dt) for shape, dt in shapes]
     total = sum(t.numel() * t.element_size() for t in srcs)
     flat = torch.empty(total, dtype=torch.uint8, device="cuda")
     dsts, off = [], 0
@@ -66,7 +78,7 @@ def main() -> None:
         torch.cuda.current_stream().wait_stream(s)
         return g.replay
 
-    out = {"bytes": total, "tensors": len(srcs)}
+    out = {"shape": args.shape, "bytes": total, "tensors": len(srcs)}
     modes = {"one large copy": lambda: flat.copy_(big_src), "per-tensor copy_": per_tensor,
              "per-tensor copy_, graph": graphed(per_tensor), "_foreach_copy_": foreach,
              "_foreach_copy_, graph": graphed(foreach)}

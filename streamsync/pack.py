@@ -7,7 +7,7 @@ travels over HTTP and sockets and is validated on the receiving side, never unpi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -178,14 +178,12 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(-1)
 
 
-def pack_into(buffer: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tensor],
-              copy: Callable[[torch.Tensor, torch.Tensor], bool] | None = None) -> None:
+def pack_into(buffer: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
     """Copy tensors into `buffer` (uint8, at least layout.nbytes) at the layout's offsets.
 
     Non-contiguous tensors are copied through their strides directly into place: no staging copy. A
     floating tensor of another floating dtype than the layout's is cast by the copy (rounding as `.to`).
-    Runs on the buffer's device; for CUDA buffers the copies are queued on the current stream. `copy(dst
-    bytes, tensor)`, where given, is tried first for tensors of the layout's dtype (True: it queued the copy).
+    Runs on the buffer's device; for CUDA buffers the copies are queued on the current stream.
     """
     if buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise ValidationError("pack buffer must be a flat uint8 tensor")
@@ -200,8 +198,6 @@ def pack_into(buffer: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tens
                 f"tensor {meta.name!r} is {t.dtype}{tuple(t.shape)}, layout expects {meta.dtype}{meta.shape}"
             )
         dst = buffer[meta.offset : meta.offset + meta.nbytes]
-        if copy is not None and t.dtype == dtype and copy(dst, t):
-            continue
         if t.dtype == dtype and t.is_contiguous():
             dst.copy_(byte_view(t), non_blocking=True)
         else:

@@ -545,29 +545,6 @@ async def test_collective_with_cuda_tensors_over_gloo(cuda_mixed):
     await sync.close()
 
 
-# ------------------------------------------------------------------------------- the throttled pack copy
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("programs", [1, 16, 132])
-def test_throttled_copy_is_bit_exact_on_the_gpu(programs):
-    from streamsync import kernels
-
-    if not kernels.available():
-        pytest.skip("Triton is not installed here")
-    g = torch.Generator(device="cuda").manual_seed(1)
-    fused = torch.randn(8, 6 * 128, 1024, device="cuda", generator=g).to(torch.bfloat16)  # a fused QKV
-    cases = [fused[:, :512], fused[:, 512:640], fused.view(-1, 1024)[3:2000], fused,
-             torch.randn(3 * kernels.BLOCK + 5, device="cuda", generator=g),
-             torch.randn(3, 5000, device="cuda", generator=g)[:, 1:4098].to(torch.float16)]
-    for t in cases:
-        dst = torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8, device="cuda")
-        assert kernels.copy_rows(dst, t, programs), t.shape
-        assert torch.equal(dst, t.contiguous().view(-1).view(torch.uint8)), (t.shape, programs)
-    assert not kernels.copy_rows(torch.empty(64, dtype=torch.uint8, device="cuda"),
-                                 torch.zeros(4, 4, device="cuda").t(), programs)  # not rows: PyTorch copies
-
-
 # ------------------------------------------------------------------------------- NCCL between two GPUs
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (it refuses two ranks on one)")

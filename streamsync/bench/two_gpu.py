@@ -185,10 +185,10 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
             return {**busy, **{f"update.{k}": [calls, ms] for k, ms in (st.get("update_split_ms") or {}).items()}}
 
         async def push(window: int, ordering: str = "device", protocol: str = "direct",
-                       programs: int | None = None) -> Any:
+                       graphs: bool = True) -> Any:
             transport.ordering = ordering
             transport.protocol = protocol
-            transport.pack_programs = programs
+            transport.graphs = graphs
             return await sync.push(model, max_inflight=window)
 
         # Window 4 and 1 of both protocols device-ordered, and window 4 of the host-ordered chunk protocol (each
@@ -196,9 +196,8 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
         protocols = ("direct", "chunk")
         configs = {f"{p}_w{w}": (w, "device", p) for p in protocols for w in (4, 1)}
         configs["chunk_w4_host"] = (4, "host", "chunk")
-        # The chunk protocol's pack copy on N programs (0: PyTorch copies on every SM); the default is above.
-        for n in args.pack_programs:
-            configs[f"chunk_w4_p{n}"] = (4, "device", "chunk", n)
+        # The chunk protocol packing with plain copies each push (no captured pack): what the capture gains.
+        configs["chunk_w4_uncaptured"] = (4, "device", "chunk", False)
         for _ in range(args.warmup):
             for cfg in configs.values():
                 await push(*cfg)
@@ -223,8 +222,8 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
                 f"raw {raw[chunk]:.2f} ms -> {raw[chunk] / (t4 * 1e3):.0%} of raw")
         t4h = med["chunk_w4_host"]
         log(f"  chunk, host-ordered window 4 {t4h * 1e3:.2f} ms ({raw[chunk] / (t4h * 1e3):.0%} of raw)")
-        by_programs = {n: med[f"chunk_w4_p{n}"] * 1e3 for n in args.pack_programs}
-        transport.pack_programs = None  # the default, for what follows
+        t4u = med["chunk_w4_uncaptured"] * 1e3
+        log(f"  chunk, window 4 without the captured pack: {t4u:.2f} ms ({raw[chunk] / t4u:.0%} of raw)")
         # The receiver's host time per push (its status counters around pushes of the default chunk config).
         await push(4, "device", "chunk")
         b0 = await rx_busy()
@@ -232,8 +231,6 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
             await push(4, "device", "chunk")
         rx_chunk = one.busy_since(b0, await rx_busy(), 3)
         log(f"  chunk window 4, receiver busy per push (ms): {one._busy_text(rx_chunk)}")
-        log(f"  chunk, default pack programs {transport._programs()}; window 4 by pack programs: "
-            + ", ".join(f"{n}: {ms:.2f} ms ({raw[chunk] / ms:.0%})" for n, ms in by_programs.items()))
 
         trace_summary = None
         if args.trace:  # one traced window-4 push
@@ -277,8 +274,7 @@ async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, A
             }
             if p == "chunk":
                 row["push_ms_window4_host_ordered"] = t4h * 1e3
-                row["pack_programs"] = transport._programs()
-                row["push_ms_window4_by_pack_programs"] = by_programs
+                row["push_ms_window4_uncaptured_pack"] = t4u
                 row["receiver_busy_ms_per_push"] = rx_chunk
             else:
                 row["push_ms_all"] = {k: [x * 1e3 for x in v] for k, v in times.items()}
@@ -589,9 +585,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     default=["remote-tp1", "tp2-dense", "tp2-moe"])
     ap.add_argument("--chunk-mib", type=float, default=1024)
     ap.add_argument("--sweep-mib", type=lambda s: [float(x) for x in s.split(",") if x], default=[256, 512, 2048])
-    ap.add_argument("--pack-programs", type=lambda s: [int(x) for x in s.split(",") if x], default=[0, 8, 32],
-                    help="remote-tp1: also push (chunk protocol, window 4) with the pack copy on these many "
-                         "programs (0: PyTorch copies)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--trace", type=Path, help="copy the trace of one window-4 remote push here")

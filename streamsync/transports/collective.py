@@ -79,7 +79,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import torch
 
-from .. import kernels
 from ..errors import EngineError, TransportError, ValidationError
 from ..log import get_logger
 from ..pack import Layout, TensorMeta, align_up, byte_view, dtype_from_name, fits, pack_into, unpack
@@ -93,9 +92,6 @@ if TYPE_CHECKING:
 BACKENDS = ("gloo", "nccl")
 PROTOCOLS = ("direct", "chunk")
 CLOSE_TIMEOUT = 10.0
-#: programs of the throttled pack copy where Triton is there (CollectiveTransport.pack_programs)
-PACK_PROGRAMS = 16
-THROTTLE_BYTES = 1 << 20  # smaller tensors: a PyTorch copy (a Triton launch costs more host time)
 T = TypeVar("T")
 
 
@@ -377,9 +373,6 @@ class CollectiveTransport(Transport):
     broadcast, the receiver's loader copies out of its receive buffer) or "auto" (chunk: on two H200s the
     chunk protocol pushed the Qwen3-8B shape in 52.7 ms and direct in 65.6 ms, docs/benchmarks; on gloo every
     broadcast costs a TCP round of its own). Each handle says which, so it may change between pushes.
-    pack_programs: the chunk protocol's pack copies (NCCL, device-ordered) on this many programs of a Triton
-    kernel (`streamsync.kernels`), about as many SMs, so that they leave the broadcasts running beside them
-    their share of the GPU; 0: PyTorch copies on every SM; None: PACK_PROGRAMS where Triton is installed.
     graphs: replay a chunk's pack as a captured CUDA graph once it was packed the same way before.
     An engine with several workers says so with an int attribute `workers` (default 1)."""
 
@@ -388,19 +381,15 @@ class CollectiveTransport(Transport):
     def __init__(self, backend: str = "auto", *, master_addr: str = "127.0.0.1", master_port: int = 0,
                  device: torch.device | str | None = None, keep_pool: bool = True,
                  group_timeout: float | None = None, close_timeout: float = CLOSE_TIMEOUT,
-                 ordering: str = "device", protocol: str = "auto", pack_programs: int | None = None,
-                 graphs: bool = True) -> None:
+                 ordering: str = "device", protocol: str = "auto", graphs: bool = True) -> None:
         if backend not in (*BACKENDS, "auto"):
             raise ValidationError(f"collective backend must be one of {(*BACKENDS, 'auto')}, got {backend!r}")
         if ordering not in ("device", "host"):
             raise ValidationError(f"ordering must be 'device' or 'host', got {ordering!r}")
         if protocol not in (*PROTOCOLS, "auto"):
             raise ValidationError(f"protocol must be one of {(*PROTOCOLS, 'auto')}, got {protocol!r}")
-        if pack_programs is not None and (type(pack_programs) is not int or pack_programs < 0):
-            raise ValidationError(f"pack_programs must be a non-negative int or None, got {pack_programs!r}")
         self.ordering = ordering
         self.protocol = protocol
-        self.pack_programs = pack_programs
         self.graphs = graphs
         #: chunk packs replayed from a captured graph, and graphs captured (benchmarks and tests)
         self.graph_stats = {"replayed": 0, "captured": 0}
@@ -419,7 +408,7 @@ class CollectiveTransport(Transport):
         self._broken: str | None = None
         self._stream: torch.cuda.Stream | None = None
         self._timeout = 60.0
-        self._last_chunk = self._first_chunk = -1
+        self._last_chunk = -1
         self._prev_sent: torch.cuda.Event | None = None
         self._group: str | None = None
 
@@ -467,8 +456,6 @@ class CollectiveTransport(Transport):
             pg = make_group(backend, prefixed, 0, world, gtimeout, self.master_addr)
             # First collective: NCCL builds its communicator here, not in the middle of the first push.
             broadcast(pg, torch.zeros(1, dtype=torch.uint8, device=device if backend == "nccl" else "cpu"))
-            if backend == "nccl" and self._programs() and self.ordering == "device":
-                kernels.warm(device)  # the throttled pack's compile, here rather than in the first push
             return pg
 
         async def own_side() -> None:
@@ -515,7 +502,6 @@ class CollectiveTransport(Transport):
     def begin_push(self, plans: Sequence[ChunkPlan], push_id: str) -> None:
         self.pool.begin(max(p.nbytes for p in plans))
         self._last_chunk = max(p.index for p in plans)
-        self._first_chunk = min(p.index for p in plans)
         self._prev_sent = None
 
     @property
@@ -554,18 +540,17 @@ class CollectiveTransport(Transport):
                 await anyio.to_thread.run_sync(torch.cuda.current_stream(dev).synchronize)
 
     def _graph(self, pb: PoolBuffer, dst: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tensor],
-               programs: int, copy: Callable[[torch.Tensor, torch.Tensor], bool] | None,
                stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
         """The pack of this chunk into `pb` captured as a CUDA graph, from the second time the same tensors
         (addresses, dtypes, shapes, strides) are packed into it the same way: a dense chunk's ~14 copy
         launches cost the event loop ~1 ms, which the replies of the engines' updates waited behind."""
-        fast = pb.extra.get(("fast", layout, programs))
+        fast = pb.extra.get(("fast", layout))
         if fast is not None and fast[0] is tensors:  # a source's cached views: the same key
             key = fast[1]
         else:
-            key = ("graph", layout, programs, dst.data_ptr(),
+            key = ("graph", layout, dst.data_ptr(),
                    tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors))
-            remember(pb, ("fast", layout, programs), (tensors, key))
+            remember(pb, ("fast", layout), (tensors, key))
         graph = pb.extra.get(key)
         if isinstance(graph, torch.cuda.CUDAGraph):
             return graph
@@ -577,7 +562,7 @@ class CollectiveTransport(Transport):
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    pack_into(dst, layout, tensors, copy)
+                    pack_into(dst, layout, tensors)
                 finally:
                     graph.capture_end()
         except RuntimeError as e:  # a copy this build cannot capture: plain copies from now on
@@ -588,29 +573,15 @@ class CollectiveTransport(Transport):
         self.graph_stats["captured"] += 1
         return graph
 
-    def _programs(self) -> int:
-        """Programs of the throttled pack copy (`pack_programs`; 0: PyTorch copies)."""
-        if self.pack_programs is not None:
-            return self.pack_programs
-        return PACK_PROGRAMS if kernels.available() else 0
-
-    def _throttled(self, programs: int) -> Callable[[torch.Tensor, torch.Tensor], bool]:
-        def copy(dst: torch.Tensor, t: torch.Tensor) -> bool:
-            return dst.numel() >= THROTTLE_BYTES and kernels.copy_rows(dst, t, programs)
-        return copy
-
     def _pack_streamed(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
         """Queue the copies on the pack stream behind the producer's writes and behind the last broadcast out
-        of this buffer; return at once (the broadcast waits for `ready` on the device). Every chunk but a
-        push's first is copied on `pack_programs` programs (module doc): those run beside broadcasts. A chunk
-        packed before from the same addresses into the same buffer replays its captured pack (`_graph`)."""
+        of this buffer; return at once (the broadcast waits for `ready` on the device). A chunk packed before
+        from the same addresses into the same buffer replays its captured pack (`_graph`)."""
         pb: PoolBuffer = buf.state["pb"]
         dev = buf.tensor.device
         stream = self._side_stream(dev)
-        programs = self._programs() if buf.chunk != self._first_chunk else 0
-        copy = self._throttled(programs) if programs else None
         with torch.cuda.device(dev):
-            graph = self._graph(pb, buf.tensor, layout, tensors, programs, copy, stream) if self.graphs else None
+            graph = self._graph(pb, buf.tensor, layout, tensors, stream) if self.graphs else None
             stream.wait_stream(torch.cuda.current_stream(dev))
             sent = pb.extra.get("sent")
             if sent is not None:
@@ -620,7 +591,7 @@ class CollectiveTransport(Transport):
                     graph.replay()
                     self.graph_stats["replayed"] += 1
                 else:
-                    pack_into(buf.tensor, layout, tensors, copy)
+                    pack_into(buf.tensor, layout, tensors)
                 for t in tensors:  # conversion temporaries may be freed before these copies ran
                     if t.is_cuda:
                         t.record_stream(stream)
