@@ -25,10 +25,14 @@ out of step refuses before it enters a collective, and the protocol, which the r
   side where nothing needs one: the copies used to overlap the broadcasts and slow them (SMs and HBM).
   Small tensors (norms, biases) get a broadcast each too: inside one group they cost a work element of the
   one launch, not a launch, and batching them would need the copies this protocol removes.
-  Measured on two H200s it was slower than "chunk" (65.6 vs 52.7 ms for the Qwen3-8B shape, 1 GiB chunks;
+  Measured on two H200s it was slower than "chunk" (53.7-80.0 vs 48.9-50.8 ms for the Qwen3-8B shape, 1 GiB chunks;
   docs/benchmarks), hence not the default.
 * "chunk" (the default): the chunk is packed into one pool buffer and broadcast once into a receive buffer;
-  the loader copies every tensor out.
+  the loader copies every tensor out. A chunk packed before from the same addresses into the same pool
+  buffer replays its pack as one captured CUDA graph. With plain copies, launching a dense chunk's copies
+  cost the sender's event loop 1.2-1.6 ms, and the engines' replies waited behind it: 64.2 ms for the
+  Qwen3-8B shape on two H200s, against 50.8 ms captured and 44.5 ms for a raw broadcast of the same bytes
+  (docs/benchmarks).
 
 With NCCL nothing waits on a host for a copy or a broadcast in the middle of a push; streams wait on events:
 
@@ -371,8 +375,9 @@ class CollectiveTransport(Transport):
     trainer's tensors where they are contiguous and of the layout's dtype, straight into the receiver's
     parameters where its loader names them: module doc), "chunk" (pack the chunk into one buffer, one
     broadcast, the receiver's loader copies out of its receive buffer) or "auto" (chunk: on two H200s the
-    chunk protocol pushed the Qwen3-8B shape in 52.7 ms and direct in 65.6 ms, docs/benchmarks; on gloo every
-    broadcast costs a TCP round of its own). Each handle says which, so it may change between pushes.
+    chunk protocol pushed the Qwen3-8B shape in 48.9-50.8 ms and direct in 53.7-80.0 ms, docs/benchmarks; on
+    gloo every broadcast costs a TCP round of its own). Each handle says which, so it may change between
+    pushes.
     graphs: replay a chunk's pack as a captured CUDA graph once it was packed the same way before.
     An engine with several workers says so with an int attribute `workers` (default 1)."""
 
