@@ -104,6 +104,23 @@ def test_a_reference_is_a_view_of_the_mapped_storage_in_hf_or_blocked_shape():
     assert torch.equal(t.reshape(8, 4), fused[:, :4].reshape(8, 4))
 
 
+@pytest.mark.parametrize("nbytes", [96, 95])  # 95: no bf16 view of the whole storage, each view is a slice
+def test_views_through_the_typed_storage_cache_are_the_views_made_without_it(nbytes):
+    from streamsync.transports.cuda_ipc import CudaIpcReceiver
+
+    storage = torch.arange(48, dtype=torch.bfloat16).view(torch.uint8)[:nbytes]
+    typed: dict = {}
+    for ref in (_ref(hf=(2, 4), offset=8 * 2, shape=(2, 4)), _ref(hf=(8, 4), shape=(2, 4, 4), stride=(24, 4, 1)),
+                _ref(dtype="float16", hf=(4, 4), offset=32, shape=(4, 4))):
+        (m1, a), (m2, b) = CudaIpcReceiver._ref_view(ref, storage), CudaIpcReceiver._ref_view(ref, storage, typed=typed)
+        assert m1 == m2 and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    assert set(typed) == {torch.bfloat16, torch.float16}
+    assert all((v is None) == (nbytes % 2 == 1) for v in typed.values())
+    with pytest.raises(ValidationError, match="outside"):  # the cache changes nothing about the bounds
+        CudaIpcReceiver._ref_view(_ref(offset=64), storage, typed=typed)
+
+
 @pytest.mark.parametrize("ref, why", [
     (_ref(offset=200), "outside"),                                      # past the storage's end
     (_ref(offset=1), "misaligned"),                                     # not on an element boundary
