@@ -9,11 +9,12 @@ same host work).
 from __future__ import annotations
 
 import argparse
-import json
 import time
+from pathlib import Path
 
 import torch
 
+from streamsync.bench.report import write_json
 from streamsync.transports.refs import RefReceiver
 
 
@@ -21,7 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--refs", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     storage = torch.zeros(64 << 20, dtype=torch.uint8)
     # q/k/v-like references: plain and blocked (4 of every 6 row blocks of a fused QKV)
@@ -46,9 +47,7 @@ def main() -> None:
         print(f"{label:22s} {best * 1e6:6.2f} us per reference (best of {args.repeat})")
     out["ratio"] = out["slice per reference"]["us_per_ref"] / out["typed storage cache"]["us_per_ref"]
     print(f"ratio {out['ratio']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":
