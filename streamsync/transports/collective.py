@@ -88,7 +88,7 @@ from ..log import get_logger
 from ..pack import Layout, TensorMeta, align_up, byte_view, dtype_from_name, fits, pack_into, unpack
 from ..sources.base import ChunkPlan
 from .base import Receiver, SendBuffer, Transport
-from .pool import BufferPool, PoolBuffer, remember
+from .pool import BufferPool, PoolBuffer, captured, remember
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
@@ -556,26 +556,13 @@ class CollectiveTransport(Transport):
             key = ("graph", layout, dst.data_ptr(),
                    tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors))
             remember(pb, ("fast", layout), (tensors, key))
-        graph = pb.extra.get(key)
-        if isinstance(graph, torch.cuda.CUDAGraph):
-            return graph
-        if graph is None:  # first sighting: plain copies (a one-off never costs a capture)
-            remember(pb, key, False)
-            return None
-        graph = torch.cuda.CUDAGraph()
-        try:  # on the pack stream, which records nothing else meanwhile; other threads may use CUDA
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    pack_into(dst, layout, tensors)
-                finally:
-                    graph.capture_end()
+        try:
+            graph, fresh = captured(pb, key, stream, lambda: pack_into(dst, layout, tensors))
         except RuntimeError as e:  # a copy this build cannot capture: plain copies from now on
             get_logger().warning("collective: pack capture failed; packing with plain copies", error=str(e))
             self.graphs = False
             return None
-        remember(pb, key, graph)
-        self.graph_stats["captured"] += 1
+        self.graph_stats["captured"] += fresh
         return graph
 
     def _pack_streamed(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:

@@ -67,7 +67,7 @@ from ..log import get_logger
 from ..pack import ALIGN, Layout, TensorMeta, batched, castable, coalesce, dtype_from_name, fits, unpack
 from ..sources.base import ChunkPlan, own_addresses
 from .base import Receiver, SendBuffer, Transport
-from .pool import BufferPool, PoolBuffer
+from .pool import BufferPool, PoolBuffer, captured
 from .pool import remember as _remember
 from .refs import RefReceiver, RefSender, _Compact, _Storage, storage_address  # noqa: F401 - re-export
 
@@ -291,28 +291,13 @@ class CudaIpcTransport(RefSender, Transport):
                stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
         """The captured pack of this chunk into `pb`, capturing it on the second sighting of its sources
         (`key`: the layout and every source's address, dtype, shape and strides)."""
-        graph = pb.extra.get(key)
-        if isinstance(graph, torch.cuda.CUDAGraph):
-            return graph
-        if graph is None:  # first sighting: remember it, copy plainly (one-off addresses never cost a capture)
-            _remember(pb, key, False)
-            return None
-        graph = torch.cuda.CUDAGraph()
-        # Captured on the side stream, which records and runs nothing meanwhile; "thread_local": other
-        # threads of the trainer may use CUDA during the capture.
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    _copy_all(*coalesce(dsts, tensors))  # replayed every push: fewer, larger copies
-                finally:
-                    graph.capture_end()
+        try:  # replayed every push: fewer, larger copies
+            graph, fresh = captured(pb, key, stream, lambda: _copy_all(*coalesce(dsts, tensors)))
         except RuntimeError as e:  # a copy this CUDA build cannot capture: plain copies from now on
             get_logger().warning("cuda_ipc: pack capture failed; packing with plain copies", error=str(e))
             self.graphs = False
             return None
-        _remember(pb, key, graph)
-        self.graph_stats["captured"] += 1
+        self.graph_stats["captured"] += fresh
         return graph
 
     def _dst_views(self, pb: PoolBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -147,3 +147,27 @@ def remember(pb: PoolBuffer, key: tuple, value: Any) -> None:
         for k in [k for k in pb.extra if isinstance(k, tuple)]:
             del pb.extra[k]
     pb.extra[key] = value
+
+
+def captured(pb: PoolBuffer, key: tuple, stream: torch.cuda.Stream,
+             record: Callable[[], None]) -> tuple[torch.cuda.CUDAGraph | None, bool]:
+    """The copies `record()` queues, as a CUDA graph kept in `pb` under `key`: (None, False) the first time
+    the key is seen (the caller copies plainly: one-off addresses never cost a capture), (graph, True) the
+    second (captured now, not run: the caller replays it), (graph, False) after. Captured on `stream`, which
+    records nothing else meanwhile; "thread_local": other threads of the trainer may use CUDA during the
+    capture. A RuntimeError means these copies cannot be captured here."""
+    graph = pb.extra.get(key)
+    if isinstance(graph, torch.cuda.CUDAGraph):
+        return graph, False
+    if graph is None:
+        remember(pb, key, False)
+        return None, False
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            record()
+        finally:
+            graph.capture_end()
+    remember(pb, key, graph)
+    return graph, True
