@@ -68,3 +68,44 @@ def test_layers_split_across_chunks_are_marked_for_receivers_that_buffer_layers(
     chunks = [["model.embed_tokens.weight", "model.layers.0.a"], ["model.layers.0.b", "model.layers.1.a"],
               ["model.layers.1.b", "model.layers.1.c", "model.norm.weight"]]
     assert split_layers(chunks) == {0: ["model.layers.0.a"], 1: ["model.layers.1.a"]}
+
+
+def test_referenced_chunks_ramp_up_from_the_first_chunk_budget_whole_layers_kept():
+    """One copy: the first chunk's referenced budget doubles per chunk up to the full one, so the first chunk
+    is ready early; a layer still lands whole in the chunk it starts (its size checked against that chunk's
+    budget), and packed bytes keep their own budget."""
+    layer = 100
+    items = [Item("embed", 150, unit="embed", ref=True)]
+    items += [Item(f"l{i}.{j}", layer // 4, unit=i, ref=True) for i in range(20) for j in range(4)]
+    items += [Item("norm", 4, unit="norm"), Item("head", 150, unit="head", ref=True)]
+    flat = plan_chunks(items, budget=1000, ref_budget=800)
+    ramp = plan_chunks(items, budget=1000, ref_budget=800, ref_first=100)
+    size = {i.key: i.nbytes for i in items}
+    sizes = [sum(size[k] for k in c) for c in ramp]
+    assert [k for c in ramp for k in c] == [k for c in flat for k in c] == [i.key for i in items]  # same order
+    assert len(ramp) > len(flat)
+    assert ramp[0] == ["embed"]  # larger than the first budget: alone
+    assert sizes[1] <= 200 and sizes[2] <= 400 and all(s <= 800 + 4 for s in sizes)
+    where: dict[str, set[int]] = {}
+    for n, c in enumerate(ramp):
+        for k in c:
+            where.setdefault(k.split(".")[0], set()).add(n)
+    assert all(len(v) == 1 for v in where.values())  # no layer split
+    assert plan_chunks(items, budget=1000, ref_budget=800, ref_first=800) == flat  # no ramp below the top
+    assert plan_chunks(items, budget=1000, ref_first=100) == plan_chunks(items, budget=1000)  # nothing by reference
+
+
+def test_the_transport_ramp_reaches_the_plan_and_its_cache_key():
+    from streamsync import WeightSync
+    from streamsync.transports.shm import ShmTransport
+
+    model = StateModule(qwen3_specs(layers=8, vocab=64))
+    t = ShmTransport(one_copy=True, ref_bytes=4 << 20)
+    sync = WeightSync([], transport=t, chunk_bytes=1 << 20)
+    _, flat = sync.plan(model)
+    t.ref_first = 1 << 20
+    _, ramp = sync.plan(model)  # a changed ramp is a new plan, not the cached one
+    assert len(ramp) > len(flat)
+    assert [n for p in ramp for n in p.names] == [n for p in flat for n in p.names]
+    t.one_copy = False
+    assert t.ref_chunk_first is None

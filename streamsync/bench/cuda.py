@@ -89,12 +89,21 @@ def _free_cached() -> None:
         torch.cuda.empty_cache()
 
 
-def _transport(one_copy: bool = True) -> Any:
+def _transport(one_copy: bool = True, path: str = "") -> Any:
+    """The transport of a path: ":flat" turns off the one-copy chunk ramp (`CudaIpcTransport.ref_first`)."""
     if _cuda():
-        return CudaIpcTransport(one_copy=one_copy)
-    from ..transports.shm import ShmTransport
+        t = CudaIpcTransport(one_copy=one_copy)
+    else:
+        from ..transports.shm import ShmTransport
 
-    return ShmTransport(one_copy=one_copy)  # a CPU smoke run: the same paths over shared memory
+        t = ShmTransport(one_copy=one_copy)  # a CPU smoke run: the same paths over shared memory
+    _ramp(t, path)
+    return t
+
+
+def _ramp(transport: Any, path: str) -> None:
+    if _cuda():
+        transport.ref_first = None if ":flat" in path else CudaIpcTransport().ref_first
 
 
 def log(msg: str) -> None:
@@ -347,12 +356,15 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
 
         async def receiver_graphs(path: str) -> None:
             # ":plain": the receiver loads every tensor with its own call each push, as a vLLM engine does
-            await engine.call("capture", on=not path.endswith(":plain"))
+            await engine.call("capture", on=":plain" not in path)
 
-        cold_runs = [(p, i) for p in paths for i in range(args.cold_repeat if p == paths[0] else 1)]
+        # The default path (and its ":flat" variant) several times, interleaved; the others once.
+        again = [p for p in paths if p.replace(":flat", "") == paths[0]]
+        cold_runs = [(p, i) for i in range(args.cold_repeat) for p in again]
+        cold_runs += [(p, 0) for p in paths if p not in again]
         for path, rep in cold_runs:
             await receiver_graphs(path)
-            t_cold = _transport(one_copy=path_of(path) == "one_copy")
+            t_cold = _transport(one_copy=path_of(path) == "one_copy", path=path)
             s_cold = WeightSync([engine], transport=t_cold, chunk_bytes=chunk, timeout=600, check_finite=False,
                                 engine_layout=path_of(path) != "packed")
             s_cold.version = version
@@ -366,9 +378,13 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             t1b = time.perf_counter()
             if trace_dir:
                 s_cold.trace_dir = Path(trace_dir) / f"first-push-{path}"
+            rpc0 = {k: list(v) for k, v in engine.rpc_seconds.items()}
             r1 = await s_cold.push(model, version=next_version())
             t2 = time.perf_counter() - (t1b - t1)
             s_cold.trace_dir = None
+            # The sender's side of the first push's update calls: request to reply, and encoding + writing
+            rpc = {op: [v[0] - rpc0.get(op, [0, 0, 0])[0], (v[1] - rpc0.get(op, [0, 0, 0])[1]) * 1e3,
+                        (v[2] - rpc0.get(op, [0, 0, 0])[2]) * 1e3] for op, v in engine.rpc_seconds.items()}
             first_rx = busy_since(b0, await rx_busy())
             r2 = await s_cold.push(model, version=next_version())
             runs = cold.get(path, {}).get("runs", [])
@@ -378,7 +394,8 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
                           "first_push_wall_ms": (t2 - t1) * 1e3, "second_push_ms": r2.seconds * 1e3,
                           "first_push_stage_busy_ms": {k: v * 1e3 for k, v in r1.stage_seconds.items()},
                           "exports": dict(getattr(t_cold, "ref_stats", {})),
-                          "connect_and_first_push_receiver_busy_ms": first_rx, "runs": runs}
+                          "connect_and_first_push_receiver_busy_ms": first_rx,
+                          "first_push_sender_rpc_ms": rpc, "runs": runs}
             if len(runs) > 1:  # the reported values: medians over fresh syncs (the first also met a fresh receiver)
                 for k in ("connect_ms", "first_push_ms", "second_push_ms"):
                     cold[path][k] = statistics.median(r[k] for r in runs)
@@ -387,7 +404,9 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
                 f"second {r2.seconds * 1e3:.1f} ms; first push busy (ms): " + ", ".join(
                     f"{k} {v:.1f}" for k, v in cold[path]["first_push_stage_busy_ms"].items())
                 + "; receiver, connect and first push (ms): " + _busy_text(first_rx)
-                + "; sender exports: " + str(cold[path]["exports"]))
+                + "; sender exports: " + str(cold[path]["exports"])
+                + "; sender's update calls (calls, request to reply ms, of it writing ms): "
+                + str({k: [round(x, 1) for x in v] for k, v in rpc.items() if v[0]}))
             _timeline(f"cold {path}: first push", r1)
             await s_cold.close()
             del s_cold, t_cold
@@ -436,6 +455,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         for pi, path in enumerate(paths):
             if _cuda():
                 transport.one_copy = path_of(path) == "one_copy"
+                _ramp(transport, path)
             sync.engine_layout = path_of(path) != "packed"
             await receiver_graphs(path)
             getattr(transport, "release_pool", lambda: None)()
@@ -508,6 +528,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         sweeps += [(paths[0], "ref_bytes", m) for m in args.ref_sweep_mib if path_of(paths[0]) == "one_copy"]
         for path, knob, mib in sweeps:
             transport.one_copy = path_of(path) == "one_copy"
+            _ramp(transport, path)
             sync.engine_layout = path_of(path) != "packed"
             await receiver_graphs(path)
             if knob == "chunk_bytes":
@@ -551,7 +572,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
                      "bit_exact": b["exact"], "connect_ms": cold.get(path, {}).get("connect_ms"),
                      "first_push_ms": cold.get(path, {}).get("first_push_ms"),
                      "second_push_ms": cold.get(path, {}).get("second_push_ms"), "ref_stats": b["ref_stats"],
-                     "receiver_replays_graphs": not path.endswith(":plain"),
+                     "receiver_replays_graphs": ":plain" not in path,
                      "receiver_graph_stats": b["receiver_graphs"], "sender_busy_ms_window4": b["tx_busy"],
                      "receiver_busy_ms_window4": b["rx_busy"]})
     result = {
@@ -699,10 +720,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "(every tensor packed, HF names), engine_layout (every tensor packed; runs that make up one of "
                     "the receiver's fused tensors go as that tensor). ':plain': the receiver loads every tensor "
                     "with a call of its own each push, as vLLM does (by default it replays a repeated chunk's "
-                    "copies as a captured CUDA graph)")
+                    "copies as a captured CUDA graph); ':flat': one copy without the chunk ramp (every chunk "
+                    "takes the whole referenced budget from the first)")
     ap.add_argument("--cold-repeat", type=int, default=3, help="fresh syncs (connect, first and second push) for "
-                    "the default path; the table gives their medians, the log each (the first also meets a receiver "
-                    "that never loaded)")
+                    "the default path and its ':flat' variant, interleaved; the table gives their medians, the log "
+                    "each (the first also meets a receiver that never loaded)")
     ap.add_argument("--profile", type=int, default=0, help="profile this many window-4 pushes on the sender "
                     "(cProfile) and print where its host time goes")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run of this script (use --models tiny,tiny-moe)")

@@ -337,6 +337,9 @@ class ReceiverEngine(Engine):
         self._buffered: anyio.streams.buffered.BufferedByteReceiveStream | None = None
         self._lock = anyio.Lock()
         self._known: set[str] = set()  # layout keys this connection's receiver has parsed
+        #: per op: [calls, seconds from request to reply, seconds encoding and writing the request] (for
+        #: benchmarks: the rest, less the receiver's own busy time, is the socket and the two processes' waits)
+        self.rpc_seconds: dict[str, list[float]] = {}
 
     async def _connect(self) -> None:
         try:
@@ -367,8 +370,14 @@ class ReceiverEngine(Engine):
                     if self._stream is None:
                         await self._connect()
                     assert self._stream is not None and self._buffered is not None
+                    t0 = time.perf_counter()
                     await self._stream.send(json.dumps({"op": op, **kw}).encode() + b"\n")
+                    t1 = time.perf_counter()
                     line = await self._buffered.receive_until(b"\n", _REPLY_LINE)
+                    st = self.rpc_seconds.setdefault(op, [0, 0.0, 0.0])
+                    st[0] += 1
+                    st[1] += time.perf_counter() - t0
+                    st[2] += t1 - t0
             except TimeoutError:
                 await self._drop()
                 raise EngineError(self.name, f"{op}: no reply in {timeout or self.timeout:.1f} s",
