@@ -4,7 +4,8 @@ Copies the Qwen3-8B shapes (as HF tensors, bf16), or with `--shape moe` the copi
 (Qwen3-30B-A3B widths, 12 layers: per expert its fc1, gate and up as one run, and its fc2: 3,072 copies of 3-6
 MB, plus attention), into one flat buffer four ways and prints the rate each reaches, against one large copy:
 per-tensor `copy_` (cudaMemcpyAsync), the same captured as a CUDA graph (memcpy nodes), `torch._foreach_copy_`
-(kernels), and that captured. Run on the GPU machine:
+(kernels), and that captured, and `streamsync.kernels.SegmentCopy` (one persistent Triton kernel) captured.
+Run on the GPU machine:
     python3 scripts/gpu_copy_modes.py [--shape 8b|moe] [--json OUT]
 """
 
@@ -16,6 +17,7 @@ import statistics
 
 import torch
 
+from streamsync import kernels
 from streamsync.pack import dtype_from_name
 from streamsync.testing.models import qwen3_specs
 
@@ -82,6 +84,11 @@ def main() -> None:
     modes = {"one large copy": lambda: flat.copy_(big_src), "per-tensor copy_": per_tensor,
              "per-tensor copy_, graph": graphed(per_tensor), "_foreach_copy_": foreach,
              "_foreach_copy_, graph": graphed(foreach)}
+    if kernels.available():  # one persistent Triton kernel over every copy's byte runs
+        kernels.warm(flat.device)
+        for programs in (None, 264, 1056):
+            seg = kernels.SegmentCopy(dsts, srcs, programs=programs)
+            modes[f"segment kernel ({programs or 'default'} programs), graph"] = graphed(seg)
     for name, fn in modes.items():
         s = timed(fn)
         out[name] = {"ms": s * 1e3, "tb_per_s_read_plus_written": 2 * total / s / 1e12}

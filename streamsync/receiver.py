@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from . import kernels
 from .errors import ValidationError
 from .pack import Layout, TensorMeta, TensorSpec, dtype_from_name, dtype_name, fits
 from .transports.base import Receiver, make_receiver
@@ -88,6 +89,10 @@ class WeightReceiver:
         #: trainer storages, building views), the load, and closing the buffer (the ack); for benchmarks
         self.timing = {"open": 0.0, "refs": 0.0, "load": 0.0, "close": 0.0}
         self.capture = True  # False: never capture (every load a Python call per tensor, as vLLM's)
+        # A loader's `prepare_load` (checked copies, planned as one kernel: `kernels.SegmentCopy`) is what a
+        # capture records, where it has one and Triton runs here; False: capture the loader's own copies.
+        self.kernel_copies = True
+        self._keep: dict[tuple, Any] = {}  # graph key -> what its captured copies read (a prepared load)
         # layout -> (packed views, reference views, loader takes blocked, joined views, joined metas, any part):
         # a chunk whose views and references are the same objects as last time joins nothing again
         self._joined: dict[Layout, tuple[Any, Any, bool, list, tuple, bool]] = {}
@@ -236,7 +241,9 @@ class WeightReceiver:
             load(views)
             return
         h = update_info.get("handle")
-        key = (layout, buf.data_ptr(), h.get("refs_id") if isinstance(h, dict) else None, id(owner))
+        prepare = getattr(owner, "prepare_load", None) if self.kernel_copies and kernels.available() else None
+        key = (layout, buf.data_ptr(), h.get("refs_id") if isinstance(h, dict) else None, id(owner),
+               prepare is not None)
         graph = self._graphs.get(key)
         stream = torch.cuda.current_stream(buf.device)
         if isinstance(graph, torch.cuda.CUDAGraph):
@@ -249,11 +256,16 @@ class WeightReceiver:
         if graph is None:  # first sighting: plain copies (a one-off never costs a capture)
             if len(self._graphs) > 1024:
                 self._graphs.clear()
+                self._keep.clear()
             self._graphs[key] = False
             load(views)
             return
         if self._capture_stream is None or self._capture_stream.device != buf.device:
             self._capture_stream = torch.cuda.Stream(buf.device)
+        copies = None
+        if prepare is not None:  # planned outside the capture (its tile table is an upload)
+            kernels.warm(buf.device)
+            copies = prepare(list(views))
         side = self._capture_stream
         side.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
@@ -261,7 +273,7 @@ class WeightReceiver:
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    load(list(views))
+                    copies() if copies is not None else load(list(views))
                 finally:
                     graph.capture_end()
         except RuntimeError:  # a load this build cannot capture: plain copies for this chunk from now on
@@ -270,6 +282,8 @@ class WeightReceiver:
             return
         stream.wait_stream(side)
         self._graphs[key] = graph
+        if copies is not None:
+            self._keep[key] = copies
         self.graph_stats["captured"] += 1
         graph.replay()  # capturing recorded the copies without running them
 
@@ -427,6 +441,13 @@ class ModuleLoader:
                 (dst if dst.shape == src.shape else dst.view(src.shape)).copy_(src)
                 loaded.append(name)
         return loaded
+
+    def prepare_load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Callable[[], None]:
+        """The copies of `self(weights)`, checked now and queued by each call of the result as one kernel where
+        they are runs of contiguous bytes (`kernels.SegmentCopy`); for a captured load (`WeightReceiver._load`)."""
+        pairs = [(self.targets[n], s) for n, s in _checked(weights, self.targets)]
+        dsts = [d if d.shape == s.shape else d.view(s.shape) for d, s in pairs]
+        return kernels.SegmentCopy(dsts, [s for _, s in pairs])
 
 
 def as_destination(t: torch.Tensor | None, spec: TensorSpec) -> torch.Tensor | None:

@@ -531,6 +531,66 @@ async def test_moe_experts_by_reference_replay_coalesced_copies_and_stay_exact(t
         await sync.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_segment_copy_kernel_is_bit_exact_compiled_and_replayed_from_a_graph():
+    # The layouts a receiver's load copies (Q/K/V blocks of a fused QKV, row slices, whole tensors, runs of many
+    # tiles), with the ones it declines (a cast, a transpose, 28 bytes) beside them; then captured and replayed
+    # after every source changed, as a captured load is.
+    from streamsync import kernels
+
+    if not kernels.available():
+        pytest.skip("no Triton here")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fused = torch.randn(8, 96, 256, device="cuda", generator=g).to(torch.bfloat16)
+    big = torch.randn(5, kernels.TILE + 8, device="cuda", generator=g)
+    srcs = [fused[:, :64], fused[:, 64:80], fused.view(-1, 256)[8:296], big, big[2, :-4], fused.view(-1)[:7],
+            torch.randn(64, 8, device="cuda", generator=g).t(), torch.randn(4, 24, device="cuda", generator=g)]
+    dsts = [torch.zeros(t.shape, dtype=t.dtype, device="cuda") for t in srcs]
+    dsts[-1] = torch.zeros(4, 24, dtype=torch.bfloat16, device="cuda")
+    copy = kernels.SegmentCopy(dsts, srcs)
+    assert copy.runs >= 8 + 5 and len(copy.rest) == 3
+    copy()
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dsts, srcs, strict=True))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        copy()
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    for step in range(3):
+        for d in dsts:
+            d.zero_()
+        for s in srcs:
+            s.add_(step + 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dsts, srcs, strict=True)), step
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch-copies"])
+@gpu
+async def test_captured_loads_with_and_without_the_copy_kernel_stay_exact(tmp_path, kernel):
+    # The receiver's captured loads record one segment copy kernel (default) or PyTorch's copies; each push
+    # changes every weight, one copy and packed parts alike, into the fused receiver.
+    specs = qwen3_specs(vocab=2048, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule(specs, fill="random", seed=17, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
+        engine = rp.engine()
+        await engine.call("capture", on=True, kernel=kernel)
+        sync = WeightSync([engine], transport=CudaIpcTransport(ref_bytes=CHUNK), chunk_bytes=CHUNK)
+        for step in range(4):
+            _perturb(model, 130 + step)
+            await sync.push(model)
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), step
+        graphs = (await engine.call("status"))["graphs"]
+        assert graphs["captured"] >= 1 and graphs["replayed"] >= 1
+        await sync.close()
+
+
 class _Tamper(ReceiverEngine):
     async def update(self, update_info: dict[str, Any]) -> None:
         info = copy.deepcopy(update_info)

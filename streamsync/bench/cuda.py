@@ -356,10 +356,11 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
 
         async def receiver_graphs(path: str) -> None:
             # ":plain": the receiver loads every tensor with its own call each push, as a vLLM engine does
-            await engine.call("capture", on=":plain" not in path)
+            # ":copies": captured loads record PyTorch's copies instead of the segment copy kernel
+            await engine.call("capture", on=":plain" not in path, kernel=":copies" not in path)
 
         # The default path (and its ":flat" variant) several times, interleaved; the others once.
-        again = [p for p in paths if p.replace(":flat", "") == paths[0]]
+        again = [p for p in paths if p.replace(":flat", "").replace(":copies", "") == paths[0]]
         cold_runs = [(p, i) for i in range(args.cold_repeat) for p in again]
         cold_runs += [(p, 0) for p in paths if p not in again]
         for path, rep in cold_runs:
@@ -721,7 +722,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "the receiver's fused tensors go as that tensor). ':plain': the receiver loads every tensor "
                     "with a call of its own each push, as vLLM does (by default it replays a repeated chunk's "
                     "copies as a captured CUDA graph); ':flat': one copy without the chunk ramp (every chunk "
-                    "takes the whole referenced budget from the first)")
+                    "takes the whole referenced budget from the first); ':copies': the receiver's captured loads "
+                    "record PyTorch's copies, not one segment copy kernel (streamsync.kernels)")
     ap.add_argument("--cold-repeat", type=int, default=3, help="fresh syncs (connect, first and second push) for "
                     "the default path and its ':flat' variant, interleaved; the table gives their medians, the log "
                     "each (the first also meets a receiver that never loaded)")

@@ -36,6 +36,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from ..checksum import digests
 from ..errors import EngineError, ValidationError
+from ..log import get_logger
 from ..receiver import ModuleLoader, WeightReceiver
 from .base import Engine, EngineState
 
@@ -94,6 +95,14 @@ class ReceiverServer:
             getattr(module, "destinations", None) if self.loader is not self._plain else self._plain.destinations)
         self.expected = getattr(module, "expected", None) or self._plain.expected
         self.rx = WeightReceiver(device)
+        if self.rx.device.type == "cuda":  # the captured loads' kernel, compiled before any client connects
+            from .. import kernels
+
+            try:
+                kernels.warm(self.rx.device)
+            except Exception as e:  # no working Triton here: captured loads record PyTorch's copies
+                self.rx.kernel_copies = False
+                get_logger().warning("receiver: the segment copy kernel is unavailable", error=str(e))
         self.delay_s = delay_s
         self.paused = False
         self._secret = secret
@@ -161,6 +170,7 @@ class ReceiverServer:
             return "pong"
         elif op == "capture":  # benchmarks: replay loads as captured graphs (default) or load every tensor
             self.rx.capture = bool(msg.get("on", True))
+            self.rx.kernel_copies = bool(msg.get("kernel", True))  # graphs of one kernel (default) or of copies
         else:
             raise ValueError(f"unknown op {op!r}")
         return None

@@ -13,12 +13,13 @@ Built from the HF specs a push sends, so it accepts exactly those names, dtypes 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import ValidationError
+from ..kernels import SegmentCopy
 from ..pack import TensorSpec, batched, coalesce, dtype_from_name, dtype_name, fits
 from ..receiver import as_destination
 from .models import Spec, _fill_random
@@ -183,21 +184,7 @@ class FusedModel(torch.nn.Module):
 
         Every tensor of the call is checked before any is copied, so a bad one leaves the weights as they were.
         """
-        loaded: set[str] = set()
-        all_dst: list[torch.Tensor] = []
-        all_src: list[torch.Tensor] = []
-        for name, src in weights:
-            dst = self._dst.get(name)
-            if dst is None:
-                raise ValidationError(f"receiver has no parameter {name!r}")
-            if dst.shape != src.shape and fits(src, tuple(dst.shape)):
-                dst = dst.view(src.shape)  # a blocked reference (Q of an interleaved QKV): row-major order
-            if dst.shape != src.shape or dst.dtype != src.dtype:
-                raise ValidationError(f"parameter {name!r}: received {src.dtype}{tuple(src.shape)}, receiver "
-                                      f"holds {dst.dtype}{tuple(dst.shape)}")
-            all_dst.append(dst)
-            all_src.append(src)
-            loaded.add(name)
+        loaded, all_dst, all_src = self._resolve(weights)
         if all_dst and all_dst[0].is_cuda and torch.cuda.is_current_stream_capturing():
             all_dst, all_src = coalesce(all_dst, all_src)  # captured once, replayed every push: fewer copies
         big: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -215,6 +202,33 @@ class FusedModel(torch.nn.Module):
             if small_dst:
                 torch._foreach_copy_(small_dst, small_src, non_blocking=True)
         return loaded
+
+    def prepare_load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Callable[[], None]:
+        """What `load_weights(weights)` copies, checked and planned now, queued by each call of the result: one
+        kernel for every copy of contiguous runs (`kernels.SegmentCopy`). `WeightReceiver` captures the call in
+        a CUDA graph and replays it every push."""
+        _, all_dst, all_src = self._resolve(weights)
+        return SegmentCopy(*coalesce(all_dst, all_src))
+
+    def _resolve(self, weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> tuple[set[str], list[torch.Tensor], list[torch.Tensor]]:
+        """(names, destinations, sources) of a load, every tensor checked (ValidationError before any copy)."""
+        loaded: set[str] = set()
+        all_dst: list[torch.Tensor] = []
+        all_src: list[torch.Tensor] = []
+        for name, src in weights:
+            dst = self._dst.get(name)
+            if dst is None:
+                raise ValidationError(f"receiver has no parameter {name!r}")
+            if dst.shape != src.shape and fits(src, tuple(dst.shape)):
+                dst = dst.view(src.shape)  # a blocked reference (Q of an interleaved QKV): row-major order
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise ValidationError(f"parameter {name!r}: received {src.dtype}{tuple(src.shape)}, receiver "
+                                      f"holds {dst.dtype}{tuple(dst.shape)}")
+            all_dst.append(dst)
+            all_src.append(src)
+            loaded.add(name)
+        return loaded, all_dst, all_src
 
     def fused_layout(self) -> dict[str, list]:
         """{fused parameter: [[its HF members, in the order their bytes lie in it], its shape]}: `load_weights`

@@ -233,9 +233,11 @@ class CudaIpcTransport(RefSender, Transport):
 
     async def pack(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
         """Queue the chunk's copies (`_pack_copies`), then make its references per engine: a first push's
-        exports (~40 us a storage) run here, while the engines load the chunk before, not in `send`."""
+        exports (~40 us a storage) run here, while the engines load the chunk before, not in `send`, and in
+        slices, so that the engines' replies to that chunk are taken as they come (`_export_ahead`)."""
         await self._pack_copies(buf, layout, tensors)
         if buf.state.get("compact") is not None:
+            await self._export_ahead(buf, self._engines)
             buf.state["refs_ready"] = {i: self._refs(buf, i) for i in range(self._engines)}
 
     async def _pack_copies(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import torch
 
 from ..errors import ValidationError
@@ -158,12 +159,13 @@ class RefSender:
         self.ref_stats["packed"] += len(compact.packed)
         return compact
 
-    def _refs(self, buf: SendBuffer, engine: int) -> dict[str, Any]:
-        """The handle fields naming `buf`'s referenced tensors for engine `engine`: the references (and the
-        exports it has not had yet), or only their id when the engine has them from an earlier push."""
+    def _cached_refset(self, buf: SendBuffer, engine: int) -> tuple[_RefSet | None, tuple]:
+        """The chunk's reference set for `engine` if one made before is still valid (its tensors at the same
+        addresses, every export it names alive), else None; and the set's cache key."""
         compact: _Compact = buf.state["compact"]
         plan: ChunkPlan = buf.state["plan"]
         tensors: Sequence[torch.Tensor] = buf.state["tensors"]
+
         def alive(rs: _RefSet | None) -> bool:
             if rs is None:
                 return False
@@ -174,30 +176,61 @@ class RefSender:
             return True
 
         fast = self._refs_fast.get((engine, plan.layout_key))
-        rs = key = None
-        if fast is not None and fast[0] is tensors:  # a source's cached views: the same addresses
-            rs, key = fast[1], fast[2]
-        if not alive(rs):
-            ts = [tensors[i] for i in compact.refs]
-            key = (engine, plan.layout_key, tuple((t.data_ptr(), t.stride()) for t in ts))
-            rs = self._refsets.get(key)
-        if alive(rs):
-            for _, ex in rs.exports:  # type: ignore[union-attr]
+        if fast is not None and fast[0] is tensors and alive(fast[1]):  # a source's cached views: same addresses
+            return fast[1], fast[2]
+        key = (engine, plan.layout_key, tuple((tensors[i].data_ptr(), tensors[i].stride()) for i in compact.refs))
+        rs = self._refsets.get(key)
+        return (rs if alive(rs) else None), key
+
+    def _export(self, engine: int, addr: int, t: torch.Tensor) -> _Export:
+        """The export of the storage at `addr` (which `t` lies on) to `engine`, made if there is none."""
+        ex = self._exports.get((engine, addr))
+        if ex is None:
+            t0 = time.perf_counter()
+            data, keep = self._ref_export(t)
+            ex = self._exports[(engine, addr)] = _Export(secrets.token_hex(8), data, self._push_serial, keep=keep)
+            self.ref_stats["exports"] += 1
+            self.ref_stats["export_ms"] += (time.perf_counter() - t0) * 1e3
+        return ex
+
+    async def _export_ahead(self, buf: SendBuffer, engines: int, slice_s: float = 3e-4) -> None:
+        """Make the exports `buf`'s references need, handing the event loop back every `slice_s` seconds. A
+        first push exports hundreds of storages (25-50 us each) while the chunk before it is in flight, and
+        the engines' replies to that chunk (which the next update waits for) must not queue behind it: on
+        one H200 a reply waited 3-5 ms for a chunk's exports before this."""
+        compact: _Compact = buf.state["compact"]
+        tensors: Sequence[torch.Tensor] = buf.state["tensors"]
+        for engine in range(engines):
+            if self._cached_refset(buf, engine)[0] is not None:
+                continue
+            t_last = time.perf_counter()
+            for i in compact.refs:
+                t = tensors[i]
+                addr = storage_address(t)
+                if (engine, addr) not in self._exports:
+                    self._export(engine, addr, t)
+                    if time.perf_counter() - t_last > slice_s:
+                        await anyio.sleep(0)
+                        t_last = time.perf_counter()
+
+    def _refs(self, buf: SendBuffer, engine: int) -> dict[str, Any]:
+        """The handle fields naming `buf`'s referenced tensors for engine `engine`: the references (and the
+        exports it has not had yet), or only their id when the engine has them from an earlier push."""
+        compact: _Compact = buf.state["compact"]
+        plan: ChunkPlan = buf.state["plan"]
+        tensors: Sequence[torch.Tensor] = buf.state["tensors"]
+        rs, key = self._cached_refset(buf, engine)
+        if rs is not None:
+            for _, ex in rs.exports:
                 ex.used = self._push_serial
         else:
             refs: list[list[Any]] = []
             exports: list[tuple[int, _Export]] = []
-            for i, t in zip(compact.refs, ts, strict=True):
+            for i in compact.refs:
+                t = tensors[i]
                 spec = plan.specs[i]
                 addr = storage_address(t)
-                ex = self._exports.get((engine, addr))
-                if ex is None:
-                    t0 = time.perf_counter()
-                    data, keep = self._ref_export(t)
-                    ex = self._exports[(engine, addr)] = _Export(secrets.token_hex(8), data, self._push_serial,
-                                                                 keep=keep)
-                    self.ref_stats["exports"] += 1
-                    self.ref_stats["export_ms"] += (time.perf_counter() - t0) * 1e3
+                ex = self._export(engine, addr, t)
                 ex.used = self._push_serial
                 exports.append((addr, ex))
                 ref = [spec.name, dtype_name(spec.dtype), list(spec.shape), ex.token,

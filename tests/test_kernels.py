@@ -1,0 +1,96 @@
+"""The segment copy (streamsync.kernels): which copies become byte runs, and its kernel run bit for bit.
+
+On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, read when the module is imported: a fresh
+process); on a GPU `test_gpu.py` runs it compiled, inside the receiver's captured loads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from streamsync import kernels
+
+
+def test_rows_of_takes_evenly_spaced_contiguous_rows():
+    fused = torch.zeros(8, 96, 64)  # a fused QKV: groups x (q, k, v rows) x hidden
+    assert kernels.rows_of(fused) == (1, 8 * 96 * 64, 8 * 96 * 64)
+    assert kernels.rows_of(fused[:, :64]) == (8, 64 * 64, 96 * 64)  # Q, blocked
+    assert kernels.rows_of(fused[:, 80:96]) == (8, 16 * 64, 96 * 64)  # V
+    assert kernels.rows_of(fused.view(-1, 64)[10:20]) == (1, 640, 640)  # a row slice
+    assert kernels.rows_of(torch.zeros(5, 1, 7)[:, :, 2:5]) == (5, 3, 7)  # size-1 dims do not count
+
+
+@pytest.mark.parametrize("t", [torch.zeros(4, 4).t(), torch.zeros(4, 6)[:, ::2], torch.zeros(3, 4, 5)[:, 1:3, 1:4],
+                               torch.zeros(0)])
+def test_rows_of_refuses_what_is_not_rows(t):
+    assert kernels.rows_of(t) is None
+
+
+def test_runs_pair_up_source_and_destination_rows_and_merge_what_continues():
+    fused = torch.zeros(4, 96, 64, dtype=torch.bfloat16)
+    q = fused[:, :64]
+    dst = torch.zeros(4, 64, 64, dtype=torch.bfloat16)
+    r = kernels.runs(dst, q)
+    row = 64 * 64 * 2
+    assert r == [(dst.data_ptr() + i * row, fused.data_ptr() + i * 96 * 64 * 2, row) for i in range(4)]
+    flat = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert kernels.runs(flat, fused.view(-1, 64)[:8]) == [(flat.data_ptr(), fused.data_ptr(), 8 * 64 * 2)]
+
+
+@pytest.mark.parametrize(("dst", "src", "why"), [
+    (torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16), "a cast"),
+    (torch.zeros(4, 8), torch.zeros(8, 4), "another shape"),
+    (torch.zeros(7), torch.zeros(7), "28 bytes: not whole 16-byte accesses"),
+    (torch.zeros(9)[1:], torch.zeros(8), "a destination 4 bytes off alignment"),
+    (torch.zeros(8, 8), torch.zeros(8, 8).t(), "a transpose"),
+])
+def test_runs_decline_what_the_kernel_cannot_copy(dst, src, why):
+    assert kernels.runs(dst, src) is None, why
+
+
+def test_off_gpu_every_copy_is_pytorchs():
+    src = [torch.arange(64, dtype=torch.float32), torch.ones(16, 8)]
+    dst = [torch.zeros(64), torch.zeros(16, 8)]
+    copy = kernels.SegmentCopy(dst, src)
+    assert copy.runs == 0 and len(copy.rest) == 2
+    copy()
+    assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+
+
+@pytest.mark.timeout(300)
+def test_the_kernel_copies_bit_for_bit_in_the_interpreter():
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from streamsync import kernels
+        g = torch.Generator().manual_seed(0)
+        fused = torch.randn(4, 6 * 16, 64, generator=g).to(torch.bfloat16)
+        big = torch.randn(3, kernels.TILE, generator=g)  # runs of several tiles, and a ragged last tile
+        srcs = [fused[:, :64], fused[:, 64:80], fused.view(-1, 64)[8:296], big, big[1, :-4],
+                torch.randn(7, generator=g), torch.randn(16, 8, generator=g).t(), torch.randn(4, 24, generator=g),
+                torch.randn(4, 24, generator=g)]
+        dsts = [torch.zeros(t.shape, dtype=t.dtype) for t in srcs]
+        dsts[7] = torch.zeros(8, 24)[::2]  # destination rows with gaps between them
+        dsts[8] = torch.zeros(4, 24, dtype=torch.bfloat16)  # a cast: PyTorch's copy
+        copy = kernels.SegmentCopy(dsts, srcs, programs=3)  # three programs striding over the tiles
+        assert len(copy.rest) == 3, len(copy.rest)  # 28 bytes, a transpose, a cast
+        copy()
+        for d, s in zip(dsts, srcs):
+            assert torch.equal(d, s.to(d.dtype)), (d.shape, s.shape)
+        for d in dsts:  # a second call (as a graph replays) after the sources changed
+            d.zero_()
+        for s in srcs:
+            s.add_(1)
+        copy()
+        assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dsts, srcs))
+        print("copied", len(dsts), "runs", copy.runs)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "copied 9" in out.stdout
