@@ -57,28 +57,20 @@ def row_parts(shape: tuple[int, ...], itemsize: int, budget: int, align: int = 2
     return [(r, min(r + per, rows)) for r in range(0, rows, per)]
 
 
-def plan_chunks(items: Sequence[Item], budget: int, ref_budget: int | None = None,
-                ref_first: int | None = None) -> list[list[object]]:
+def plan_chunks(items: Sequence[Item], budget: int, ref_budget: int | None = None) -> list[list[object]]:
     """Split ordered items into chunks of keys. Items must already be in push order.
 
     `ref_budget`: items marked `ref` (sent by reference, CUDA IPC one copy) fill their own budget per chunk
     instead of `budget`. `budget` bounds the bytes a chunk packs, i.e. the sender's buffer memory; referenced
-    bytes take no buffer, and what bounds their chunk is the per-chunk host work (fewer, larger chunks).
-
-    `ref_first`: a ramp. The first chunk's referenced budget, doubled per chunk up to `ref_budget`: the first
-    chunk is ready (and the receiver's copies start) after a fraction of the sender's work, and a first push's
-    setup (exports on the sender, mappings and views on the receiver) overlaps across chunks instead of
-    running one whole half of the model after the other."""
-    if budget <= 0 or (ref_budget is not None and ref_budget <= 0) or (ref_first is not None and ref_first <= 0):
-        raise ValueError(f"chunk budget must be positive, got {budget} (referenced: {ref_budget}, first "
-                         f"referenced: {ref_first})")
+    bytes take no buffer, and what bounds their chunk is the per-chunk host work (fewer, larger chunks)."""
+    if budget <= 0 or (ref_budget is not None and ref_budget <= 0):
+        raise ValueError(f"chunk budget must be positive, got {budget} (referenced: {ref_budget})")
 
     def cost(its: Sequence[Item]) -> tuple[int, int]:
         packed = sum(i.nbytes for i in its if ref_budget is None or not i.ref)
         return packed, sum(i.nbytes for i in its) - packed
 
-    top = ref_budget if ref_budget is not None else budget
-    limit = [budget, top]
+    limit = (budget, ref_budget if ref_budget is not None else budget)
     # Build units (consecutive items sharing `unit`), each a list of atomic groups.
     units: list[list[list[Item]]] = []
     last_unit = object()
@@ -102,14 +94,6 @@ def plan_chunks(items: Sequence[Item], budget: int, ref_budget: int | None = Non
             chunks.append(cur)
         cur = []
         used[0] = used[1] = 0
-        limit[1] = ref_limit(len(chunks))
-
-    def ref_limit(index: int) -> int:
-        if ref_first is None or ref_budget is None:
-            return top
-        return min(top, ref_first << min(index, 62))
-
-    flush()
 
     def fits(c: tuple[int, int]) -> bool:
         return used[0] + c[0] <= limit[0] and used[1] + c[1] <= limit[1]
@@ -125,7 +109,7 @@ def plan_chunks(items: Sequence[Item], budget: int, ref_budget: int | None = Non
         if fits(c):
             add(unit_items, c)
             continue
-        if c[0] <= limit[0] and c[1] <= ref_limit(len(chunks) + bool(cur)):  # it fits an empty chunk: start one
+        if c[0] <= limit[0] and c[1] <= limit[1]:  # a whole layer fits an empty chunk: start one
             flush()
             add(unit_items, c)
             continue

@@ -382,18 +382,15 @@ class WeightSync:
         """
         # The budgets are part of the key: `chunk_bytes` (and the transport's) may change between pushes.
         ref_bytes = getattr(self.transport, "ref_chunk_bytes", None)  # set where tensors may go by reference
-        ref_first = getattr(self.transport, "ref_chunk_first", None) if ref_bytes else None
         key = (tuple(map(id, model)) if isinstance(model, list | tuple) else (id(model),)) + (self.chunk_bytes,
-                                                                                               ref_bytes, ref_first)
+                                                                                               ref_bytes)
         if self.reuse_plan and self._plan_cache is not None and self._plan_cache[0] == key:
             _, _, source, plans = self._plan_cache
             return source, plans
         source = as_source(model, **self.source_options)
         budget = self.chunk_bytes or (GiB if source.device.type == "cuda" else 64 * MiB)
-        params = inspect.signature(source.plan).parameters
-        if ref_bytes and "ref_bytes" in params:
-            ramp = {"ref_first": int(ref_first)} if ref_first and "ref_first" in params else {}
-            plans = source.plan(budget, ref_bytes=max(int(ref_bytes), budget), **ramp)
+        if ref_bytes and "ref_bytes" in inspect.signature(source.plan).parameters:
+            plans = source.plan(budget, ref_bytes=max(int(ref_bytes), budget))
         else:
             plans = source.plan(budget)
         self._validate(plans)

@@ -419,15 +419,13 @@ class MegatronSource(Source):
         """Every HF tensor a push sends, in push order (what a receiver must hold)."""
         return [s for p in self.plan(1 << 62) for s in p.specs]
 
-    def plan(self, chunk_bytes: int, ref_bytes: int | None = None,
-             ref_first: int | None = None) -> list[ChunkPlan]:
+    def plan(self, chunk_bytes: int, ref_bytes: int | None = None) -> list[ChunkPlan]:
         """Chunks of Megatron parameters (keys: global names) with their HF specs; all experts of a layer stay
         in one chunk. Pure and the same on every rank; resets `collectives` for the push it plans.
 
         `ref_bytes`: the transport sends plain views of CUDA tensors by reference (CUDA IPC one copy). An
         unsharded model's HF tensors are views of its parameters (QKV and gate/up splits included) except
-        where the dtype changes (float32 norms): those fill this budget per chunk instead, from `ref_first` in
-        the first chunk, doubling per chunk (`plan_chunks`)."""
+        where the dtype changes (float32 norms): those fill this budget per chunk instead (`plan_chunks`)."""
         self.begin_push()
         views = ref_bytes is not None and not self.groups.sharded and self._device.type == "cuda"
         items = []
@@ -439,7 +437,7 @@ class MegatronSource(Source):
             unit = r.layer if r.layer is not None else name
             ref = views and all(s.dtype == info.dtype for s in self._specs[name])
             items.append(Item(name, nbytes, unit, ("experts", r.layer) if info.expert else None, ref=ref))
-        chunks = [self._experts_by_kind(keys) for keys in plan_chunks(items, chunk_bytes, ref_bytes, ref_first)]
+        chunks = [self._experts_by_kind(keys) for keys in plan_chunks(items, chunk_bytes, ref_bytes)]
         return [ChunkPlan(i, tuple(s for k in keys for s in self._specs[k]), tuple(keys))  # type: ignore[index]
                 for i, keys in enumerate(chunks)]
 

@@ -60,14 +60,13 @@ class ModuleSource(Source):
         dtype = self.dtype if (self.dtype is not None and t.is_floating_point()) else t.dtype
         return TensorSpec(name, dtype, tuple(t.shape))
 
-    def plan(self, chunk_bytes: int, ref_bytes: int | None = None,
-             ref_first: int | None = None) -> list[ChunkPlan]:
+    def plan(self, chunk_bytes: int, ref_bytes: int | None = None) -> list[ChunkPlan]:
         """Keys are names, or (name, row0, row1) for the parts of a tensor larger than `chunk_bytes`, which is
         split by rows so that every chunk (its aligned layout) fits the budget.
 
         `ref_bytes`: the transport sends plain views of the model's tensors by reference (one copy: CUDA IPC, or
-        shared memory on CPU); those tensors (every tensor that is not cast) fill this budget per chunk instead,
-        from `ref_first` in the first chunk, doubling per chunk (see `plan_chunks`)."""
+        shared memory on CPU); those tensors (every tensor that is not cast) fill this budget per chunk instead
+        (see `plan_chunks`)."""
         # Stable: module order within a layer, except that a layer's expert down projections follow all of
         # its gate/up projections, so they lie as an engine's stacked w13 and w2 (`pack.fuse_layout`).
         names = sorted(self._tensors, key=lambda n: (order_key(n), ".down_proj." in n and ".experts." in n))
@@ -88,7 +87,7 @@ class ModuleSource(Source):
                 specs[key] = TensorSpec(n, spec.dtype, (r1 - r0, *spec.shape[1:]), part=(r0, spec.shape[0]))
                 items.append(Item(key, align_up(specs[key].nbytes), unit, ref=ref))
         return [ChunkPlan(i, tuple(specs[k] for k in keys), tuple(keys))
-                for i, keys in enumerate(plan_chunks(items, chunk_bytes, ref_bytes, ref_first))]
+                for i, keys in enumerate(plan_chunks(items, chunk_bytes, ref_bytes))]
 
     async def gather(self, chunk: ChunkPlan) -> list[torch.Tensor]:
         # A part is a view of its rows: contiguous for a contiguous tensor, no copy.

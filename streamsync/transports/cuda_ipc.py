@@ -153,23 +153,20 @@ class CudaIpcTransport(RefSender, Transport):
     one_copy: send tensors that are plain views of the source's own storages by reference (module doc).
     ref_bytes: referenced bytes per chunk (the chunk budget, `chunk_bytes`, bounds only the packed bytes).
     Measured on one H200 (Qwen3-8B shape): 1 GiB of references per chunk 31.7 ms, 2 GiB 16.4 ms, 8 GiB
-    15.3 ms, 16 GiB 16.8 ms; each chunk costs an update call and its per-chunk work on both sides.
-    ref_first: the first chunk's referenced bytes, doubled per chunk up to `ref_bytes` (None: every chunk
-    gets `ref_bytes`). The first chunk goes out after a fraction of the sender's work, so the receiver's
-    copies, and on a first push its mappings, start early and overlap the sender's later chunks."""
+    15.3 ms, 16 GiB 16.8 ms; each chunk costs an update call and its per-chunk work on both sides."""
 
     name = "cuda_ipc"
 
     def __init__(self, device: torch.device | str | None = None, keep_pool: bool = True,
                  release: str = "event", graphs: bool = True, one_copy: bool = True,
-                 ref_bytes: int = 8 << 30, ref_first: int | None = 512 << 20) -> None:
+                 ref_bytes: int = 8 << 30) -> None:
         if release not in ("event", "sync"):
             raise ValidationError(f"release must be 'event' or 'sync', got {release!r}")
         self._device = torch.device(device) if device is not None else None
         self.keep_pool = keep_pool
         self.release = release
         self.graphs = graphs
-        self._init_refs(one_copy, ref_bytes, ref_first)
+        self._init_refs(one_copy, ref_bytes)
         self._single_worker = True
         self._engines = 0
         #: packs replayed from a captured graph, and graphs captured, since construction (for benchmarks)

@@ -94,10 +94,9 @@ class RefSender:
 
     name: str
 
-    def _init_refs(self, one_copy: bool, ref_bytes: int | None, ref_first: int | None = None) -> None:
+    def _init_refs(self, one_copy: bool, ref_bytes: int | None) -> None:
         self.one_copy = one_copy
         self.ref_bytes = int(ref_bytes) if ref_bytes is not None else None
-        self.ref_first = int(ref_first) if ref_first is not None else None
         #: tensors sent by reference and packed, since construction (for benchmarks and tests)
         self.ref_stats: dict[str, float] = {"referenced": 0, "packed": 0, "exports": 0, "export_ms": 0.0}
         self._persistent: set[int] = set()  # storage addresses of the source's own tensors (this push)
@@ -122,12 +121,6 @@ class RefSender:
         memory; chunks of them are few and large, since each costs host work on both sides (an update call,
         its handle, its events)."""
         return self.ref_bytes if self.one_copy else None
-
-    @property
-    def ref_chunk_first(self) -> int | None:
-        """The first chunk's budget of referenced bytes, doubled per chunk up to `ref_chunk_bytes` (None: every
-        chunk gets the whole budget). See `chunking.plan_chunks`."""
-        return self.ref_first if self.one_copy and self.ref_bytes is not None else None
 
     def _ref_compact(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor], dev: torch.device) -> _Compact | None:
         """The chunk's packed part, or None when every tensor is packed: tensors on `dev` that are plain views

@@ -145,16 +145,14 @@ class ShmTransport(RefSender, Transport):
     ref_bytes: referenced bytes per chunk (the chunk budget, `chunk_bytes`, then bounds only the packed bytes);
     None (default): referenced tensors fill `chunk_bytes` like packed ones, so the chunking is the packed
     path's. 1 GiB (one chunk for the 0.94 GB model) measured 187 ms at window 4 in the same run (1.11x).
-    ref_first: the first chunk's referenced bytes, doubled per chunk up to `ref_bytes` (`plan_chunks`).
     """
 
     name = "shm"
 
-    def __init__(self, keep_pool: bool = True, one_copy: bool = False, ref_bytes: int | None = None,
-                 ref_first: int | None = None) -> None:
+    def __init__(self, keep_pool: bool = True, one_copy: bool = False, ref_bytes: int | None = None) -> None:
         self.pool = BufferPool(torch.device("cpu"), keep=keep_pool, alloc=_create_segment,
                                destroy=_destroy_segment)
-        self._init_refs(one_copy, ref_bytes, ref_first)
+        self._init_refs(one_copy, ref_bytes)
         self._shared: dict[int, _Shared] = {}  # storage address -> shared storage (this push)
         #: bytes of trainer storages moved into shared memory, since construction
         self.moved_bytes = 0
