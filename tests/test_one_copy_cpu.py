@@ -43,15 +43,21 @@ def _links(model: torch.nn.Module) -> set[str]:
 
 
 def _recording(engine) -> list[dict]:
-    """The handles `engine` receives from now on (its update call, wrapped)."""
+    """The handles `engine` receives from now on (its update call, wrapped), and its map-ahead calls (`premap`,
+    recorded as {"premap": storages})."""
     seen: list[dict] = []
-    update = engine.update
+    update, premap = engine.update, engine.premap
 
     async def update_and_record(info):
         seen.append(info["handle"])
         await update(info)
 
+    async def premap_and_record(info):
+        seen.append({"premap": info["storages"]})
+        return await premap(info)
+
     engine.update = update_and_record
+    engine.premap = premap_and_record
     return seen
 
 
@@ -73,12 +79,16 @@ async def test_a_push_by_reference_is_bit_exact_and_a_second_one_sends_only_ids(
     n = len(SPECS)
     counts = {k: v for k, v in transport.ref_stats.items() if k != "export_ms"}
     assert counts == {"referenced": n, "packed": 0, "exports": n}, transport.ref_stats
-    assert report.chunks > 1 and all("refs" in h and "storages" in h for h in first)
+    # A first push: the receiver maps every storage ahead, in one call, while chunk 0 is made; the chunks then
+    # name their references and no storage.
+    assert "premap" in first[0] and len(first[0]["premap"]) == n
+    assert report.chunks > 1 and all("refs" in h and "storages" not in h for h in first[1:])
     # The side effect: every parameter now lives in shared memory, moved once, in place.
     assert transport.moved_bytes == nbytes and all(p.untyped_storage().is_shared() for p in model.parameters())
     mapped = _torch_files(rx.pid)
     assert set(mapped) == _links(model) and all(perm.startswith("r--s") for perm in mapped.values()), mapped
 
+    engine.update, engine.premap = type(engine).update.__get__(engine), type(engine).premap.__get__(engine)
     again = _recording(engine)
     perturb_(model, 1)  # in place: the same storages
     await sync.push(model)
@@ -87,6 +97,35 @@ async def test_a_push_by_reference_is_bit_exact_and_a_second_one_sends_only_ids(
     counts = {k: v for k, v in transport.ref_stats.items() if k != "export_ms"}
     assert counts == {"referenced": 2 * n, "packed": 0, "exports": n}
     assert transport.moved_bytes == nbytes
+    await sync.close()
+
+
+@pytest.mark.parametrize("engine_kind", ["no-premap", "premap-fails"])
+async def test_without_a_working_map_ahead_the_chunks_carry_their_storages(rx, engine_kind):
+    """An engine that cannot map ahead (no `premap`, as a vLLM engine), or whose map-ahead fails: each chunk
+    carries the exports it needs, and the push is exact."""
+    model = StateModule(SPECS, fill="random", seed=23)
+    engine = rx.engine()
+    if engine_kind == "no-premap":
+        engine.premap = None
+    else:
+        async def broken(info):
+            raise RuntimeError("map-ahead refused")
+
+        engine.premap = broken
+    transport = ShmTransport(one_copy=True, ref_bytes=CHUNK)
+    sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK)
+    seen: list[dict] = []
+    update = engine.update
+
+    async def record(info):
+        seen.append(info["handle"])
+        await update(info)
+
+    engine.update = record
+    await sync.push(model)
+    assert await engine.checksums() == digests(model.state_dict().items())
+    assert seen and all("refs" in h and "storages" in h for h in seen)
     await sync.close()
 
 
@@ -147,8 +186,11 @@ async def test_a_cast_tensor_goes_packed_in_the_same_push_as_the_references(rx):
     norms = sum(1 for n in model.state_dict() if "norm" in n)
     assert norms and transport.ref_stats["referenced"] == len(SPECS) - norms
     assert transport.ref_stats["packed"] == norms
-    assert report.chunks == 1 and "refs" in handles[0]  # one chunk carries both
+    assert report.chunks == 1 and "premap" in handles[0] and "refs" in handles[1]  # one chunk carries both
     assert await engine.checksums() == digests((n, t.to(torch.bfloat16)) for n, t in model.state_dict().items())
+    # The norms' storages were mapped ahead with the rest, and no chunk referenced them: both sides dropped them.
+    assert len(handles[0]["premap"]) == len(SPECS) and len(transport._exports) == len(SPECS) - norms
+    assert len(_torch_files(rx.pid)) == len(SPECS) - norms
     await sync.close()
 
 
