@@ -10,7 +10,7 @@ copies all of them with one persistent Triton kernel, 16 bytes per access. Copie
 other layouts, unaligned bytes) are queued as PyTorch copies beside it.
 
 Made once, outside any capture (the tile table is an upload), then called every time the copies are wanted
-(`WeightReceiver` captures the call in its chunk's graph and keeps the object as long as the graph). Needs
+(`WeightReceiver` captures the call in its chunk's graph and keeps only its tile table, `captured()`). Needs
 Triton and CUDA tensors (`available()`); `warm()` compiles the kernel ahead (~1 s once per machine, cached
 on disk after), where a receiver starts.
 """
@@ -183,6 +183,16 @@ class SegmentCopy:
                                    TILE_ELEMS=TILE // ELEM, BLOCK=BLOCK, num_warps=4)
         for d, s in self.rest:
             d.copy_(s, non_blocking=True)
+
+
+    def captured(self) -> torch.Tensor | None:
+        """After a capture of `__call__`: what the graph still reads (the tile table), and nothing else. The
+        graph holds every address by value, so the tensors this object was made from are let go: a receiver
+        must not keep a mapped buffer (and the sender's memory behind it) alive for a graph."""
+        table = self._launch[2] if self._launch is not None else None
+        self._launch = None
+        self.rest = []
+        return table
 
 
 def _base(t: torch.Tensor) -> torch.Tensor | None:

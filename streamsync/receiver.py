@@ -92,7 +92,7 @@ class WeightReceiver:
         # A loader's `prepare_load` (checked copies, planned as one kernel: `kernels.SegmentCopy`) is what a
         # capture records, where it has one and Triton runs here; False: capture the loader's own copies.
         self.kernel_copies = True
-        self._keep: dict[tuple, Any] = {}  # graph key -> what its captured copies read (a prepared load)
+        self._keep: dict[tuple, Any] = {}  # graph key -> what its captured copies read (a tile table)
         # layout -> (packed views, reference views, loader takes blocked, joined views, joined metas, any part):
         # a chunk whose views and references are the same objects as last time joins nothing again
         self._joined: dict[Layout, tuple[Any, Any, bool, list, tuple, bool]] = {}
@@ -293,7 +293,10 @@ class WeightReceiver:
         stream.wait_stream(side)
         self._graphs[key] = graph
         if copies is not None:
-            self._keep[key] = copies
+            # The tile table only: the graph holds addresses, and a kept view would keep a mapped buffer (and the
+            # trainer's memory behind it) alive after the transport let it go.
+            keep = getattr(copies, "captured", None)
+            self._keep[key] = keep() if keep is not None else copies
         self.graph_stats["captured"] += 1
         graph.replay()  # capturing recorded the copies without running them
 

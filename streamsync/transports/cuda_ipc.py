@@ -364,13 +364,11 @@ class CudaIpcTransport(RefSender, Transport):
     async def send(self, buf: SendBuffer, update_info: dict[str, Any], engines: Sequence[Engine]) -> None:
         live = self.pool.live_tokens
         if len(engines) == 1:  # the common colocated case: no task group to set up per chunk
-            await self._premapped(0)
             await engines[0].update(self._info(buf, update_info, 0, live))
             self._sent(buf, 0)
             return
 
         async def one(i: int, e: Engine) -> None:
-            await self._premapped(i)
             await e.update(self._info(buf, update_info, i, live))
             self._sent(buf, i)
 

@@ -110,7 +110,6 @@ class RefSender:
         self._masks: dict[str, tuple[Sequence[torch.Tensor], int, tuple[bool, ...]]] = {}  # see _ref_compact
         self._refs_fast: dict[tuple[int, str], tuple[Sequence[torch.Tensor], _RefSet, tuple]] = {}  # see _refs
         self._exported_to: set[int] = set()  # engines holding at least one export (see `prepare`)
-        self._prep_done: dict[int, anyio.Event] = {}  # engine -> its map-ahead of this push is over (`prepare`)
 
     def _ref_export(self, t: torch.Tensor) -> tuple[dict[str, Any], Any]:
         """Export the whole storage `t` lies on, for one engine: (plain export data, what to hold while the
@@ -190,64 +189,68 @@ class RefSender:
             self.ref_stats["export_ms"] += (time.perf_counter() - t0) * 1e3
         return ex
 
-    async def prepare(self, source: Any, engines: Sequence[Any], started: anyio.Event | None = None,
-                      slice_s: float = 3e-4) -> None:
+    async def prepare(self, source: Any, engines: Sequence[Any], plans: Sequence[ChunkPlan] = (),
+                      slice_s: float = 3e-4, batch_s: float = 1e-3) -> None:
         """Map ahead, on a first push: to each engine that holds no export of ours yet (a first push, or one after
-        a failure or a reconnect) and can map ahead (`premap`), export every storage that may go by reference
-        and have it map them all in one call, while this push gathers, converts and packs its first chunk.
-        A receiver is idle then, and mapping is most of its first-push work (146 storages of a Qwen3-8B took
-        5.4-7.6 ms of 15-18 ms on one H200). Runs beside the pipeline (`pipeline.run`); an engine's updates
-        wait for its map-ahead to end (`_premapped`), and the storages it did not confirm go with the chunks
-        that reference them, as without it. Storages no chunk referenced are dropped at the push's end on
-        both sides, like any unused export (`_end_push_refs`). `started`: set once every engine opened its
-        round; the map-ahead goes after it (a round opened after it could end a failed one, unmapping it)."""
-        self._prep_done = {}
+        a failure or a reconnect) and can map ahead (`premap`), export the storages that may go by reference, in
+        the source's order, and hand them over in batches (one `premap` call per ~`batch_s` of exports) while
+        this push gathers, converts and packs its first chunk: the receiver maps batch k while the sender
+        exports batch k+1, instead of mapping a chunk's storages only once the chunk arrived. Runs beside the
+        pipeline (`pipeline.run`). A batch counts as the engine's once its call is queued: the engine's calls
+        run in order, so every later update finds it mapped; a batch whose call failed goes with the chunks
+        that reference it, as without map-ahead. Storages no chunk referenced are dropped at the push's end
+        (`_end_push_refs`), and by the receiver a round later. Only tensors of a dtype the plans send are
+        exported: others are cast, so packed, never referenced."""
         targets = [(i, e) for i, e in enumerate(engines)
                    if i not in self._exported_to and callable(getattr(e, "premap", None))]
         if not self._persistent or not targets:
             return
-        for i, _ in targets:
-            self._prep_done[i] = anyio.Event()
         persistent = self._persistent
+        dtypes = {s.dtype for p in plans for s in p.specs}
+        tensors = [t for _, t in source.local_tensors() if t.numel() and (not dtypes or t.dtype in dtypes)]
 
         async def one(i: int, engine: Any) -> None:
-            try:
-                t_last = time.perf_counter()
-                for _, t in source.local_tensors():
-                    if not t.numel():
-                        continue
-                    addr = storage_address(t)
-                    if addr in persistent and (i, addr) not in self._exports:
-                        self._export(i, addr, t).used = self._push_serial - 1  # used once a chunk names it
-                        if time.perf_counter() - t_last > slice_s:  # the pipeline's stages run meanwhile
-                            await anyio.sleep(0)
-                            t_last = time.perf_counter()
-                if started is not None:
-                    await started.wait()
-                pending = [ex for (j, _), ex in self._exports.items() if j == i and not ex.sent]
-                if pending and await engine.premap({"storages": {ex.token: ex.ipc for ex in pending}}):
-                    for ex in pending:
-                        ex.sent = True
-            except Exception as e:  # the chunks carry the exports instead; a dead engine fails the push there
-                get_logger().debug("map-ahead failed; chunks carry their storages", engine=getattr(
-                    engine, "name", i), error=str(e))
-            finally:
-                self._prep_done[i].set()
+            tx, rx = anyio.create_memory_object_stream[list[_Export]](1 << 16)
 
-        try:
+            async def hand_over() -> None:
+                async with rx:
+                    async for batch in rx:
+                        for ex in batch:  # the engine's next calls queue behind this one: they may omit these
+                            ex.sent = True
+                        try:
+                            await engine.premap({"storages": {ex.token: ex.ipc for ex in batch}})
+                        except Exception as e:  # its storages go with the chunks; so do the next batches'
+                            for ex in batch:
+                                ex.sent = False
+                            get_logger().debug("map-ahead failed; chunks carry their storages",
+                                               engine=getattr(engine, "name", i), error=str(e))
+                            return
+
             async with anyio.create_task_group() as tg:
-                for i, e in targets:
-                    tg.start_soon(one, i, e)
-        finally:
-            for ev in self._prep_done.values():
-                ev.set()
+                tg.start_soon(hand_over)
+                async with tx:
+                    batch: list[_Export] = []
+                    t_slice = t_batch = time.perf_counter()
+                    for t in tensors:
+                        addr = storage_address(t)
+                        if addr not in persistent or (i, addr) in self._exports:
+                            continue
+                        ex = self._export(i, addr, t)
+                        ex.used = self._push_serial - 1  # used once a chunk names it
+                        batch.append(ex)
+                        now = time.perf_counter()
+                        if now - t_batch > batch_s:
+                            tx.send_nowait(batch)
+                            batch, t_batch = [], now
+                        if now - t_slice > slice_s:  # the pipeline's stages run meanwhile
+                            await anyio.sleep(0)
+                            t_slice = time.perf_counter()
+                    if batch:
+                        tx.send_nowait(batch)
 
-    async def _premapped(self, engine: int) -> None:
-        """Until engine `engine`'s map-ahead of this push (if any) is over: its first update then names only
-        the storages the map-ahead did not confirm."""
-        ev = self._prep_done.get(engine)
-        if ev is not None and not ev.is_set():
-            await ev.wait()
+        async with anyio.create_task_group() as tg:
+            for i, e in targets:
+                tg.start_soon(one, i, e)
 
     async def _export_ahead(self, buf: SendBuffer, engines: int, slice_s: float = 3e-4) -> None:
         """Make the exports `buf`'s references need, handing the event loop back every `slice_s` seconds. A
@@ -414,8 +417,8 @@ class RefReceiver:
 
     def premap(self, info: dict[str, Any]) -> int:
         """Map the trainer storages `info["storages"]` exports ({token: export data}) ahead of the chunks that
-        will reference them (`RefSender.prepare`, after the round opened); the number mapped now. Those no
-        chunk of the round references are unmapped at its end, like any storage it did not reference."""
+        will reference them (`RefSender.prepare`); the number mapped now. They count as referenced by the
+        round open now (or the next), so a round ended before its chunks arrive keeps them."""
         exports = info.get("storages") if isinstance(info, dict) else None
         if not isinstance(exports, dict) or len(exports) > 1 << 20:
             raise ValidationError(f"{self.name} premap needs 'storages': {{token: export data}}")
@@ -424,6 +427,7 @@ class RefReceiver:
             if not isinstance(token, str) or not _TOKEN.match(token):
                 raise ValidationError(f"{self.name} storage token must be a hex string, got {token!r:.40}")
             self._storage(token, exports)
+            self._round.add(token)  # this round's: a round ended before its chunks came keeps them
         return len(self._storages) - before
 
     def ref_views(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]]:

@@ -276,7 +276,6 @@ class ShmTransport(RefSender, Transport):
             return
 
         async def one(i: int, e: Engine) -> None:
-            await self._premapped(i)
             await e.update(self._ref_info(buf, update_info, buf.handle, i))
             self._sent(buf, i)
 
