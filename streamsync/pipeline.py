@@ -102,9 +102,6 @@ async def run(push: Push) -> None:
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watchdog, push)
-            prepare = getattr(push.transport, "prepare", None)
-            if prepare is not None:  # a first one-copy push: receivers map trainer storages while chunk 0 is made
-                tg.start_soon(prepare, push.source, push.engines, push.plans)
             tg.start_soon(_gather, push, credits, g_tx)
             tg.start_soon(_stage, push, "convert", _convert, g_rx, c_tx)
             tg.start_soon(_stage, push, "pack", _pack, c_rx, p_tx)

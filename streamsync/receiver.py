@@ -148,16 +148,6 @@ class WeightReceiver:
         self.chunks = self.bytes = 0
         self._staged.clear()
 
-    def premap(self, info: dict[str, Any], owner: str | None = None) -> int:
-        """Map trainer storages ahead of the chunks that reference them (a transport's `premap`, one copy);
-        touches no weight. The number mapped, 0 where the transport does not map ahead."""
-        if owner is not None and self._owned_by_other(owner):
-            raise RoundOwned(f"premap refused: a round of another WeightSync (owner {self.owner[:8]}) is open")
-        if self.transport is None:
-            raise ValidationError("premap before init: call init_transfer first")
-        premap = getattr(self.transport, "premap", None)
-        return int(premap(info)) if premap is not None else 0
-
     def update(self, update_info: dict[str, Any], load: Loader, destinations: Destinations | None = None) -> int:
         """Receive one chunk and load it. `destinations` (default: `load.destinations` where the loader has one)
         lets a transport that can write into parameters do so (module doc)."""

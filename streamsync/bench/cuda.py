@@ -89,17 +89,12 @@ def _free_cached() -> None:
         torch.cuda.empty_cache()
 
 
-def _transport(one_copy: bool = True, path: str = "") -> Any:
-    """The transport of a path (":nopremap": a first push maps no storage ahead, `RefSender.prepare`)."""
+def _transport(one_copy: bool = True) -> Any:
     if _cuda():
-        t = CudaIpcTransport(one_copy=one_copy)
-    else:
-        from ..transports.shm import ShmTransport
+        return CudaIpcTransport(one_copy=one_copy)
+    from ..transports.shm import ShmTransport
 
-        t = ShmTransport(one_copy=one_copy)  # a CPU smoke run: the same paths over shared memory
-    if ":nopremap" in path:
-        t.prepare = None  # the pipeline then skips the map-ahead
-    return t
+    return ShmTransport(one_copy=one_copy)  # a CPU smoke run: the same paths over shared memory
 
 
 def log(msg: str) -> None:
@@ -355,13 +350,13 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             # ":copies": captured loads record PyTorch's copies instead of the segment copy kernel
             await engine.call("capture", on=":plain" not in path, kernel=":copies" not in path)
 
-        # The default path (and its ":copies" and ":nopremap" variants) several times, interleaved; others once.
-        again = [p for p in paths if p.replace(":copies", "").replace(":nopremap", "") == paths[0]]
+        # The default path (and its ":copies" variant) several times, interleaved; the others once.
+        again = [p for p in paths if p.replace(":copies", "") == paths[0]]
         cold_runs = [(p, i) for i in range(args.cold_repeat) for p in again]
         cold_runs += [(p, 0) for p in paths if p not in again]
         for path, rep in cold_runs:
             await receiver_graphs(path)
-            t_cold = _transport(one_copy=path_of(path) == "one_copy", path=path)
+            t_cold = _transport(one_copy=path_of(path) == "one_copy")
             s_cold = WeightSync([engine], transport=t_cold, chunk_bytes=chunk, timeout=600, check_finite=False,
                                 engine_layout=path_of(path) != "packed")
             s_cold.version = version
@@ -716,11 +711,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "the receiver's fused tensors go as that tensor). ':plain': the receiver loads every tensor "
                     "with a call of its own each push, as vLLM does (by default it replays a repeated chunk's "
                     "copies as a captured CUDA graph); ':copies': the receiver's captured loads "
-                    "record PyTorch's copies, not one segment copy kernel (streamsync.kernels); ':nopremap': a "
-                    "first push maps no trainer storage ahead (cold runs only)")
+                    "record PyTorch's copies, not one segment copy kernel (streamsync.kernels)")
     ap.add_argument("--cold-repeat", type=int, default=3, help="fresh syncs (connect, first and second push) for "
-                    "the default path and its ':copies' and ':nopremap' variants, interleaved; the table gives their "
-                    "medians, the log "
+                    "the default path and its ':copies' variant, interleaved; the table gives their medians, the log "
                     "each (the first also meets a receiver that never loaded)")
     ap.add_argument("--profile", type=int, default=0, help="profile this many window-4 pushes on the sender "
                     "(cProfile) and print where its host time goes")

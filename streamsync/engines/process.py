@@ -69,7 +69,7 @@ def _same(a: object, b: str) -> bool:
 
 
 _OPS = frozenset({"init", "start", "update", "finish", "abort", "version", "status", "fused_layout", "weight_info",
-                  "checksums", "pause", "resume", "shutdown", "ping", "capture", "premap"})
+                  "checksums", "pause", "resume", "shutdown", "ping", "capture"})
 
 
 class ReceiverServer:
@@ -131,8 +131,6 @@ class ReceiverServer:
             if self.gpu_delay_ms:  # a device busy before the copies: tests that the sender waits on the device
                 torch.cuda._sleep(int(self.gpu_delay_ms * 2e6))
             return self.rx.update(msg["info"], self.loader, self.destinations)
-        elif op == "premap":  # one copy: trainer storages mapped ahead of a first push's chunks
-            return self.rx.premap(msg["info"], owner)
         elif op == "finish":
             self.rx.finish(msg["version"], owner)
         elif op == "abort":
@@ -444,11 +442,6 @@ class ReceiverEngine(Engine):
             if len(self._known) >= 4096:
                 self._known.clear()
             self._known.add(key)
-
-    async def premap(self, info: dict[str, Any]) -> int:
-        """Have the receiver map trainer storages ahead of the chunks that reference them (one copy's first
-        push, `RefSender.prepare`); how many it mapped."""
-        return int(await self.call("premap", info=info, owner=self.owner) or 0)
 
     async def finish_update(self, version: int) -> None:
         await self.call("finish", version=version, owner=self.owner)

@@ -35,7 +35,6 @@ import anyio
 import torch
 
 from ..errors import ValidationError
-from ..log import get_logger
 from ..pack import Layout, TensorMeta, dtype_from_name, dtype_name, plan_layout
 from ..sources.base import ChunkPlan, layout_key
 from .base import SendBuffer
@@ -109,7 +108,6 @@ class RefSender:
         self._refsets: dict[tuple[int, str, tuple], _RefSet] = {}  # (engine, layout key, addresses) -> refs
         self._masks: dict[str, tuple[Sequence[torch.Tensor], int, tuple[bool, ...]]] = {}  # see _ref_compact
         self._refs_fast: dict[tuple[int, str], tuple[Sequence[torch.Tensor], _RefSet, tuple]] = {}  # see _refs
-        self._exported_to: set[int] = set()  # engines holding at least one export (see `prepare`)
 
     def _ref_export(self, t: torch.Tensor) -> tuple[dict[str, Any], Any]:
         """Export the whole storage `t` lies on, for one engine: (plain export data, what to hold while the
@@ -184,73 +182,9 @@ class RefSender:
             t0 = time.perf_counter()
             data, keep = self._ref_export(t)
             ex = self._exports[(engine, addr)] = _Export(secrets.token_hex(8), data, self._push_serial, keep=keep)
-            self._exported_to.add(engine)
             self.ref_stats["exports"] += 1
             self.ref_stats["export_ms"] += (time.perf_counter() - t0) * 1e3
         return ex
-
-    async def prepare(self, source: Any, engines: Sequence[Any], plans: Sequence[ChunkPlan] = (),
-                      slice_s: float = 3e-4, batch_s: float = 1e-3) -> None:
-        """Map ahead, on a first push: to each engine that holds no export of ours yet (a first push, or one after
-        a failure or a reconnect) and can map ahead (`premap`), export the storages that may go by reference, in
-        the source's order, and hand them over in batches (one `premap` call per ~`batch_s` of exports) while
-        this push gathers, converts and packs its first chunk: the receiver maps batch k while the sender
-        exports batch k+1, instead of mapping a chunk's storages only once the chunk arrived. Runs beside the
-        pipeline (`pipeline.run`). A batch counts as the engine's once its call is queued: the engine's calls
-        run in order, so every later update finds it mapped; a batch whose call failed goes with the chunks
-        that reference it, as without map-ahead. Storages no chunk referenced are dropped at the push's end
-        (`_end_push_refs`), and by the receiver a round later. Only tensors of a dtype the plans send are
-        exported: others are cast, so packed, never referenced."""
-        targets = [(i, e) for i, e in enumerate(engines)
-                   if i not in self._exported_to and callable(getattr(e, "premap", None))]
-        if not self._persistent or not targets:
-            return
-        persistent = self._persistent
-        dtypes = {s.dtype for p in plans for s in p.specs}
-        tensors = [t for _, t in source.local_tensors() if t.numel() and (not dtypes or t.dtype in dtypes)]
-
-        async def one(i: int, engine: Any) -> None:
-            tx, rx = anyio.create_memory_object_stream[list[_Export]](1 << 16)
-
-            async def hand_over() -> None:
-                async with rx:
-                    async for batch in rx:
-                        for ex in batch:  # the engine's next calls queue behind this one: they may omit these
-                            ex.sent = True
-                        try:
-                            await engine.premap({"storages": {ex.token: ex.ipc for ex in batch}})
-                        except Exception as e:  # its storages go with the chunks; so do the next batches'
-                            for ex in batch:
-                                ex.sent = False
-                            get_logger().debug("map-ahead failed; chunks carry their storages",
-                                               engine=getattr(engine, "name", i), error=str(e))
-                            return
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(hand_over)
-                async with tx:
-                    batch: list[_Export] = []
-                    t_slice = t_batch = time.perf_counter()
-                    for t in tensors:
-                        addr = storage_address(t)
-                        if addr not in persistent or (i, addr) in self._exports:
-                            continue
-                        ex = self._export(i, addr, t)
-                        ex.used = self._push_serial - 1  # used once a chunk names it
-                        batch.append(ex)
-                        now = time.perf_counter()
-                        if now - t_batch > batch_s:
-                            tx.send_nowait(batch)
-                            batch, t_batch = [], now
-                        if now - t_slice > slice_s:  # the pipeline's stages run meanwhile
-                            await anyio.sleep(0)
-                            t_slice = time.perf_counter()
-                    if batch:
-                        tx.send_nowait(batch)
-
-        async with anyio.create_task_group() as tg:
-            for i, e in targets:
-                tg.start_soon(one, i, e)
 
     async def _export_ahead(self, buf: SendBuffer, engines: int, slice_s: float = 3e-4) -> None:
         """Make the exports `buf`'s references need, handing the event loop back every `slice_s` seconds. A
@@ -306,7 +240,8 @@ class RefSender:
         buf.state.setdefault("refsets", {})[engine] = rs
         if rs.known:
             return {"refs_id": rs.id}
-        return {"refs_id": rs.id, "refs": rs.refs}  # and the exports it lacks, named when sent (`_ref_info`)
+        new = {ex.token: ex.ipc for _, ex in rs.exports if not ex.sent}
+        return {"refs_id": rs.id, "refs": rs.refs, **({"storages": new} if new else {})}
 
     def _ref_info(self, buf: SendBuffer, update_info: dict[str, Any], handle: dict[str, Any],
                   engine: int) -> dict[str, Any]:
@@ -316,12 +251,7 @@ class RefSender:
         if compact is None:
             return {**update_info, "handle": handle}
         ready = buf.state.get("refs_ready", {}).pop(engine, None)  # made when the chunk was packed
-        fields = ready if ready is not None else self._refs(buf, engine)
-        if "refs" in fields:  # the exports the engine has not had yet (mapped ahead or by an earlier chunk: no)
-            new = {ex.token: ex.ipc for _, ex in buf.state["refsets"][engine].exports if not ex.sent}
-            if new:
-                fields = {**fields, "storages": new}
-        handle = {**handle, **fields}
+        handle = {**handle, **(ready if ready is not None else self._refs(buf, engine))}
         return {**update_info, "handle": handle, "layout": compact.layout_json, "layout_key": compact.layout_key}
 
     def _sent(self, buf: SendBuffer, engine: int) -> None:
@@ -341,7 +271,6 @@ class RefSender:
         self._export_gen += 1
         self._exports = {k: v for k, v in self._exports.items() if k[0] != index}
         self._refsets = {k: v for k, v in self._refsets.items() if k[0] != index}
-        self._exported_to.discard(index)
 
     def _end_push_refs(self) -> None:
         """Receivers drop the storages a round did not reference (`RefReceiver._end_round_refs`); so does the
@@ -351,7 +280,6 @@ class RefSender:
             if len(kept) != len(self._exports):
                 self._export_gen += 1
                 self._exports = kept
-                self._exported_to = {k[0] for k in kept}
                 self._refsets = {k: v for k, v in self._refsets.items()
                                  if all(ex.used == self._push_serial for _, ex in v.exports)}
         else:
@@ -361,7 +289,6 @@ class RefSender:
         self._export_gen += 1
         self._exports.clear()
         self._refsets.clear()
-        self._exported_to.clear()
 
 
 # ---------------------------------------------------------------------------------------------- receiver
@@ -414,21 +341,6 @@ class RefReceiver:
         st = self._storages[token] = _Storage(self._ref_map(token, raw), dict(raw))
         self.timing["map_storages"] += time.perf_counter() - t0
         return st
-
-    def premap(self, info: dict[str, Any]) -> int:
-        """Map the trainer storages `info["storages"]` exports ({token: export data}) ahead of the chunks that
-        will reference them (`RefSender.prepare`); the number mapped now. They count as referenced by the
-        round open now (or the next), so a round ended before its chunks arrive keeps them."""
-        exports = info.get("storages") if isinstance(info, dict) else None
-        if not isinstance(exports, dict) or len(exports) > 1 << 20:
-            raise ValidationError(f"{self.name} premap needs 'storages': {{token: export data}}")
-        before = len(self._storages)
-        for token in exports:
-            if not isinstance(token, str) or not _TOKEN.match(token):
-                raise ValidationError(f"{self.name} storage token must be a hex string, got {token!r:.40}")
-            self._storage(token, exports)
-            self._round.add(token)  # this round's: a round ended before its chunks came keeps them
-        return len(self._storages) - before
 
     def ref_views(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]]:
         """The chunk's tensors sent by reference: views on mapped trainer storages, each with its metadata
