@@ -221,7 +221,6 @@ def warm(device: torch.device) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _warm:
         return
-    _warm.add(index)
     with torch.cuda.device(index):
         src = torch.arange(4 * TILE // 2, dtype=torch.int16, device="cuda")
         dst = torch.empty_like(src)
@@ -229,3 +228,4 @@ def warm(device: torch.device) -> None:
         torch.cuda.current_stream().synchronize()
         if not torch.equal(dst, src):
             raise RuntimeError("streamsync.kernels: the segment copy kernel copied wrong bytes")
+    _warm.add(index)

@@ -27,6 +27,7 @@ import torch
 
 from . import kernels
 from .errors import ValidationError
+from .log import get_logger
 from .pack import Layout, TensorMeta, TensorSpec, dtype_from_name, dtype_name, fits
 from .transports.base import Receiver, make_receiver
 
@@ -264,8 +265,14 @@ class WeightReceiver:
             self._capture_stream = torch.cuda.Stream(buf.device)
         copies = None
         if prepare is not None:  # planned outside the capture (its tile table is an upload)
-            kernels.warm(buf.device)
-            copies = prepare(list(views))
+            try:
+                kernels.warm(buf.device)
+            except Exception as e:  # no working kernel here (a compile or its check failed): record the copies
+                self.kernel_copies = False
+                get_logger().warning("receiver: the segment copy kernel is unavailable; captured loads record "
+                                     "PyTorch's copies", error=str(e))
+            else:
+                copies = prepare(list(views))
         side = self._capture_stream
         side.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
