@@ -193,8 +193,10 @@ class RefSender:
         one H200 a reply waited 3-5 ms for a chunk's exports before this."""
         compact: _Compact = buf.state["compact"]
         tensors: Sequence[torch.Tensor] = buf.state["tensors"]
+        looked = buf.state.setdefault("looked_up", {})
         for engine in range(engines):
-            if self._cached_refset(buf, engine)[0] is not None:
+            looked[engine] = self._cached_refset(buf, engine)  # `_refs` takes it from here: one lookup per chunk
+            if looked[engine][0] is not None:
                 continue
             t_last = time.perf_counter()
             for i in compact.refs:
@@ -212,7 +214,8 @@ class RefSender:
         compact: _Compact = buf.state["compact"]
         plan: ChunkPlan = buf.state["plan"]
         tensors: Sequence[torch.Tensor] = buf.state["tensors"]
-        rs, key = self._cached_refset(buf, engine)
+        looked = buf.state.get("looked_up", {}).pop(engine, None)  # by `_export_ahead`, this chunk
+        rs, key = looked if looked is not None else self._cached_refset(buf, engine)
         if rs is not None:
             for _, ex in rs.exports:
                 ex.used = self._push_serial
