@@ -163,16 +163,20 @@ class SegmentCopy:
 
     def _plan(self, merged: list[list[int]], bases: tuple[torch.Tensor, torch.Tensor], device: torch.device,
               programs: int | None) -> None:
-        # Tiles of at most TILE bytes; offsets in int64 elements from each side's base (negative ones too).
-        r = torch.tensor(merged, dtype=torch.int64)  # [runs, (dst, src, bytes)]
-        tiles = (r[:, 2] + TILE - 1) // TILE
-        run = torch.repeat_interleave(torch.arange(len(r)), tiles)  # each tile's run
-        off = (torch.arange(run.numel()) - (torch.cumsum(tiles, 0) - tiles)[run]) * TILE  # its bytes into it
-        table = torch.stack([(r[run, 1] - bases[0].data_ptr() + off) // ELEM,
-                             (r[run, 0] - bases[1].data_ptr() + off) // ELEM,
-                             (r[run, 2] - off).clamp(max=TILE) // ELEM]).to(device)
+        # Tiles of at most TILE bytes; offsets in int64 elements from each side's base (negative ones too). The
+        # runs go up (24 bytes each) and the tiles are expanded on the device: built on the host, a 16 GB
+        # chunk's 250,000 tiles took 33 ms of tensor ops (2-core CI host), which a first push would pay.
+        sb, db = bases[0].data_ptr(), bases[1].data_ptr()
+        n_tiles = sum((n + TILE - 1) // TILE for _, _, n in merged)
+        r = torch.tensor([[(s - sb) // ELEM, (d - db) // ELEM, n // ELEM] for d, s, n in merged],
+                         dtype=torch.int64).to(device)  # [runs, (src, dst, elements)]
+        step = TILE // ELEM
+        tiles = (r[:, 2] + step - 1) // step
+        run = torch.repeat_interleave(torch.arange(len(merged), device=device), tiles, output_size=n_tiles)
+        off = (torch.arange(n_tiles, device=device) - (torch.cumsum(tiles, 0) - tiles)[run]) * step  # into its run
+        rt = r[run]
+        table = torch.stack([rt[:, 0] + off, rt[:, 1] + off, (rt[:, 2] - off).clamp(max=step)])
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        n_tiles = run.numel()
         grid = min(n_tiles, programs or 4 * sms)
         self._launch = (grid, bases, table, n_tiles)
 
