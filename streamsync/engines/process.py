@@ -141,7 +141,7 @@ class ReceiverServer:
             return {"version": self.rx.clean_version, "last_version": self.rx.version,
                     "updating": self.rx.updating, "dirty": self.rx.dirty,
                     "mixed": self.rx.dirty and not self.rx.updating, "paused": self.paused, "pid": os.getpid(),
-                    "graphs": dict(self.rx.graph_stats),
+                    "graphs": {**self.rx.graph_stats, "held": self.rx.graphs_held},
                     "busy_ms": {k: [int(n), round(t * 1e3, 3)] for k, (n, t) in self.busy.items()},
                     "update_split_ms": {k: round(t * 1e3, 3) for k, t in
                                         {**self.rx.timing, **getattr(self.rx.transport, "timing", {})}.items()}}
