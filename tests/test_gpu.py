@@ -464,9 +464,10 @@ async def test_one_copy_after_a_failed_push_exports_again_and_is_exact(tmp_path)
 @pytest.mark.parametrize("one_copy", [True, False])
 @gpu
 async def test_the_receiver_replays_a_repeated_chunks_copies_as_a_graph_and_stays_exact(tmp_path, one_copy):
-    # Push 1 loads plainly, push 2 captures every chunk's load, pushes 3 and 4 replay them; every push
-    # changes every weight and the receiver's GPU is slow. Then the parameters move: new references, new
-    # captures, still exact. (Chunks holding a split tensor are never captured: their load is stateful.)
+    # Every chunk's load is captured by push 2 at the latest (push 1 with the copy kernel) and replayed after;
+    # every push changes every weight and the receiver's GPU is slow. Then the parameters move: new
+    # references, new captures, still exact, and the old captures are dropped once unused for a few rounds.
+    # (Chunks holding a split tensor are never captured: their load is stateful.)
     specs = qwen3_specs(vocab=2048, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
     model = StateModule(specs, fill="random", seed=15, device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True,
@@ -484,10 +485,39 @@ async def test_the_receiver_replays_a_repeated_chunks_copies_as_a_graph_and_stay
         with torch.no_grad():
             for p in model.parameters():
                 p.data = p.data.clone()
-        for step in range(3):
+        for step in range(7):
             _perturb(model, 90 + step)
             await sync.push(model)
             assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), step
+        graphs = (await engine.call("status"))["graphs"]
+        if one_copy:  # new references, new captures: those of the first addresses are gone
+            assert graphs["held"] < graphs["captured"], graphs
+        await sync.close()
+
+
+@gpu
+async def test_with_the_copy_kernel_a_first_push_is_captured_and_the_second_replays_it(tmp_path):
+    # The copy kernel makes a chunk's capture cheap (one kernel node), so a receiver captures on a chunk's first
+    # sighting: the first push's loads already run as graphs, the second push replays them, both exact.
+    from streamsync import kernels
+
+    if not kernels.available():
+        pytest.skip("no Triton here")
+    specs = qwen3_specs(vocab=2048, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
+    model = StateModule(specs, fill="random", seed=16, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
+        engine = rp.engine()
+        sync = WeightSync([engine], transport=CudaIpcTransport(ref_bytes=CHUNK), chunk_bytes=CHUNK)
+        report = await sync.push(model)
+        assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
+        graphs = (await engine.call("status"))["graphs"]
+        # (a chunk holding part of a split tensor is never captured: its load is stateful)
+        assert report.chunks >= graphs["captured"] >= 1 and graphs["replayed"] == 0, graphs
+        _perturb(model, 170)
+        await sync.push(model)
+        assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
+        graphs = (await engine.call("status"))["graphs"]
+        assert graphs["replayed"] >= 1, graphs
         await sync.close()
 
 
@@ -572,9 +602,9 @@ def test_the_segment_copy_kernel_is_bit_exact_compiled_and_replayed_from_a_graph
 
 @gpu
 async def test_a_captured_load_does_not_keep_the_senders_buffers_alive_after_the_receiver_let_go(tmp_path):
-    # Packed chunks, captured by the receiver on the second push (one segment copy kernel each) and replayed on
-    # the third. Once a new sync connects, the receiver drops the old mappings, and the old pool's memory must
-    # come back: a graph holds addresses, and nothing the receiver keeps for it may hold a mapped buffer.
+    # Packed chunks, captured by the receiver (one segment copy kernel each) and replayed on later pushes. Once
+    # a new sync connects, the receiver drops the old mappings, and the old pool's memory must come back: a
+    # graph holds addresses, and nothing the receiver keeps for it may hold a mapped buffer.
     specs = qwen3_specs(vocab=2048, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
     model = StateModule(specs, fill="random", seed=19, device="cuda")
     torch.cuda.synchronize()
@@ -841,3 +871,23 @@ async def test_nccl_receiver_frozen_mid_broadcast_fails_the_push_within_the_grou
     assert out.error.stage == "send" and out.error.chunk is not None and out.error.receiver == "frozen", out.error
     assert out.fail_s < NCCL_GROUP_TIMEOUT + 5 and out.close_s < 10
     assert out.exact_after
+
+
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_megatron_ddp_trainer_is_sent_by_reference_from_its_parameter_buffers(tmp_path, arch):
+    # Megatron's DDP with the distributed optimizer moves every parameter into a few contiguous buffers: a
+    # one-copy push exports those few storages (not one per parameter) and every push is exact.
+    pytest.importorskip("megatron.core")
+    from streamsync.testing.megatron import TinyModel, ddp_one_copy_pushes, launch
+
+    tiny = TinyModel("qwen3", vocab=1024, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=256)
+    if arch == "moe":
+        tiny = TinyModel("qwen3-moe", vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8,
+                         moe_ffn=32)
+    with ReceiverProcess(str(save_specs(tiny.hf_specs(), tmp_path / "ddp.json")), device="cuda", fused=True) as rp:
+        out = launch(ddp_one_copy_pushes, 1, tiny, rp.port, rp.secret, timeout=300)[0]
+    assert out["exact"] == [True, True, True], out
+    assert out["referenced"] > 0 and out["storages"] < out["params"], out
+    assert out["exports"] == out["storages"], out

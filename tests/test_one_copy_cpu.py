@@ -90,6 +90,31 @@ async def test_a_push_by_reference_is_bit_exact_and_a_second_one_sends_only_ids(
     await sync.close()
 
 
+async def test_parameters_in_one_flat_buffer_are_one_export_for_every_chunk(rx):
+    # What Megatron's DDP does with the distributed optimizer (and FSDP with flat parameters): every parameter
+    # is a view of one contiguous buffer. The buffer is exported and mapped once, whatever the chunking.
+    model = StateModule(SPECS, fill="random", seed=24)
+    params = list(model.parameters())
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+    with torch.no_grad():
+        off = 0
+        for p in params:
+            flat[off:off + p.numel()].copy_(p.reshape(-1))
+            p.data = flat[off:off + p.numel()].view(p.shape)
+            off += p.numel()
+    engine = rx.engine()
+    transport = ShmTransport(one_copy=True, ref_bytes=CHUNK)
+    sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK)
+    for step in range(2):
+        report = await sync.push(model)
+        assert await engine.checksums() == digests(model.state_dict().items()), step
+        perturb_(model, 30 + step)
+    assert report.chunks > 1 and transport.ref_stats["exports"] == 1, transport.ref_stats
+    assert transport.ref_stats["referenced"] == 2 * len(SPECS)
+    assert len(_torch_files(rx.pid)) == 1
+    await sync.close()
+
+
 async def test_replaced_and_resized_parameters_get_new_exports_and_old_storages_are_dropped(rx):
     model = StateModule(SPECS, fill="random", seed=22)
     engine = rx.engine()

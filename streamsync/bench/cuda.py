@@ -178,8 +178,12 @@ def _init_megatron() -> None:
     _dist_ready = True
 
 
-def build_megatron(shape: dict[str, Any]) -> torch.nn.Module:
-    """A megatron-core GPTModel (local layer spec, TP=1, bf16) initialized on the GPU."""
+def build_megatron(shape: dict[str, Any], ddp: bool = False) -> torch.nn.Module:
+    """A megatron-core GPTModel (local layer spec, TP=1, bf16) initialized on the GPU. `ddp`: wrapped as a
+    Megatron trainer runs it with the distributed optimizer (`DistributedDataParallel`,
+    `use_distributed_optimizer=True`): its parameters become views of a few contiguous buffers (the
+    optimizer all-gathers into them), so a one-copy push exports and maps a few storages, not one per
+    parameter."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -192,7 +196,12 @@ def build_megatron(shape: dict[str, Any]) -> torch.nn.Module:
                                     qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
     model = GPTModel(cfg, spec, vocab_size=tiny.padded_vocab(1), max_sequence_length=4096, pre_process=True,
                      post_process=True, share_embeddings_and_output_weights=False, position_embedding_type="rope")
-    return model.to(_DEV)
+    model = model.to(_DEV)
+    if ddp:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        model = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    return model
 
 
 def build_module(shape: dict[str, Any]) -> torch.nn.Module:
@@ -267,16 +276,19 @@ async def latency_probe(engine: Any) -> dict[str, float]:
 
 async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: Path) -> dict[str, Any]:
     key, _, mib = entry.partition(":")  # "8b:2048": the 8B shape with 2048 MiB chunks
-    shape = SHAPES[key]
+    key, ddp = key.removesuffix("+ddp"), key.endswith("+ddp")  # "8b+ddp": the trainer wrapped in Megatron's DDP
+    shape = dict(SHAPES[key])
+    if ddp:
+        shape["label"] += " (Megatron DDP, distributed optimizer)"
     chunk = int(float(mib or args.gpu_chunk_mib) * MiB)
     trace_dir = args.trace_dir if entry == args.models[0] else None  # traces of the first entry only
     log(f"{shape['label']}: building the trainer ({args.trainer}) ...")
     t0 = time.perf_counter()
     trainer = args.trainer
     try:
-        model = build_megatron(shape) if trainer == "megatron" else build_module(shape)
+        model = build_megatron(shape, ddp=ddp) if trainer == "megatron" else build_module(shape)
     except Exception:
-        if trainer != "megatron":
+        if trainer != "megatron" or ddp:
             raise
         log("megatron trainer failed; falling back to an HF-named module:\n" + traceback.format_exc())
         trainer, model = "module (fallback)", build_module(shape)
@@ -694,7 +706,8 @@ def _busy_text(busy: dict[str, list[float]]) -> str:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", type=Path, help="write the results as JSON here")
     ap.add_argument("--models", type=lambda s: s.split(","), default=["8b", "8b:2048", "moe"],
-                    help="of: " + ",".join(SHAPES) + "; NAME:MIB sets that entry's chunk size")
+                    help="of: " + ",".join(SHAPES) + "; NAME:MIB sets that entry's chunk size; NAME+ddp wraps the "
+                    "megatron trainer in Megatron's DistributedDataParallel (distributed optimizer)")
     ap.add_argument("--trainer", choices=["megatron", "module"], default="megatron")
     ap.add_argument("--gpu-chunk-mib", type=float, default=1024)
     ap.add_argument("--sweep-mib", type=lambda s: [float(x) for x in s.split(",") if x], default=[512, 2048, 4096])

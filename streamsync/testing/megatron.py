@@ -465,3 +465,49 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case],
 
 __all__ = ["Case", "CaseResult", "TinyModel", "build_model", "export_hf", "export_hf_async", "free_port",
            "init_parallel", "launch", "load_hf_weights", "run_cases"]
+
+
+def ddp_one_copy_pushes(rank: int, world_size: int, tiny: TinyModel, port: int, secret: str, pushes: int = 3
+                        ) -> dict[str, Any]:
+    """A `launch` worker (GPU tests): `tiny` as a megatron-core GPTModel on this rank's GPU, wrapped in Megatron's
+    DDP with the distributed optimizer (every parameter becomes a view of one contiguous buffer per dtype),
+    pushed `pushes` times over CUDA IPC into the receiver at `port`, every weight changed between pushes.
+    Returns the parameter and storage counts, the sender's exports and references, and per push whether the
+    receiver's checksums equal the trainer's HF export."""
+    import anyio
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from ..checksum import device_digests
+    from ..engines.process import ReceiverEngine
+    from ..sync import WeightSync
+    from ..transports.cuda_ipc import CudaIpcTransport
+
+    init_parallel(tp=1)
+    model = build_model(tiny)[0].cuda()
+    load_hf_weights(model, tiny.hf_state(seed=3))
+    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                    model)
+    params = list(model.parameters())
+    out: dict[str, Any] = {"params": len(params), "storages": len({p.untyped_storage().data_ptr() for p in params}),
+                           "exact": []}
+
+    async def main() -> None:
+        engine = ReceiverEngine("127.0.0.1", port, secret=secret, timeout=120)
+        transport = CudaIpcTransport()
+        sync = WeightSync([engine], transport=transport, chunk_bytes=1 << 20)
+        for step in range(pushes):
+            if step:
+                torch.manual_seed(step)
+                with torch.no_grad():
+                    for p in params:
+                        p.add_(torch.randn_like(p), alpha=0.01)
+            await sync.push(model)
+            hf = await export_hf_async(model)
+            assert hf is not None
+            out["exact"].append(await engine.checksums(device=True) == device_digests(hf.items()))
+        out["exports"] = int(transport.ref_stats["exports"])
+        out["referenced"] = int(transport.ref_stats["referenced"])
+        await sync.close()
+
+    anyio.run(main)
+    return out
