@@ -664,10 +664,18 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     log(f"device-to-device copy: {rate / 1e12:.2f} TB/s (read + written)")
     work = Path(tempfile.mkdtemp(prefix="streamsync-bench-cuda-"))
     results = []
+    failed = {}
     for key in args.models:
-        results.append(await _bench_model(key, args, rate, work))
+        try:
+            results.append(await _bench_model(key, args, rate, work))
+        except Exception:  # the other models still run, and the failure is in the log and the JSON
+            failed[key] = traceback.format_exc()
+            log(f"{key}: FAILED\n{failed[key]}")
         _free_cached()  # the model just benchmarked is gone: give its memory back before the next
+    if not results:
+        raise SystemExit("every model failed")
     out = dict(results[0])
+    out["failed"] = failed
     out["others"] = results[1:]
     out["environment"] = {"gpu": name, "torch": torch.__version__, "cuda": torch.version.cuda,
                           "copy_rate_gbps": rate / 1e9, "date": time.strftime("%Y-%m-%d")}
