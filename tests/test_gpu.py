@@ -464,8 +464,8 @@ async def test_one_copy_after_a_failed_push_exports_again_and_is_exact(tmp_path)
 @pytest.mark.parametrize("one_copy", [True, False])
 @gpu
 async def test_the_receiver_replays_a_repeated_chunks_copies_as_a_graph_and_stays_exact(tmp_path, one_copy):
-    # Every chunk's load is captured by push 2 at the latest (push 1 with the copy kernel) and replayed after;
-    # every push changes every weight and the receiver's GPU is slow. Then the parameters move: new
+    # Push 1 loads plainly, push 2 captures every chunk's load, later pushes replay them; every push changes
+    # every weight and the receiver's GPU is slow. Then the parameters move: new
     # references, new captures, still exact, and the old captures are dropped once unused for a few rounds.
     # (Chunks holding a split tensor are never captured: their load is stateful.)
     specs = qwen3_specs(vocab=2048, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
@@ -492,32 +492,6 @@ async def test_the_receiver_replays_a_repeated_chunks_copies_as_a_graph_and_stay
         graphs = (await engine.call("status"))["graphs"]
         if one_copy:  # new references, new captures: those of the first addresses are gone
             assert graphs["held"] < graphs["captured"], graphs
-        await sync.close()
-
-
-@gpu
-async def test_with_the_copy_kernel_a_first_push_is_captured_and_the_second_replays_it(tmp_path):
-    # The copy kernel makes a chunk's capture cheap (one kernel node), so a receiver captures on a chunk's first
-    # sighting: the first push's loads already run as graphs, the second push replays them, both exact.
-    from streamsync import kernels
-
-    if not kernels.available():
-        pytest.skip("no Triton here")
-    specs = qwen3_specs(vocab=2048, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
-    model = StateModule(specs, fill="random", seed=16, device="cuda")
-    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
-        engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(ref_bytes=CHUNK), chunk_bytes=CHUNK)
-        report = await sync.push(model)
-        assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
-        graphs = (await engine.call("status"))["graphs"]
-        # (a chunk holding part of a split tensor is never captured: its load is stateful)
-        assert report.chunks >= graphs["captured"] >= 1 and graphs["replayed"] == 0, graphs
-        _perturb(model, 170)
-        await sync.push(model)
-        assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
-        graphs = (await engine.call("status"))["graphs"]
-        assert graphs["replayed"] >= 1, graphs
         await sync.close()
 
 
@@ -889,5 +863,5 @@ def test_a_megatron_ddp_trainer_is_sent_by_reference_from_its_parameter_buffers(
     with ReceiverProcess(str(save_specs(tiny.hf_specs(), tmp_path / "ddp.json")), device="cuda", fused=True) as rp:
         out = launch(ddp_one_copy_pushes, 1, tiny, rp.port, rp.secret, timeout=300)[0]
     assert out["exact"] == [True, True, True], out
-    assert out["referenced"] > 0 and out["storages"] < out["params"], out
-    assert out["exports"] == out["storages"], out
+    # (a parameter whose HF tensor is cast, or not sent, is not referenced: its storage is not exported)
+    assert out["referenced"] > 0 and 1 <= out["exports"] <= out["storages"] < out["params"], out
