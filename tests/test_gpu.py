@@ -139,6 +139,25 @@ def test_malformed_references_are_refused_before_a_view_is_made(ref, why):
         CudaIpcReceiver._ref_view(ref, torch.zeros(64, dtype=torch.uint8))
 
 
+_DRIVER_EXPORT = {"driver": 1, "gpu": "GPU-00000000-0000-0000-0000-000000000000",
+                  "handle": base64.b64encode(bytes(64)).decode(), "offset": 0, "size": 4096, "alloc": 4096}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("handle", "not base64!"), ("handle", base64.b64encode(bytes(8)).decode()), ("offset", -1), ("size", 0),
+    ("size", "4096"), ("handle", None)])
+def test_malformed_driver_exports_are_refused_before_the_driver_is_asked(field, value):
+    from streamsync.transports import cuda_driver
+
+    with pytest.raises(ValidationError):
+        cuda_driver.map_storage({**_DRIVER_EXPORT, field: value}, 0, "ab12cd34")
+
+
+def test_the_ipc_mechanism_is_checked():
+    with pytest.raises(ValidationError, match="ipc must be"):
+        CudaIpcTransport(ipc="nccl")
+
+
 def test_fused_model_maps_hf_names_into_fused_slices_like_vllm():
     specs = qwen3_specs(layers=1)
     src = StateModule(specs, fill="random", seed=1)

@@ -89,9 +89,9 @@ def _free_cached() -> None:
         torch.cuda.empty_cache()
 
 
-def _transport(one_copy: bool = True) -> Any:
+def _transport(one_copy: bool = True, ipc: str = "driver") -> Any:
     if _cuda():
-        return CudaIpcTransport(one_copy=one_copy)
+        return CudaIpcTransport(one_copy=one_copy, ipc=ipc)
     from ..transports.shm import ShmTransport
 
     return ShmTransport(one_copy=one_copy)  # a CPU smoke run: the same paths over shared memory
@@ -362,13 +362,14 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             # ":copies": captured loads record PyTorch's copies instead of the segment copy kernel
             await engine.call("capture", on=":plain" not in path, kernel=":copies" not in path)
 
-        # The default path (and its ":copies" variant) several times, interleaved; the others once.
-        again = [p for p in paths if p.replace(":copies", "") == paths[0]]
+        # The default path (and its ":copies" / ":torchipc" variants) several times, interleaved; the others once.
+        again = [p for p in paths if p.replace(":copies", "").replace(":torchipc", "") == paths[0]]
         cold_runs = [(p, i) for i in range(args.cold_repeat) for p in again]
         cold_runs += [(p, 0) for p in paths if p not in again]
         for path, rep in cold_runs:
             await receiver_graphs(path)
-            t_cold = _transport(one_copy=path_of(path) == "one_copy")
+            # ":torchipc": trainer storages shared through PyTorch's reduce/rebuild instead of the CUDA driver
+            t_cold = _transport(one_copy=path_of(path) == "one_copy", ipc="torch" if ":torchipc" in path else "driver")
             s_cold = WeightSync([engine], transport=t_cold, chunk_bytes=chunk, timeout=600, check_finite=False,
                                 engine_layout=path_of(path) != "packed")
             s_cold.version = version
@@ -732,10 +733,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "the receiver's fused tensors go as that tensor). ':plain': the receiver loads every tensor "
                     "with a call of its own each push, as vLLM does (by default it replays a repeated chunk's "
                     "copies as a captured CUDA graph); ':copies': the receiver's captured loads "
-                    "record PyTorch's copies, not one segment copy kernel (streamsync.kernels)")
+                    "record PyTorch's copies, not one segment copy kernel (streamsync.kernels); ':torchipc': "
+                    "one copy shares trainer storages through PyTorch's CUDA IPC, not the CUDA driver's "
+                    "(streamsync.transports.cuda_driver)")
     ap.add_argument("--cold-repeat", type=int, default=3, help="fresh syncs (connect, first and second push) for "
-                    "the default path and its ':copies' variant, interleaved; the table gives their medians, the log "
-                    "each (the first also meets a receiver that never loaded)")
+                    "the default path and its ':copies' / ':torchipc' variants, interleaved; the table gives their "
+                    "medians, the log each (the first also meets a receiver that never loaded)")
     ap.add_argument("--profile", type=int, default=0, help="profile this many window-4 pushes on the sender "
                     "(cProfile) and print where its host time goes")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run of this script (use --models tiny,tiny-moe)")

@@ -66,10 +66,11 @@ from ..errors import TransportError, ValidationError
 from ..log import get_logger
 from ..pack import ALIGN, Layout, TensorMeta, batched, castable, coalesce, dtype_from_name, fits, unpack
 from ..sources.base import ChunkPlan, own_addresses
+from . import cuda_driver
 from .base import Receiver, SendBuffer, Transport
 from .pool import BufferPool, PoolBuffer, captured
 from .pool import remember as _remember
-from .refs import RefReceiver, RefSender, _Compact, _Storage, storage_address  # noqa: F401 - re-export
+from .refs import RefReceiver, RefSender, _Compact, _Export, _Storage, storage_address  # noqa: F401 - re-export
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
@@ -85,6 +86,11 @@ _MAX_INT = 1 << 50
 def gpu_uuid(index: int) -> str:
     """Physical identity of a local device: the same string in every process on the host."""
     return str(torch.cuda.get_device_properties(index).uuid)
+
+
+@functools.lru_cache(maxsize=64)
+def _uuid(index: int) -> str:
+    return gpu_uuid(index)
 
 
 @functools.lru_cache(maxsize=64)
@@ -159,9 +165,12 @@ class CudaIpcTransport(RefSender, Transport):
 
     def __init__(self, device: torch.device | str | None = None, keep_pool: bool = True,
                  release: str = "event", graphs: bool = True, one_copy: bool = True,
-                 ref_bytes: int = 8 << 30) -> None:
+                 ref_bytes: int = 8 << 30, ipc: str = "driver") -> None:
         if release not in ("event", "sync"):
             raise ValidationError(f"release must be 'event' or 'sync', got {release!r}")
+        if ipc not in ("driver", "torch"):
+            raise ValidationError(f"ipc must be 'driver' or 'torch', got {ipc!r}")
+        self.ipc = ipc
         self._device = torch.device(device) if device is not None else None
         self.keep_pool = keep_pool
         self.release = release
@@ -175,6 +184,7 @@ class CudaIpcTransport(RefSender, Transport):
         # Exported release events stay alive until close: a receiver may hold one open after its buffer
         # left the pool, and an exported event must outlive its importers' use.
         self._events: list[torch.cuda.Event] = []
+        self._driver_warned = False
 
     @property
     def pool(self) -> BufferPool:
@@ -209,7 +219,22 @@ class CudaIpcTransport(RefSender, Transport):
         self.pool.begin(self.pool.size if self._persistent else max(p.nbytes for p in plans))
 
     def _ref_export(self, t: torch.Tensor) -> tuple[dict[str, Any], Any]:
-        return export_handle(_flat_storage(t)), None  # the caching allocator keeps an exported block from reuse
+        """Through the driver (`cuda_driver`: no per-share event or counter file; the storage is held while the
+        export lives), else PyTorch's sharing (its caching allocator keeps an exported block from reuse)."""
+        if self.ipc == "driver" and cuda_driver.available():
+            try:
+                return cuda_driver.export_storage(t, _uuid(t.device.index))
+            except TransportError as e:  # e.g. memory from an allocator without IPC support
+                if not self._driver_warned:
+                    self._driver_warned = True
+                    get_logger().warning("cuda_ipc: exporting through the CUDA driver failed; using PyTorch's "
+                                         "sharing", error=str(e))
+        return export_handle(_flat_storage(t)), None
+
+    def _export_alive(self, ex: _Export, addr: int) -> bool:
+        """A driver export holds its storage: it is stale once that storage no longer lies at `addr` (resized or
+        freed in place, FSDP-style), since another storage may since have been allocated there."""
+        return not isinstance(ex.keep, torch.UntypedStorage) or ex.keep.data_ptr() == addr
 
     def allocate(self, chunk: ChunkPlan, push_id: str) -> SendBuffer:
         pb = self.pool.take(chunk.nbytes)
@@ -553,6 +578,11 @@ class CudaIpcReceiver(RefReceiver, Receiver):
     def _ref_map(self, token: str, raw: dict[str, Any]) -> torch.Tensor:
         # No export event to wait on: the chunk's ready event, which every update waits for before its loads,
         # already orders these reads after the trainer's writes (it is recorded after the producer's stream).
+        if raw.get("driver") == 1:
+            gpu = raw.get("gpu")
+            if not isinstance(gpu, str) or not _UUID.match(gpu):
+                raise ValidationError(f"cuda_ipc storage {token}: gpu must be a device UUID, got {gpu!r:.80}")
+            return cuda_driver.map_storage(raw, local_index(gpu), token)
         return self._rebuild(parse_handle({"token": token, "nbytes": 0, "ipc": raw}), event=False)
 
     def _rebuild(self, h: IpcHandle, event: bool = True) -> torch.Tensor:

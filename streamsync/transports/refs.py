@@ -60,6 +60,7 @@ class _Export:
     used: int  # the push serial that last referenced it
     sent: bool = False  # the engine got the export data (a later reference sends the token only)
     keep: Any = None  # what the transport holds while the export lives (shm: the storage and a dup of its fd)
+    checked: int = -1  # the push serial that last found it alive (`_export_alive`)
 
 
 @dataclass
@@ -114,6 +115,11 @@ class RefSender:
         export lives)."""
         raise NotImplementedError
 
+    def _export_alive(self, ex: _Export, addr: int) -> bool:
+        """Whether export `ex`, made for the storage at `addr`, still names what lies there (checked once per
+        push per export before it is used again)."""
+        return True
+
     @property
     def ref_chunk_bytes(self) -> int | None:
         """The per-chunk budget of referenced bytes (`plan_chunks`), None when nothing goes by reference or
@@ -166,7 +172,7 @@ class RefSender:
                 if not all(self._exports.get((engine, a)) is ex for a, ex in rs.exports):
                     return False
                 rs.gen = self._export_gen
-            return True
+            return all(self._valid(engine, a, ex) for a, ex in rs.exports)
 
         fast = self._refs_fast.get((engine, plan.layout_key))
         if fast is not None and fast[0] is tensors and alive(fast[1]):  # a source's cached views: same addresses
@@ -175,13 +181,28 @@ class RefSender:
         rs = self._refsets.get(key)
         return (rs if alive(rs) else None), key
 
+    def _valid(self, engine: int, addr: int, ex: _Export) -> bool:
+        """`ex` is still the export of the storage at `addr`; a stale one is dropped (a new one is made)."""
+        if ex.checked == self._push_serial:
+            return True
+        if not self._export_alive(ex, addr):
+            if self._exports.get((engine, addr)) is ex:
+                del self._exports[(engine, addr)]
+                self._export_gen += 1
+            return False
+        ex.checked = self._push_serial
+        return True
+
     def _export(self, engine: int, addr: int, t: torch.Tensor) -> _Export:
         """The export of the storage at `addr` (which `t` lies on) to `engine`, made if there is none."""
         ex = self._exports.get((engine, addr))
+        if ex is not None and not self._valid(engine, addr, ex):
+            ex = None
         if ex is None:
             t0 = time.perf_counter()
             data, keep = self._ref_export(t)
-            ex = self._exports[(engine, addr)] = _Export(secrets.token_hex(8), data, self._push_serial, keep=keep)
+            ex = self._exports[(engine, addr)] = _Export(secrets.token_hex(8), data, self._push_serial, keep=keep,
+                                                         checked=self._push_serial)
             self.ref_stats["exports"] += 1
             self.ref_stats["export_ms"] += (time.perf_counter() - t0) * 1e3
         return ex
@@ -202,7 +223,8 @@ class RefSender:
             for i in compact.refs:
                 t = tensors[i]
                 addr = storage_address(t)
-                if (engine, addr) not in self._exports:
+                ex = self._exports.get((engine, addr))
+                if ex is None or not self._valid(engine, addr, ex):
                     self._export(engine, addr, t)
                     if time.perf_counter() - t_last > slice_s:
                         await anyio.sleep(0)
