@@ -412,17 +412,20 @@ async def test_one_copy_sends_views_by_reference_packs_the_rest_and_the_trainer_
         await sync.close()
 
 
+@pytest.mark.parametrize("ipc", ["driver", "torch"])
 @gpu
-async def test_one_copy_never_reads_a_replaced_or_resized_storage(tmp_path):
+async def test_one_copy_never_reads_a_replaced_or_resized_storage(tmp_path, ipc):
     # Between pushes the trainer replaces some parameters' storages (param.data = ...), frees others'
     # (resize to 0, FSDP-style, then new memory); the old addresses must never be read, nor kept mapped.
+    # Storages shared through the CUDA driver (the default) or PyTorch's IPC.
     specs = qwen3_specs(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
     model = StateModule(specs, fill="random", seed=12, device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        transport = CudaIpcTransport(ref_bytes=CHUNK)
+        transport = CudaIpcTransport(ref_bytes=CHUNK, ipc=ipc)
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK)
         await sync.push(model)
+        assert all((ex.ipc.get("driver") == 1) == (ipc == "driver") for ex in transport._exports.values())
         params = list(model.parameters())
         n_storages = len(transport._exports)
         for step in range(3):
