@@ -153,6 +153,13 @@ def test_malformed_driver_exports_are_refused_before_the_driver_is_asked(field, 
         cuda_driver.map_storage({**_DRIVER_EXPORT, field: value}, 0, "ab12cd34")
 
 
+def test_a_driver_handle_keeps_all_64_bytes_nuls_included():
+    from streamsync.transports.cuda_driver import _IpcHandle
+
+    raw = bytes([0, 7, 0, 255]) * 16
+    assert bytes(_IpcHandle.from_buffer_copy(raw)) == raw
+
+
 def test_the_ipc_mechanism_is_checked():
     with pytest.raises(ValidationError, match="ipc must be"):
         CudaIpcTransport(ipc="nccl")

@@ -31,7 +31,7 @@ _LAZY_ENABLE_PEER_ACCESS = 1
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * _HANDLE_BYTES)]
+    _fields_ = [("reserved", ctypes.c_ubyte * _HANDLE_BYTES)]
 
 
 @functools.cache
@@ -82,7 +82,7 @@ def export_storage(t: torch.Tensor, gpu: str) -> tuple[dict[str, Any], torch.Unt
         base, alloc = _range(ptr)
         handle = _IpcHandle()
         _check(_driver().cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
-    return {"driver": 1, "gpu": gpu, "handle": base64.b64encode(handle.reserved).decode(), "offset": ptr - base,
+    return {"driver": 1, "gpu": gpu, "handle": base64.b64encode(bytes(handle)).decode(), "offset": ptr - base,
             "size": st.nbytes(), "alloc": alloc}, st
 
 
@@ -136,8 +136,7 @@ def map_storage(raw: dict[str, Any], device: int, token: str) -> torch.Tensor:
         alloc = ref() if ref is not None else None
         if alloc is None:
             ptr = ctypes.c_uint64()
-            h = _IpcHandle()
-            h.reserved = key
+            h = _IpcHandle.from_buffer_copy(key)  # all 64 bytes (the field's own getter stops at a NUL)
             _check(_driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS),
                    f"cuIpcOpenMemHandle of storage {token}")
             base, mapped = _range(ptr.value)
