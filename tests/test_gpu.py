@@ -456,6 +456,36 @@ async def test_one_copy_never_reads_a_replaced_or_resized_storage(tmp_path, ipc)
 
 
 @gpu
+async def test_one_copy_never_reads_freed_memory_behind_a_storage_resized_back_to_its_address(tmp_path):
+    # FSDP-style offload with the cache emptied: a parameter's own storage is resized to nothing, the allocator
+    # gives its segment back to the driver, and the storage is resized back; the new memory can land at the old
+    # address. The driver export of the old allocation must not be used (the receiver would read freed memory).
+    specs = qwen3_specs(vocab=4096, hidden=512, layers=2, heads=8, kv_heads=2, head_dim=64, intermediate=2048)
+    model = StateModule(specs, fill="random", seed=14, device="cuda")
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
+        engine = rp.engine()
+        transport = CudaIpcTransport(ref_bytes=CHUNK * 8)
+        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK * 8)
+        await sync.push(model)
+        big = [p for p in model.parameters() if p.numel() * p.element_size() >= (2 << 20)]
+        assert big
+        for step in range(3):
+            same = 0
+            with torch.no_grad():
+                for p in big:
+                    saved, addr = p.detach().clone(), p.data_ptr()
+                    p.untyped_storage().resize_(0)
+                    torch.cuda.empty_cache()
+                    p.untyped_storage().resize_(saved.numel() * saved.element_size())
+                    p.copy_(saved + 1)
+                    same += p.data_ptr() == addr
+            _perturb(model, 60 + step)
+            await sync.push(model)
+            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), (step, same)
+        await sync.close()
+
+
+@gpu
 async def test_one_copy_push_returns_after_the_receiver_copied_so_the_trainer_may_write_at_once(tmp_path):
     # The receiver's GPU is slow (queued work before every copy); the trainer changes every weight right
     # after each push returns. The receiver must hold what was pushed, not what came after.

@@ -20,6 +20,7 @@ import ctypes
 import functools
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,8 +48,9 @@ def _driver() -> Any:
     lib.cuIpcCloseMemHandle.argtypes = [ptr]
     lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ptr), ctypes.POINTER(size), ptr]
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ptr]
     for f in (lib.cuIpcGetMemHandle, lib.cuIpcOpenMemHandle_v2, lib.cuIpcCloseMemHandle,
-              lib.cuMemGetAddressRange_v2, lib.cuGetErrorName):
+              lib.cuMemGetAddressRange_v2, lib.cuGetErrorName, lib.cuPointerGetAttribute):
         f.restype = ctypes.c_int
     return lib
 
@@ -71,9 +73,28 @@ def _range(ptr: int) -> tuple[int, int]:
     return base.value, size.value
 
 
-def export_storage(t: torch.Tensor, gpu: str) -> tuple[dict[str, Any], torch.UntypedStorage]:
-    """The export data of the storage `t` lies on (plain data), and the storage, which the caller holds for as
-    long as the export lives (the memory must not go back to the allocator while a receiver may map it)."""
+_BUFFER_ID = 7  # CU_POINTER_ATTRIBUTE_BUFFER_ID: unique per allocation within the process
+
+
+def buffer_id(ptr: int) -> int:
+    """The driver's id of the allocation holding `ptr`: a new allocation at a reused address gets a new one."""
+    out = ctypes.c_uint64()
+    _check(_driver().cuPointerGetAttribute(ctypes.byref(out), _BUFFER_ID, ptr), "cuPointerGetAttribute")
+    return out.value
+
+
+@dataclass
+class Held:
+    """What the sender holds while a driver export lives: the storage (so its memory stays allocated) and the
+    id of the allocation the export names."""
+
+    storage: torch.UntypedStorage
+    buffer: int
+
+
+def export_storage(t: torch.Tensor, gpu: str) -> tuple[dict[str, Any], Held]:
+    """The export data of the storage `t` lies on (plain data), and what the caller holds for as long as the
+    export lives (the memory must not go back to the allocator while a receiver may map it)."""
     if _driver() is None:
         raise TransportError("libcuda.so.1 is not loadable here")
     st = t.untyped_storage()
@@ -82,8 +103,9 @@ def export_storage(t: torch.Tensor, gpu: str) -> tuple[dict[str, Any], torch.Unt
         base, alloc = _range(ptr)
         handle = _IpcHandle()
         _check(_driver().cuIpcGetMemHandle(ctypes.byref(handle), base), "cuIpcGetMemHandle")
+        held = Held(st, buffer_id(ptr))
     return {"driver": 1, "gpu": gpu, "handle": base64.b64encode(bytes(handle)).decode(), "offset": ptr - base,
-            "size": st.nbytes(), "alloc": alloc}, st
+            "size": st.nbytes(), "alloc": alloc}, held
 
 
 class _Allocation:

@@ -93,6 +93,14 @@ def _uuid(index: int) -> str:
     return gpu_uuid(index)
 
 
+def _segments_freed(device: torch.device) -> int:
+    """How many segments the caching allocator has given back to the driver on `device` (cumulative)."""
+    try:  # the raw nested stats: `torch.cuda.memory_stats` flattens ~100 keys in Python first
+        return int(torch._C._cuda_memoryStats(device.index)["segment"]["all"]["freed"])
+    except Exception:
+        return int(torch.cuda.memory_stats(device).get("segment.all.freed", 0))
+
+
 @functools.lru_cache(maxsize=64)
 def local_index(uuid: str) -> int:
     """This process's index of the GPU with `uuid`."""
@@ -185,6 +193,8 @@ class CudaIpcTransport(RefSender, Transport):
         # left the pool, and an exported event must outlive its importers' use.
         self._events: list[torch.cuda.Event] = []
         self._driver_warned = False
+        self._freed_seen = -1  # the allocator's count of segments freed, at the last push start
+        self._segments_freed = True
 
     @property
     def pool(self) -> BufferPool:
@@ -212,6 +222,11 @@ class CudaIpcTransport(RefSender, Transport):
 
     def begin_push(self, plans: Sequence[ChunkPlan], push_id: str) -> None:
         torch.cuda.ipc_collect()  # free buffers dropped earlier whose receivers have let go since
+        # Segments the caching allocator gave back to the driver since the last push: only then can an address a
+        # driver export names hold a new allocation (`_export_alive` then compares allocation ids).
+        freed = _segments_freed(self.pool.device)
+        self._segments_freed = freed != self._freed_seen
+        self._freed_seen = freed
         self._push_serial += 1
         self._push_ok = False
         # With references a chunk's buffer holds only its packed part: buffers grow to what chunks need
@@ -233,8 +248,16 @@ class CudaIpcTransport(RefSender, Transport):
 
     def _export_alive(self, ex: _Export, addr: int) -> bool:
         """A driver export holds its storage: it is stale once that storage no longer lies at `addr` (resized or
-        freed in place, FSDP-style), since another storage may since have been allocated there."""
-        return not isinstance(ex.keep, torch.UntypedStorage) or ex.keep.data_ptr() == addr
+        freed in place, FSDP-style), since another storage may since have been allocated there; or, after the
+        allocator gave segments back to the driver since the last push, once the allocation at `addr` is another
+        (resized to nothing, the cache emptied, resized back: same storage, same address, new memory). PyTorch's
+        sharing kept such blocks in limbo instead."""
+        held = ex.keep
+        if not isinstance(held, cuda_driver.Held):
+            return True
+        if held.storage.data_ptr() != addr:
+            return False
+        return not self._segments_freed or cuda_driver.buffer_id(addr) == held.buffer
 
     def allocate(self, chunk: ChunkPlan, push_id: str) -> SendBuffer:
         pb = self.pool.take(chunk.nbytes)
