@@ -134,7 +134,7 @@ class _Span:
                                          "strides": None, "version": 3}
 
 
-_open: dict[bytes, weakref.ReferenceType[_Allocation]] = {}  # handle -> its opened allocation, while alive
+_open: weakref.WeakValueDictionary[bytes, _Allocation] = weakref.WeakValueDictionary()  # handle -> open allocation
 _lock = threading.Lock()
 
 
@@ -154,8 +154,7 @@ def map_storage(raw: dict[str, Any], device: int, token: str) -> torch.Tensor:
     if _driver() is None:
         raise TransportError("libcuda.so.1 is not loadable here")
     with _lock, torch.cuda.device(device):
-        ref = _open.get(key)
-        alloc = ref() if ref is not None else None
+        alloc = _open.get(key)
         if alloc is None:
             ptr = ctypes.c_uint64()
             h = _IpcHandle.from_buffer_copy(key)  # all 64 bytes (the field's own getter stops at a NUL)
@@ -163,7 +162,7 @@ def map_storage(raw: dict[str, Any], device: int, token: str) -> torch.Tensor:
                    f"cuIpcOpenMemHandle of storage {token}")
             base, mapped = _range(ptr.value)
             alloc = _Allocation(key, ptr.value, mapped - (ptr.value - base), device)
-            _open[key] = weakref.ref(alloc)
+            _open[key] = alloc
         if offset + size > alloc.size:
             raise ValidationError(f"cuda_ipc storage {token} [{offset}, +{size}) exceeds the {alloc.size}-byte "
                                   "allocation its handle maps")

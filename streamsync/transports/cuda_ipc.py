@@ -83,14 +83,10 @@ _REF_COUNTER = re.compile(rb"^/torch_-?[0-9]{1,20}_-?[0-9]{1,20}_-?[0-9]{1,20}$"
 _MAX_INT = 1 << 50
 
 
+@functools.lru_cache(maxsize=64)
 def gpu_uuid(index: int) -> str:
     """Physical identity of a local device: the same string in every process on the host."""
     return str(torch.cuda.get_device_properties(index).uuid)
-
-
-@functools.lru_cache(maxsize=64)
-def _uuid(index: int) -> str:
-    return gpu_uuid(index)
 
 
 def _segments_freed(device: torch.device) -> int:
@@ -238,7 +234,7 @@ class CudaIpcTransport(RefSender, Transport):
         export lives), else PyTorch's sharing (its caching allocator keeps an exported block from reuse)."""
         if self.ipc == "driver" and cuda_driver.available():
             try:
-                return cuda_driver.export_storage(t, _uuid(t.device.index))
+                return cuda_driver.export_storage(t, gpu_uuid(t.device.index))
             except TransportError as e:  # e.g. memory from an allocator without IPC support
                 if not self._driver_warned:
                     self._driver_warned = True
