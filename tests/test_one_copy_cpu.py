@@ -90,6 +90,21 @@ async def test_a_push_by_reference_is_bit_exact_and_a_second_one_sends_only_ids(
     await sync.close()
 
 
+async def test_the_trainer_may_change_its_weights_as_soon_as_a_push_returns(rx):
+    # The receiver reads the trainer's own memory; a push returns only once it copied every reference into
+    # its parameters, so an optimizer step right after cannot reach the engine.
+    model = StateModule(SPECS, fill="random", seed=24)
+    engine = rx.engine()
+    sync = WeightSync([engine], transport=ShmTransport(one_copy=True, ref_bytes=CHUNK), chunk_bytes=CHUNK)
+    for step in range(2):
+        await sync.push(model)
+        pushed = digests((k, t.clone()) for k, t in model.state_dict().items())
+        perturb_(model, 30 + step)  # in place, into the very storages the receiver maps
+        assert await engine.checksums() == pushed, step
+        assert pushed != digests((k, t.clone()) for k, t in model.state_dict().items())
+    await sync.close()
+
+
 async def test_parameters_in_one_flat_buffer_are_one_export_for_every_chunk(rx):
     # What Megatron's DDP does with the distributed optimizer (and FSDP with flat parameters): every parameter
     # is a view of one contiguous buffer. The buffer is exported and mapped once, whatever the chunking.
