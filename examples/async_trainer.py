@@ -15,8 +15,8 @@ import torch
 
 from streamsync import WeightSync
 from streamsync.checksum import digests
-from streamsync.testing.models import StateModule, qwen3_specs, save_specs
-from streamsync.testing.receiver import ReceiverProcess
+from streamsync.models.synthetic import StateModule, qwen3_specs, save_specs
+from streamsync.receiver.process import ReceiverProcess
 
 
 async def train_step(model: torch.nn.Module, step: int) -> None:

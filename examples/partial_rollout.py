@@ -13,7 +13,7 @@ import torch
 
 from streamsync import WeightSync
 from streamsync.engines.vllm import AsyncVllmEngine, engine_kwargs
-from streamsync.testing.tiny import make_tiny_qwen3
+from streamsync.models.tiny import make_tiny_qwen3
 
 
 async def main() -> None:

@@ -21,8 +21,8 @@ import torch
 from streamsync import WeightSync
 from streamsync.engines.ray import RayVllmEngine, StreamsyncEngineMixin
 from streamsync.engines.vllm import engine_kwargs
-from streamsync.testing.models import perturb_
-from streamsync.testing.tiny import TINY_QWEN3, make_tiny_qwen3
+from streamsync.models.synthetic import perturb_
+from streamsync.models.tiny import TINY_QWEN3, make_tiny_qwen3
 from streamsync.testing.vllm import ENGINE_ARGS, trainer_from
 from streamsync.verify import load_reference, long_prompt, verify_outputs
 from streamsync.vllm.extension import expected_digests

@@ -20,8 +20,8 @@ import torch
 
 from streamsync import WeightSync
 from streamsync.engines.vllm import AsyncVllmEngine, engine_kwargs
+from streamsync.models.tiny import make_tiny_qwen3
 from streamsync.rollout import Sample, StreamingRollout
-from streamsync.testing.tiny import make_tiny_qwen3
 from streamsync.testing.vllm import ENGINE_ARGS, cpu_env
 
 
@@ -50,7 +50,7 @@ async def main(updates: int, batch: int, mode: str) -> None:
 
     model_dir = str(make_tiny_qwen3(tie_word_embeddings=True))
     tok = AutoTokenizer.from_pretrained(model_dir)
-    from streamsync.testing.tiny import WORDS
+    from streamsync.models.tiny import WORDS
 
     target = {tok.convert_tokens_to_ids(w) for w in WORDS}
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE_ARGS, **engine_kwargs()))

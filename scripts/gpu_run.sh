@@ -79,24 +79,25 @@ run_step() {
 rc=0
 if [ "${TESTS:-1}" != 0 ]; then
   run_step "GPU tests" "${TESTS_LIMIT:-420}" "$OUT/gpu-tests.log" \
-    python3 -m pytest -p no:cacheprovider -q -rA --timeout 150 ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu.py
+    python3 -m pytest -p no:cacheprovider -q -rA --timeout 150 -m gpu ${TESTS_K:+-k "$TESTS_K"} tests/test_cuda_ipc.py tests/test_collective_gpu.py \
+      tests/test_kernels.py tests/test_engine_layout.py tests/test_megatron.py
   rc=$((rc | $?))
 fi
 if [ "$BENCH" != 0 ]; then
   mkdir -p "$OUT/trace"
   # shellcheck disable=SC2086
   run_step "one-GPU benchmark" "${BENCH_LIMIT:-360}" "$OUT/bench.log" \
-    python3 -m streamsync.bench.cuda --json "$OUT/h200.json" --trace-dir "$OUT/trace" ${BENCH_ARGS:-}
+    python -m benchmarks.cuda --json "$OUT/h200.json" --trace-dir "$OUT/trace" ${BENCH_ARGS:-}
   rc=$((rc | $?))
 fi
 if [ "$BENCH2" != 0 ]; then
   # shellcheck disable=SC2086
   run_step "two-GPU benchmark" "${BENCH2_LIMIT:-480}" "$OUT/bench-2gpu.log" \
-    python3 -m streamsync.bench.two_gpu --json "$OUT/h200x2.json" --trace "$OUT/trace-remote-w4.json" ${BENCH2_ARGS:-}
+    python -m benchmarks.two_gpu --json "$OUT/h200x2.json" --trace "$OUT/trace-remote-w4.json" ${BENCH2_ARGS:-}
   rc=$((rc | $?))
   [ -f "$OUT/h200x2.json" ] && python3 -c "
 import json, sys
-from streamsync.bench.two_gpu import table
+from benchmarks.two_gpu import table
 print(table(json.load(open(sys.argv[1]))['rows']))" "$OUT/h200x2.json"
 fi
 exit $rc

@@ -9,7 +9,8 @@ From synchronous code: `BlockingWeightSync` (same arguments, blocking methods, o
 
 from .blocking import BlockingWeightSync
 from .errors import EngineError, PushError, StreamSyncError, TransportError, ValidationError
-from .sync import ChunkDone, PushReport, WeightSync
+from .report import ChunkDone, PushReport
+from .sync import WeightSync
 
 __all__ = ["BlockingWeightSync", "ChunkDone", "EngineError", "PushError", "PushReport", "StreamSyncError",
            "TransportError", "ValidationError", "WeightSync"]

@@ -31,7 +31,8 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .engines.base import Engine
 from .errors import StreamSyncError
-from .sync import PushReport, WeightSync
+from .report import PushReport
+from .sync import WeightSync
 from .transports.base import Transport
 
 T = TypeVar("T")

@@ -41,7 +41,8 @@ from anyio.abc import TaskGroup
 from .engines.base import Engine
 from .errors import EngineError, StreamSyncError, ValidationError
 from .log import get_logger
-from .sync import PushReport, WeightSync
+from .report import PushReport
+from .sync import WeightSync
 
 
 @dataclass(frozen=True)

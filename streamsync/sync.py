@@ -11,111 +11,30 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from . import pipeline
-from .chunking import split_layers
 from .engines.base import Engine
 from .errors import EngineError, PushError, PushTimeout, StreamSyncError, ValidationError
 from .log import get_logger
 from .metrics import DEFAULT as DEFAULT_METRICS
 from .metrics import Metrics
 from .pack import dtype_name, fusions_from_json
+from .pipeline.stages import first_push_error
+from .plan.check import nonfinite, vocab_hint
+from .plan.chunk import ChunkPlan
+from .plan.chunking import split_layers
+from .report import ChunkDone, GiB, MiB, PushReport
 from .sources import Source, as_source
-from .sources.base import ChunkPlan
 from .trace import Trace, watching_gc
 from .transports.base import Transport, transport_class
 
 if TYPE_CHECKING:
     from .trace.viewer import LiveViewer
-
-MiB = 1 << 20
-GiB = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkDone:
-    """What `on_chunk` receives once a chunk was acknowledged by every engine and its buffer freed."""
-
-    push_id: str
-    version: int
-    chunk: int
-    chunks: int
-    bytes: int
-    tensors: int
-
-
-@dataclass
-class PushReport:
-    """What one push did. `stage_seconds` is each stage's busy time (sum of its spans)."""
-
-    push_id: str
-    version: int
-    seconds: float
-    bytes: int
-    chunks: int
-    stage_seconds: dict[str, float]
-    peak_bytes_inflight: int
-    max_chunks_alive: int
-    collectives: int
-    engines: list[str]
-    #: engine -> whether its prefix cache was reset after the round (absent when `reset_prefix_cache=False`)
-    cache_reset: dict[str, bool] = field(default_factory=dict)
-    #: milliseconds the interpreter spent in garbage collections during the push (any thread's)
-    gc_ms: float = 0.0
-    trace_path: str | None = None
-    trace: Trace | None = field(default=None, repr=False)
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
-
-    def summary(self) -> str:
-        busy = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.stage_seconds.items())
-        return (f"push {self.push_id} v{self.version}: {self.bytes / MiB:.1f} MiB in {self.chunks} chunks, "
-                f"{self.seconds * 1e3:.0f} ms ({self.gbps:.2f} GB/s) to {len(self.engines)} engine(s); "
-                f"busy: {busy}; peak in flight {self.peak_bytes_inflight / MiB:.1f} MiB"
-                + (f"; garbage collection {self.gc_ms:.0f} ms" if self.gc_ms >= 1 else "")
-                + (f"; trace {self.trace_path}" if self.trace_path else ""))
-
-
-def nonfinite(tensors: Sequence[tuple[str, Any]]) -> list[str]:
-    """Names of the floating tensors holding NaN or inf, with one host sync.
-
-    One L1 norm per tensor: NaN and inf propagate through it, and a norm of finite weights overflowing would
-    need weights near 1e29. `torch._foreach_norm` computes a whole group (one device and dtype) in a few
-    fused launches: per-tensor reductions were launch-bound (80 ms for the 4,719 tensors of an MoE shape on
-    an H200). No tensor-sized temporaries, unlike `isfinite(t).all()`.
-    """
-    import torch
-
-    named = [(n, t) for n, t in tensors if t.is_floating_point() and t.numel()]
-    if not named:
-        return []
-    groups: dict[tuple[Any, Any], list[int]] = {}
-    for i, (_, t) in enumerate(named):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    norms: list[Any] = [None] * len(named)
-    for (_, dtype), idx in groups.items():
-        ts = [named[i][1] for i in idx]
-        try:
-            if torch.finfo(dtype).bits < 16:
-                raise TypeError("no foreach kernels for 8-bit floats")
-            out = torch._foreach_norm(ts, 1)
-        except (RuntimeError, TypeError):
-            out = [t.float().abs().sum() for t in ts]
-        for i, n in zip(idx, out, strict=True):
-            norms[i] = n.float()
-    device = norms[0].device
-    flags = torch.stack([n.to(device) for n in norms]).isfinite().tolist()
-    return [n for (n, _), ok in zip(named, flags, strict=True) if not ok]
 
 
 class WeightSync:
@@ -212,7 +131,7 @@ class WeightSync:
         self.engine_layout = engine_layout
         self.check_finite = check_finite
         self._plan_cache: tuple[tuple[int | None, ...], object, Source, list[ChunkPlan]] | None = None
-        self._checked: dict[int, tuple[ChunkPlan, Sequence[Any]]] = {}  # see pipeline._convert
+        self._checked: dict[int, tuple[ChunkPlan, Sequence[Any]]] = {}  # see pipeline.stages._convert
         self._hold_cache: tuple[list[ChunkPlan], dict[int, list[str]]] | None = None
         #: the last version pushed (or found on the engines at connect); versions only move forward
         self.version = 0
@@ -298,7 +217,7 @@ class WeightSync:
                 "streamsync.BlockingWeightSync from synchronous code")
 
     def _connect_error(self, exc: BaseException) -> BaseException:
-        leaf = pipeline._first_push_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+        leaf = first_push_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
         if isinstance(leaf, StreamSyncError) or not isinstance(leaf, Exception):
             return leaf  # EngineError names the engine; cancellation stays cancellation
         names = ",".join(e.name for e in self.engines)
@@ -318,7 +237,7 @@ class WeightSync:
         """The transport `transport=` names; for "auto", by placement: engines on this host get shared memory
         (CPU) or CUDA IPC (GPU), engines elsewhere (`Engine.remote`) the collective transport, rendezvous on
         the address they give (`Engine.rendezvous_addr`); both kinds at once get a `MixedTransport`."""
-        from .transports.collective import CollectiveTransport
+        from .transports.collective.sender import CollectiveTransport
         from .transports.mixed import MixedTransport
 
         addr = next((e.rendezvous_addr for e in self.engines if e.rendezvous_addr), None)
@@ -436,7 +355,7 @@ class WeightSync:
             if problems:
                 more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
                 raise ValidationError(f"model does not match engine {engine!r}: " + "; ".join(problems[:5]) + more
-                                      + _vocab_hint(plans, expected))
+                                      + vocab_hint(plans, expected))
 
     def _next_version(self, version: object) -> int:
         """The version a push will claim: given, or the previous + 1. Versions are non-negative integers
@@ -639,7 +558,7 @@ class WeightSync:
                 tg.start_soon(start)
                 await pipeline.run(job)
         except BaseExceptionGroup as eg:
-            raise pipeline._first_push_error(eg) from None
+            raise first_push_error(eg) from None
 
     async def _reset_caches(self, log: Any) -> dict[str, bool]:
         """Reset every engine's prefix cache after a finished round. The new version is already in place, so
@@ -713,7 +632,7 @@ class WeightSync:
                 for e in self.engines if engines is None else engines:
                     tg.start_soon(one, e)
         except BaseExceptionGroup as eg:
-            raise pipeline._first_push_error(eg) from None
+            raise first_push_error(eg) from None
 
     def _write_trace(self, trace: Trace) -> str | None:
         if self.trace_dir is None:
@@ -760,8 +679,6 @@ class WeightSync:
                                         engines=[e for e in self.engines if e.name not in keep])
 
 
-
-
 def _call_hook(hook: Callable[[Any], object], arg: object, log: Any, name: str) -> None:
     try:
         hook(arg)
@@ -798,24 +715,6 @@ def _quiet(log: Any) -> Any:
     from .log import quiet_logger
 
     return quiet_logger()
-
-
-_VOCAB_NAMES = ("embed_tokens.weight", "lm_head.weight")
-
-
-def _vocab_hint(plans: Sequence[ChunkPlan], expected: dict[str, tuple[str, tuple[int, ...]]]) -> str:
-    """Megatron pads its vocabulary (to a multiple of `make_vocab_size_divisible_by` x TP): when only
-    the row count of an embedding or lm_head differs, say which option drops the padding rows."""
-    for p in plans:
-        for s in p.specs:
-            exp = expected.get(s.name)
-            shape = s.full_shape
-            if (s.name.endswith(_VOCAB_NAMES) and exp is not None and len(exp[1]) == 2 and len(shape) == 2
-                    and exp[1][1] == shape[1] and exp[1][0] != shape[0]):
-                return (f". {s.name} has {shape[0]} rows, the engine {exp[1][0]}: a Megatron model pads its "
-                        "vocabulary; pass WeightSync(..., source_options={'hf_config': <the served model's config>})"
-                        f" (or {{'vocab_size': {exp[1][0]}}}) so the padding rows are dropped")
-    return ""
 
 
 @dataclass

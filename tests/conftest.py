@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamsync.testing.models import StateModule, mixed_specs, qwen3_specs, save_specs
+from streamsync.models.synthetic import StateModule, mixed_specs, qwen3_specs, save_specs
 from streamsync.testing.receiver import ReceiverProcess
 
 
@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
-    from streamsync.testing.tiny import make_tiny_qwen3
+    from streamsync.models.tiny import make_tiny_qwen3
 
     return str(make_tiny_qwen3(tmp_path_factory.mktemp("cache")))
 
@@ -121,3 +121,9 @@ def server(model_dir, tmp_path_factory):
     with VllmServer(model_dir, log=tmp_path_factory.mktemp("serve") / "vllm-serve.log") as s:
         yield s
 
+
+@pytest.fixture
+def cuda_mixed(tmp_path):
+    model = StateModule(mixed_specs(), fill="random", seed=7, device="cuda")
+    with ReceiverProcess(str(save_specs(mixed_specs(), tmp_path / "m.json")), device="cuda", name="rx-cuda") as rp:
+        yield model, rp

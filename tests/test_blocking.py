@@ -9,7 +9,7 @@ import pytest
 
 from streamsync import BlockingWeightSync, StreamSyncError, WeightSync
 from streamsync.checksum import digests
-from streamsync.testing.models import StateModule, perturb_
+from streamsync.models.synthetic import StateModule, perturb_
 
 
 def test_five_pushes_in_a_plain_loop(receiver, mixed_model):

@@ -6,9 +6,9 @@ import itertools
 
 import torch
 
-from streamsync.chunking import Item, plan_chunks
+from streamsync.models.synthetic import StateModule, qwen3_specs
+from streamsync.plan.chunking import Item, plan_chunks
 from streamsync.sources import ModuleSource
-from streamsync.testing.models import StateModule, qwen3_specs
 
 
 def _plan(budget: int, **shape):
@@ -63,7 +63,7 @@ def test_tied_weights_are_sent_once():
 
 
 def test_layers_split_across_chunks_are_marked_for_receivers_that_buffer_layers():
-    from streamsync.chunking import split_layers
+    from streamsync.plan.chunking import split_layers
 
     chunks = [["model.embed_tokens.weight", "model.layers.0.a"], ["model.layers.0.b", "model.layers.1.a"],
               ["model.layers.1.b", "model.layers.1.c", "model.norm.weight"]]

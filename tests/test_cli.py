@@ -20,9 +20,9 @@ from streamsync.trace.viewer import make_app, summary
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path, module: str = "streamsync") -> subprocess.CompletedProcess:
     # PYTHONPATH: the tree under test, not whichever streamsync the interpreter has installed
-    return subprocess.run([sys.executable, "-m", "streamsync", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300,
                           env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
 
@@ -30,7 +30,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_bench_prints_both_windows_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    r = _cli("bench", "--layers", "4", "--repeat", "1", "--json", str(out), cwd=ROOT)
+    r = _cli("--layers", "4", "--repeat", "1", "--json", str(out), cwd=ROOT, module="benchmarks")
     assert r.returncode == 0, r.stderr
     assert "window 4 vs 1" in r.stdout
     data = json.loads(out.read_text())
@@ -51,6 +51,12 @@ def test_run_a_pipeline_spec(tmp_path):
     reports = json.loads((tmp_path / "reports.json").read_text())
     assert [rep["version"] for rep in reports] == [1, 2, 3]
     assert {rep["max_chunks_alive"] for rep in reports} == {1}
+
+
+def test_streamsync_bench_says_where_the_benchmarks_are(tmp_path):
+    r = _cli("bench", "--json", "x.json", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "python -m benchmarks --json x.json" in r.stderr and "repository root" in r.stderr
 
 
 def test_version_and_python_dash_m(tmp_path):

@@ -14,9 +14,9 @@ from streamsync import PushError, WeightSync
 from streamsync.checksum import digests
 from streamsync.engines.base import Engine
 from streamsync.errors import TransportError, ValidationError
+from streamsync.models.synthetic import StateModule, perturb_
 from streamsync.testing import faults
 from streamsync.testing.faults import Rig
-from streamsync.testing.models import StateModule, perturb_
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.transports.collective import CollectiveReceiver, CollectiveTransport
 
@@ -125,7 +125,7 @@ def test_a_handle_whose_size_disagrees_with_its_layout_is_refused_before_the_rec
 
 
 # ------------------------------------------------------------------------------- never hang (issue 10)
-# The same scenarios run on NCCL between two GPUs in tests/test_gpu.py.
+# The same scenarios run on NCCL between two GPUs in tests/test_collective_gpu.py.
 
 GROUP_TIMEOUT = 3.0
 CLOSE_BOUND = 10.0

@@ -1,6 +1,6 @@
 """The collective transport's direct protocol over gloo on CPU: one broadcast per tensor, from the trainer's
 tensors where they can be sent as they are, into the receiver's parameters where its loader names them
-(`destinations`). Real process groups and receiver processes; the same code runs NCCL (tests/test_gpu.py)."""
+(`destinations`). Real process groups and receiver processes; the same code runs NCCL (tests/test_collective_gpu.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from streamsync import PushError, WeightSync
 from streamsync.checksum import digests
 from streamsync.engines.base import Engine
 from streamsync.errors import ValidationError
+from streamsync.models.synthetic import StateModule, mixed_specs, perturb_, qwen3_specs, save_specs
 from streamsync.pack import Layout, TensorSpec, plan_layout
 from streamsync.receiver import ModuleLoader, WeightReceiver
 from streamsync.sources.module import ModuleSource
 from streamsync.testing import faults
 from streamsync.testing.faults import Rig
 from streamsync.testing.fused import FusedModel
-from streamsync.testing.models import StateModule, mixed_specs, perturb_, qwen3_specs, save_specs
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.transports.collective import CollectiveReceiver, CollectiveTransport
 

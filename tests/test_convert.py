@@ -11,7 +11,7 @@ from streamsync.checksum import digests
 from streamsync.convert import Dims, canonical_arch, detect_arch, get_converter
 from streamsync.convert.mappings import COLUMN, GATED, QKV, ROW, GatedMLP, Vocab, tp_merge, tp_split
 from streamsync.errors import ValidationError
-from streamsync.testing.megatron import TinyModel
+from streamsync.models.megatron import TinyModel
 
 MODELS = {
     "qwen3": TinyModel("qwen3", vocab=101),

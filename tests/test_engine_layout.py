@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from streamsync import WeightSync
-from streamsync.checksum import digests
+from streamsync.checksum import device_digests, digests
+from streamsync.models.megatron import TinyModel
+from streamsync.models.synthetic import StateModule, perturb_, qwen3_specs, save_specs
 from streamsync.pack import Fusion, Layout, TensorSpec, fuse_layout, fusions_from_json, plan_layout
-from streamsync.testing.megatron import TinyModel
-from streamsync.testing.models import StateModule, perturb_, save_specs
+from streamsync.testing.fused import FusedModel
 from streamsync.testing.receiver import ReceiverProcess
 
 MOE = TinyModel(arch="qwen3-moe", vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128,
@@ -97,9 +98,32 @@ def test_megatron_moe_pushes_in_the_engine_layout_bit_exact(tmp_path):
 
     pytest.importorskip("megatron.core")
     out = tmp_path / "smoke.json"
-    subprocess.run([sys.executable, "-m", "streamsync.bench.cuda", "--smoke", "--models", "tiny-moe", "--repeat", "2",
+    subprocess.run([sys.executable, "-m", "benchmarks.cuda", "--smoke", "--models", "tiny-moe", "--repeat", "2",
                     "--warmup", "1", "--sweep-mib=", "--ref-sweep-mib=", "--gpu-chunk-mib", "1", "--json", str(out)],
                    check=True, timeout=300, capture_output=True)
     rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"packed:plain", "engine_layout", "engine_layout:plain"}
     assert all(r["bit_exact"] for r in rows.values())
+
+
+def test_fused_model_maps_hf_names_into_fused_slices_like_vllm():
+    specs = qwen3_specs(layers=1)
+    src = StateModule(specs, fill="random", seed=1)
+    fused = FusedModel(specs)
+    names = dict(fused.named_parameters())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    fused.load_weights(src.state_dict().items())
+    assert digests(fused.hf_tensors()) == digests(src.state_dict().items())
+    assert device_digests(fused.hf_tensors()) == device_digests(src.state_dict().items())
+
+
+def test_fused_model_stacks_moe_experts():
+    from streamsync.models.megatron import TinyModel
+
+    specs = TinyModel(arch="qwen3-moe", experts=4, layers=1).hf_specs()
+    src = StateModule(specs, fill="random", seed=2)
+    fused = FusedModel(specs)
+    w13 = dict(fused.named_parameters())["model.layers.0.mlp.experts.w13_weight"]
+    assert tuple(w13.shape) == (4, 64, 64)
+    fused.load_weights(src.state_dict().items())
+    assert digests(fused.hf_tensors()) == digests(src.state_dict().items())

@@ -17,10 +17,10 @@ import pytest
 from streamsync import EngineError, PushError, StreamSyncError, ValidationError, WeightSync
 from streamsync.checksum import digests
 from streamsync.engines.base import EngineState
-from streamsync.engines.process import ReceiverEngine
+from streamsync.engines.receiver import ReceiverEngine
 from streamsync.errors import PushTimeout
+from streamsync.models.synthetic import StateModule
 from streamsync.receiver import RoundOwned, WeightReceiver
-from streamsync.testing.models import StateModule
 from streamsync.testing.receiver import ReceiverProcess
 
 CHUNK = 1 << 20

@@ -1,7 +1,7 @@
 """The segment copy (streamsync.kernels): which copies become byte runs, and its kernel run bit for bit.
 
 On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, read when the module is imported: a fresh
-process); on a GPU `test_gpu.py` runs it compiled, inside the receiver's captured loads."""
+process); on a GPU `test_kernels.py` and `test_cuda_ipc.py` run it compiled, inside the receiver's captured loads."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from streamsync import kernels
+from streamsync.receiver import kernels
 
 
 def test_rows_of_takes_evenly_spaced_contiguous_rows():
@@ -94,3 +94,43 @@ def test_the_kernel_copies_bit_for_bit_in_the_interpreter():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "copied 9" in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_segment_copy_kernel_is_bit_exact_compiled_and_replayed_from_a_graph():
+    # The layouts a receiver's load copies (Q/K/V blocks of a fused QKV, row slices, whole tensors, runs of many
+    # tiles), with the ones it declines (a cast, a transpose, 28 bytes) beside them; then captured and replayed
+    # after every source changed, as a captured load is.
+    from streamsync.receiver import kernels
+
+    if not kernels.available():
+        pytest.skip("no Triton here")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fused = torch.randn(8, 96, 256, device="cuda", generator=g).to(torch.bfloat16)
+    big = torch.randn(5, kernels.TILE + 8, device="cuda", generator=g)
+    srcs = [fused[:, :64], fused[:, 64:80], fused.view(-1, 256)[8:296], big, big[2, :-4], fused.view(-1)[:7],
+            torch.randn(64, 8, device="cuda", generator=g).t(), torch.randn(4, 24, device="cuda", generator=g)]
+    dsts = [torch.zeros(t.shape, dtype=t.dtype, device="cuda") for t in srcs]
+    dsts[-1] = torch.zeros(4, 24, dtype=torch.bfloat16, device="cuda")
+    copy = kernels.SegmentCopy(dsts, srcs)
+    assert copy.runs >= 8 + 5 and len(copy.rest) == 3
+    copy()
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dsts, srcs, strict=True))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        copy()
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    for step in range(3):
+        for d in dsts:
+            d.zero_()
+        for s in srcs:
+            s.add_(step + 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dsts, srcs, strict=True)), step

@@ -17,8 +17,11 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from streamsync.testing.megatron import Case, TinyModel, launch, run_cases
-from streamsync.testing.models import save_specs
+import torch
+
+from streamsync.models.megatron import TinyModel
+from streamsync.models.synthetic import save_specs
+from streamsync.testing.megatron import Case, launch, run_cases
 from streamsync.testing.receiver import ReceiverProcess
 
 pytestmark = pytest.mark.megatron
@@ -184,7 +187,7 @@ def test_data_parallel_replicas_issue_nothing(four: dict[str, list[dict]]) -> No
 
 
 # Colocated engines (one per trainer GPU, each loading full tensors, as vLLM TP workers do): every rank sends
-# what the same one set of all-gathers brought it. On CPU the transport is shared memory; tests/test_gpu.py's
+# what the same one set of all-gathers brought it. On CPU the transport is shared memory; tests/test_cuda_ipc.py's
 # two-GPU benchmark runs the same with CUDA IPC on NCCL.
 COLOCATED = [
     Case("qwen3 tp2 every rank sends", QWEN3_4L, tp=2, seed=21, pushes=2, every_rank_sends=True),
@@ -220,3 +223,24 @@ def test_every_rank_sends_full_tensors_to_its_own_receiver_after_one_set_of_gath
         assert r["exact"], f"rank {r['rank']}: {len(r['mismatched'])} tensors differ, e.g. {r['mismatched'][:5]}"
     assert ranks[0]["events"] == ranks[1]["events"]  # the same collectives, issued once per (chunk, group, dtype)
     assert max(Counter(map(tuple, ranks[0]["events"])).values()) == 1
+
+
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_megatron_ddp_trainer_is_sent_by_reference_from_its_parameter_buffers(tmp_path, arch):
+    # Megatron's DDP with the distributed optimizer moves every parameter into a few contiguous buffers: a
+    # one-copy push exports those few storages (not one per parameter) and every push is exact.
+    pytest.importorskip("megatron.core")
+    from streamsync.models.megatron import TinyModel
+    from streamsync.testing.megatron import ddp_one_copy_pushes, launch
+
+    tiny = TinyModel("qwen3", vocab=1024, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=256)
+    if arch == "moe":
+        tiny = TinyModel("qwen3-moe", vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8,
+                         moe_ffn=32)
+    with ReceiverProcess(str(save_specs(tiny.hf_specs(), tmp_path / "ddp.json")), device="cuda", fused=True) as rp:
+        out = launch(ddp_one_copy_pushes, 1, tiny, rp.port, rp.secret, timeout=300)[0]
+    assert out["exact"] == [True, True, True], out
+    # (a parameter whose HF tensor is cast, or not sent, is not referenced: its storage is not exported)
+    assert out["referenced"] > 0 and 1 <= out["exports"] <= out["storages"] < out["params"], out

@@ -13,8 +13,8 @@ import torch
 from streamsync import WeightSync
 from streamsync.checksum import digests
 from streamsync.errors import TransportError, ValidationError
+from streamsync.models.synthetic import StateModule, perturb_, qwen3_specs, save_specs
 from streamsync.testing.faults import one_copy_failed_push
-from streamsync.testing.models import StateModule, perturb_, qwen3_specs, save_specs
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.transports.shm import ShmReceiver, ShmTransport
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from streamsync.errors import ValidationError
+from streamsync.models.synthetic import StateModule, mixed_specs
 from streamsync.pack import ALIGN, Layout, TensorSpec, pack_into, plan_layout, unpack
-from streamsync.testing.models import StateModule, mixed_specs
 
 
 def _pack(named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Layout]:

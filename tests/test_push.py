@@ -14,7 +14,7 @@ import torch
 
 from streamsync import EngineError, PushError, ValidationError, WeightSync
 from streamsync.checksum import digests
-from streamsync.testing.models import StateModule, perturb_
+from streamsync.models.synthetic import StateModule, perturb_
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.trace import STAGES
 
@@ -184,7 +184,8 @@ async def test_bad_configuration_is_refused_clearly():
 
 
 async def test_unreachable_engine_is_an_engine_error():
-    from streamsync.engines.process import ReceiverEngine, new_secret
+    from streamsync.engines.receiver import ReceiverEngine
+    from streamsync.receiver.protocol import new_secret
 
     with pytest.raises(EngineError, match="cannot connect"):
         await ReceiverEngine("127.0.0.1", 1, secret=new_secret(), name="nobody").get_version()
@@ -396,7 +397,7 @@ async def test_a_source_written_before_convert_took_cast_still_pushes(qwen_recei
 async def test_a_tied_receivers_output_layer_computes_with_the_pushed_embedding(tmp_path):
     """A tied model sends its embedding once; the receiver's head is that Parameter (vLLM's tie_weights), so
     what its output matmul multiplies by is the new embedding after every push."""
-    from streamsync.testing.models import qwen3_specs, save_specs
+    from streamsync.models.synthetic import qwen3_specs, save_specs
 
     specs = qwen3_specs(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, tie=True)
     assert not any(name == "lm_head.weight" for name, _, _ in specs)

@@ -20,8 +20,8 @@ pytest.importorskip("vllm")
 from streamsync import PushError, WeightSync  # noqa: E402
 from streamsync.engines.ray import RayVllmEngine, StreamsyncEngineMixin  # noqa: E402
 from streamsync.errors import EngineError  # noqa: E402
+from streamsync.models.tiny import TINY_QWEN3  # noqa: E402
 from streamsync.testing.ray import AsyncTrainer, BlockingTrainer, VllmActor  # noqa: E402
-from streamsync.testing.tiny import TINY_QWEN3  # noqa: E402
 from streamsync.testing.vllm import trainer_from  # noqa: E402
 from streamsync.transports.collective import CollectiveTransport  # noqa: E402
 from streamsync.transports.mixed import MixedTransport  # noqa: E402

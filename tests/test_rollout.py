@@ -12,8 +12,8 @@ vllm = pytest.importorskip("vllm")
 
 from streamsync import PushError, WeightSync  # noqa: E402
 from streamsync.engines.vllm import AsyncVllmEngine, VllmHttpEngine  # noqa: E402
+from streamsync.models.tiny import TINY_QWEN3  # noqa: E402
 from streamsync.rollout import Sample, StreamingRollout  # noqa: E402
-from streamsync.testing.tiny import TINY_QWEN3  # noqa: E402
 from streamsync.testing.vllm import LOGPROB_TOL, trainer_from  # noqa: E402
 from streamsync.verify import compare_generation, load_reference, long_prompt, reference_logprobs  # noqa: E402
 

@@ -22,10 +22,11 @@ import pytest
 import torch
 
 from streamsync import WeightSync
-from streamsync.engines.process import ReceiverEngine, proof
+from streamsync.engines.receiver import ReceiverEngine
 from streamsync.errors import EngineError
+from streamsync.models.synthetic import StateModule, mixed_specs
 from streamsync.pack import TensorSpec, plan_layout
-from streamsync.testing.models import StateModule, mixed_specs
+from streamsync.receiver.protocol import proof
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.transports.shm import MEMFD_PREFIX
 
@@ -156,7 +157,7 @@ async def test_waiting_handshakes_are_capped_and_the_slots_come_back(rx):
 
 def test_a_receiver_started_by_hand_writes_its_secret_to_a_private_new_file(mixed_specs_path, tmp_path):
     path = tmp_path / "secret"
-    cmd = [sys.executable, "-m", "streamsync.testing.receiver", "--specs", str(mixed_specs_path)]
+    cmd = [sys.executable, "-m", "streamsync.receiver.process", "--specs", str(mixed_specs_path)]
     env = {k: v for k, v in os.environ.items() if k != "STREAMSYNC_RECEIVER_SECRET"}
     refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "no secret" in refused.stderr

@@ -10,10 +10,10 @@ import torch
 
 from streamsync import WeightSync
 from streamsync.checksum import digests
-from streamsync.chunking import row_parts
 from streamsync.errors import ValidationError
+from streamsync.models.synthetic import StateModule, perturb_, qwen3_specs, save_specs
 from streamsync.pack import Layout, TensorSpec, plan_layout
-from streamsync.testing.models import StateModule, perturb_, qwen3_specs, save_specs
+from streamsync.plan.chunking import row_parts
 from streamsync.testing.receiver import ReceiverProcess
 
 MiB = 1 << 20

@@ -6,8 +6,8 @@ import pytest
 
 from streamsync import EngineError, ValidationError, WeightSync
 from streamsync.engines.vllm import VllmHttpEngine
+from streamsync.models.synthetic import StateModule, qwen3_specs, save_specs
 from streamsync.sources import ModuleSource
-from streamsync.testing.models import StateModule, qwen3_specs, save_specs
 from streamsync.testing.receiver import ReceiverProcess
 
 SHAPE = dict(hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16, intermediate=128)

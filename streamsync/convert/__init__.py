@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ValidationError
-from . import models
+from . import archs as models
 from .mappings import Dims, Mapping, Vocab, tp_merge, tp_split
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3-moe")

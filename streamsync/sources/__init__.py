@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .base import ChunkPlan, Source
+from ..plan.chunk import ChunkPlan
+from .base import Source
 from .module import ModuleSource
 
 

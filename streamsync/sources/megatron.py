@@ -40,12 +40,13 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from ..chunking import Item, order_key, plan_chunks
 from ..convert import Dims, Resolved, canonical_arch, detect_arch, get_converter
 from ..convert.mappings import TPLayout, tp_merge
 from ..errors import ValidationError
 from ..pack import TensorSpec, dtype_from_name, dtype_name
-from .base import AddressCache, ChunkPlan, Source
+from ..plan.chunk import ChunkPlan
+from ..plan.chunking import Item, order_key, plan_chunks
+from .base import AddressCache, Source
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 # local expert index: SequentialMLP `experts.local_experts.<i>.`, TEGroupedMLP `experts.linear_fc1.weight<i>`

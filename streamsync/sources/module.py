@@ -7,10 +7,11 @@ from collections.abc import Iterator, Sequence
 import anyio
 import torch
 
-from ..chunking import Item, layer_index, order_key, plan_chunks, row_parts
 from ..errors import ValidationError
 from ..pack import TensorSpec, align_up, dtype_name
-from .base import AddressCache, ChunkPlan, Source
+from ..plan.chunk import ChunkPlan
+from ..plan.chunking import Item, layer_index, order_key, plan_chunks, row_parts
+from .base import AddressCache, Source
 
 
 class ModuleSource(Source):

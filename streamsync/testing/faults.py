@@ -20,9 +20,9 @@ import torch
 
 from ..checksum import device_digests, digests
 from ..errors import PushError
+from ..models.synthetic import perturb_
 from ..sync import WeightSync
-from ..transports.collective import CollectiveTransport
-from .models import perturb_
+from ..transports.collective.sender import CollectiveTransport
 from .receiver import ReceiverProcess
 
 

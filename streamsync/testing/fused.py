@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ValidationError
-from ..kernels import SegmentCopy
+from ..models.synthetic import Spec, fill_random
 from ..pack import TensorSpec, batched, coalesce, dtype_from_name, dtype_name, fits
-from ..receiver import as_destination
-from .models import Spec, _fill_random
+from ..receiver.kernels import SegmentCopy
+from ..receiver.loaders import as_destination
 
 # (fused parameter, HF projection, shard id), as vLLM's Qwen3/Llama `stacked_params_mapping`. Shards lie in
 # the fused parameter's rows in this order.
@@ -113,7 +113,7 @@ class FusedModel(torch.nn.Module):
         gen = torch.Generator().manual_seed(seed)
         for name, t in tensors.items():
             if fill == "random":
-                _fill_random(t, gen) if t.device.type == "cpu" else t.normal_()
+                fill_random(t, gen) if t.device.type == "cpu" else t.normal_()
             elif fill == "zeros":
                 t.zero_()
             self._register(name, t)
@@ -259,3 +259,9 @@ class FusedModel(torch.nn.Module):
         return hidden @ self.get_parameter("lm_head.weight").t()
 
 
+
+
+
+def receiver_module(specs: Sequence[Spec], *, device: str = "cpu", tie: bool = False) -> FusedModel:
+    """A zero-filled FusedModel of `specs`, for `python -m streamsync.receiver.process --module ...`."""
+    return FusedModel(specs, fill="zeros", device=device, tie=tie)

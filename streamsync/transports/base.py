@@ -26,7 +26,7 @@ from ..pack import Layout, TensorMeta, pack_into, unpack
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
-    from ..sources.base import ChunkPlan
+    from ..plan.chunk import ChunkPlan
 
 
 @dataclass

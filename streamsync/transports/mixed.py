@@ -20,9 +20,9 @@ import anyio
 import torch
 
 from ..pack import Layout
-from ..sources.base import ChunkPlan
+from ..plan.chunk import ChunkPlan
 from .base import SendBuffer, Transport
-from .collective import CollectiveTransport
+from .collective.sender import CollectiveTransport
 
 if TYPE_CHECKING:
     from ..engines.base import Engine

@@ -36,7 +36,7 @@ import torch
 
 from ..errors import ValidationError
 from ..pack import Layout, TensorMeta, dtype_from_name, dtype_name, plan_layout
-from ..sources.base import ChunkPlan, layout_key
+from ..plan.chunk import ChunkPlan, layout_key
 from .base import SendBuffer
 
 _TOKEN = re.compile(r"^[0-9a-f]{8,64}$")
@@ -52,7 +52,7 @@ def storage_address(t: torch.Tensor) -> int:
 
 
 @dataclass
-class _Export:
+class Export:
     """One trainer storage exported to one engine: `token` names it in references."""
 
     token: str
@@ -64,19 +64,19 @@ class _Export:
 
 
 @dataclass
-class _RefSet:
+class RefSet:
     """A chunk's references for one engine, as last sent: reused while the same tensors sit at the same
     addresses and every export it names is alive; the engine caches it by `id` once it acknowledged it."""
 
     id: str
     refs: list[list[Any]]
-    exports: list[tuple[int, _Export]]  # (storage address, export)
+    exports: list[tuple[int, Export]]  # (storage address, export)
     known: bool = False
     gen: int = -1  # the sender's export generation when every export it names was last seen alive
 
 
 @dataclass(frozen=True)
-class _Compact:
+class Compact:
     """A chunk's packed part when some of its tensors go by reference: its own layout, sent in place of the
     plan's, and which of the plan's tensors it holds."""
 
@@ -101,21 +101,21 @@ class RefSender:
         #: tensors sent by reference and packed, since construction (for benchmarks and tests)
         self.ref_stats: dict[str, float] = {"referenced": 0, "packed": 0, "exports": 0, "export_ms": 0.0}
         self._persistent: set[int] = set()  # storage addresses of the source's own tensors (this push)
-        self._exports: dict[tuple[int, int], _Export] = {}  # (engine, storage address) -> export
+        self._exports: dict[tuple[int, int], Export] = {}  # (engine, storage address) -> export
         self._push_serial = 0
         self._push_ok = True
         self._export_gen = 0  # bumped whenever exports are dropped: a reference set checked since is alive
-        self._compact: dict[tuple[str, tuple[bool, ...]], _Compact] = {}
-        self._refsets: dict[tuple[int, str, tuple], _RefSet] = {}  # (engine, layout key, addresses) -> refs
+        self._compact: dict[tuple[str, tuple[bool, ...]], Compact] = {}
+        self._refsets: dict[tuple[int, str, tuple], RefSet] = {}  # (engine, layout key, addresses) -> refs
         self._masks: dict[str, tuple[Sequence[torch.Tensor], int, tuple[bool, ...]]] = {}  # see _ref_compact
-        self._refs_fast: dict[tuple[int, str], tuple[Sequence[torch.Tensor], _RefSet, tuple]] = {}  # see _refs
+        self._refs_fast: dict[tuple[int, str], tuple[Sequence[torch.Tensor], RefSet, tuple]] = {}  # see _refs
 
     def _ref_export(self, t: torch.Tensor) -> tuple[dict[str, Any], Any]:
         """Export the whole storage `t` lies on, for one engine: (plain export data, what to hold while the
         export lives)."""
         raise NotImplementedError
 
-    def _export_alive(self, ex: _Export, addr: int) -> bool:
+    def _export_alive(self, ex: Export, addr: int) -> bool:
         """Whether export `ex`, made for the storage at `addr`, still names what lies there (checked once per
         push per export before it is used again)."""
         return True
@@ -128,7 +128,7 @@ class RefSender:
         its handle, its events)."""
         return self.ref_bytes if self.one_copy else None
 
-    def _ref_compact(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor], dev: torch.device) -> _Compact | None:
+    def _ref_compact(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor], dev: torch.device) -> Compact | None:
         """The chunk's packed part, or None when every tensor is packed: tensors on `dev` that are plain views
         of the source's own storages (`_persistent`) in the plan's dtype go by reference."""
         last = self._masks.get(chunk.layout_key)
@@ -151,21 +151,21 @@ class RefSender:
             specs = [s for s, m in zip(chunk.specs, mask, strict=True) if not m]
             layout = plan_layout(specs)
             js = layout.to_json()
-            compact = self._compact[(chunk.layout_key, mask)] = _Compact(
+            compact = self._compact[(chunk.layout_key, mask)] = Compact(
                 layout, js, layout_key(js), tuple(i for i, m in enumerate(mask) if not m),
                 tuple(i for i, m in enumerate(mask) if m))
         self.ref_stats["referenced"] += len(compact.refs)
         self.ref_stats["packed"] += len(compact.packed)
         return compact
 
-    def _cached_refset(self, buf: SendBuffer, engine: int) -> tuple[_RefSet | None, tuple]:
+    def _cached_refset(self, buf: SendBuffer, engine: int) -> tuple[RefSet | None, tuple]:
         """The chunk's reference set for `engine` if one made before is still valid (its tensors at the same
         addresses, every export it names alive), else None; and the set's cache key."""
-        compact: _Compact = buf.state["compact"]
+        compact: Compact = buf.state["compact"]
         plan: ChunkPlan = buf.state["plan"]
         tensors: Sequence[torch.Tensor] = buf.state["tensors"]
 
-        def alive(rs: _RefSet | None) -> bool:
+        def alive(rs: RefSet | None) -> bool:
             if rs is None:
                 return False
             if rs.gen != self._export_gen:  # exports were dropped since: are this set's still there?
@@ -181,7 +181,7 @@ class RefSender:
         rs = self._refsets.get(key)
         return (rs if alive(rs) else None), key
 
-    def _valid(self, engine: int, addr: int, ex: _Export) -> bool:
+    def _valid(self, engine: int, addr: int, ex: Export) -> bool:
         """`ex` is still the export of the storage at `addr`; a stale one is dropped (a new one is made)."""
         if ex.checked == self._push_serial:
             return True
@@ -193,7 +193,7 @@ class RefSender:
         ex.checked = self._push_serial
         return True
 
-    def _export(self, engine: int, addr: int, t: torch.Tensor) -> _Export:
+    def _export(self, engine: int, addr: int, t: torch.Tensor) -> Export:
         """The export of the storage at `addr` (which `t` lies on) to `engine`, made if there is none."""
         ex = self._exports.get((engine, addr))
         if ex is not None and not self._valid(engine, addr, ex):
@@ -201,7 +201,7 @@ class RefSender:
         if ex is None:
             t0 = time.perf_counter()
             data, keep = self._ref_export(t)
-            ex = self._exports[(engine, addr)] = _Export(secrets.token_hex(8), data, self._push_serial, keep=keep,
+            ex = self._exports[(engine, addr)] = Export(secrets.token_hex(8), data, self._push_serial, keep=keep,
                                                          checked=self._push_serial)
             self.ref_stats["exports"] += 1
             self.ref_stats["export_ms"] += (time.perf_counter() - t0) * 1e3
@@ -212,7 +212,7 @@ class RefSender:
         first push exports hundreds of storages (25-50 us each) while the chunk before it is in flight, and
         the engines' replies to that chunk (which the next update waits for) must not queue behind it: on
         one H200 a reply waited 3-5 ms for a chunk's exports before this."""
-        compact: _Compact = buf.state["compact"]
+        compact: Compact = buf.state["compact"]
         tensors: Sequence[torch.Tensor] = buf.state["tensors"]
         looked = buf.state.setdefault("looked_up", {})
         for engine in range(engines):
@@ -233,7 +233,7 @@ class RefSender:
     def _refs(self, buf: SendBuffer, engine: int) -> dict[str, Any]:
         """The handle fields naming `buf`'s referenced tensors for engine `engine`: the references (and the
         exports it has not had yet), or only their id when the engine has them from an earlier push."""
-        compact: _Compact = buf.state["compact"]
+        compact: Compact = buf.state["compact"]
         plan: ChunkPlan = buf.state["plan"]
         tensors: Sequence[torch.Tensor] = buf.state["tensors"]
         looked = buf.state.get("looked_up", {}).pop(engine, None)  # by `_export_ahead`, this chunk
@@ -243,7 +243,7 @@ class RefSender:
                 ex.used = self._push_serial
         else:
             refs: list[list[Any]] = []
-            exports: list[tuple[int, _Export]] = []
+            exports: list[tuple[int, Export]] = []
             for i in compact.refs:
                 t = tensors[i]
                 spec = plan.specs[i]
@@ -258,7 +258,7 @@ class RefSender:
                 refs.append(ref)
             if len(self._refsets) > 4096:
                 self._refsets.clear()
-            rs = self._refsets[key] = _RefSet(secrets.token_hex(8), refs, exports)
+            rs = self._refsets[key] = RefSet(secrets.token_hex(8), refs, exports)
         if len(self._refs_fast) > 4096:
             self._refs_fast.clear()
         self._refs_fast[(engine, plan.layout_key)] = (tensors, rs, key)
@@ -272,7 +272,7 @@ class RefSender:
                   engine: int) -> dict[str, Any]:
         """`update_info` for engine `engine` with `handle` and, where the chunk has references, their fields in
         the handle and the packed part's own layout in place of the plan's."""
-        compact: _Compact | None = buf.state.get("compact")
+        compact: Compact | None = buf.state.get("compact")
         if compact is None:
             return {**update_info, "handle": handle}
         ready = buf.state.get("refs_ready", {}).pop(engine, None)  # made when the chunk was packed
@@ -281,7 +281,7 @@ class RefSender:
 
     def _sent(self, buf: SendBuffer, engine: int) -> None:
         """Engine `engine` acknowledged a chunk: it holds every export and the reference set it carried."""
-        rs: _RefSet | None = buf.state.get("refsets", {}).get(engine)
+        rs: RefSet | None = buf.state.get("refsets", {}).get(engine)
         if rs is not None:
             rs.known = True
             for _, ex in rs.exports:
@@ -320,7 +320,7 @@ class RefSender:
 
 
 @dataclass
-class _Storage:
+class MappedStorage:
     """A trainer storage mapped for references, and the views built on it (keyed by their reference)."""
 
     tensor: torch.Tensor
@@ -343,7 +343,7 @@ class RefReceiver:
     calls `_end_round_refs` from `end_round`."""
 
     name: str
-    _storages: dict[str, _Storage]
+    _storages: dict[str, MappedStorage]
     _round: set[str]
     _refsets: dict[str, tuple[list[tuple[TensorMeta, torch.Tensor]], frozenset[str]]]
     timing: dict[str, float]
@@ -352,7 +352,7 @@ class RefReceiver:
         """Map the trainer storage an export names, after validating its data: a flat uint8 tensor over it."""
         raise NotImplementedError
 
-    def _storage(self, token: str, exports: dict[str, Any]) -> _Storage:
+    def _storage(self, token: str, exports: dict[str, Any]) -> MappedStorage:
         st = self._storages.get(token)
         raw = exports.get(token)
         if st is not None:
@@ -363,7 +363,7 @@ class RefReceiver:
             raise ValidationError(f"{self.name} reference to storage {token!r:.40}, which this receiver has not "
                                   "mapped and the update does not export")
         t0 = time.perf_counter()
-        st = self._storages[token] = _Storage(self._ref_map(token, raw), dict(raw))
+        st = self._storages[token] = MappedStorage(self._ref_map(token, raw), dict(raw))
         self.timing["map_storages"] += time.perf_counter() - t0
         return st
 
@@ -452,7 +452,7 @@ class RefReceiver:
         else:
             view = storage[offset:offset + span].view(dtype).as_strided(shape, stride)
         # Otherwise blocked (Q of an interleaved QKV): loaders that take blocked tensors copy it as is, others
-        # reshape (receiver.py). Never a failed `view` to find out: each raised error costs ~0.15 ms.
+        # reshape (receiver/state.py). Never a failed `view` to find out: each raised error costs ~0.15 ms.
         if shape != hf_shape and view.is_contiguous():
             view = view.view(hf_shape)
         return meta, view

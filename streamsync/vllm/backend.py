@@ -23,8 +23,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..checksum import tensor_digest
-from ..chunking import layer_index
-from ..receiver import WeightReceiver
+from ..plan.chunking import layer_index
+from ..receiver.state import WeightReceiver
 
 
 @dataclass

@@ -1,0 +1,62 @@
+"""What one push carries through the pipeline: the push itself and each chunk's work."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+
+from ..engines.base import Engine
+from ..plan.chunk import ChunkPlan
+from ..sources.base import Source
+from ..trace import Trace
+from ..transports.base import SendBuffer, Transport
+
+
+class InjectedFault(RuntimeError):
+    """Raised by `faults={stage: chunk}`: a failure on demand, for tests of the error paths."""
+
+
+@dataclass
+class Work:
+    plan: ChunkPlan
+    gathered: object = None
+    tensors: Sequence[torch.Tensor] | None = None
+    buf: SendBuffer | None = None
+
+
+@dataclass
+class Push:
+    """Everything one push needs; built by WeightSync."""
+
+    push_id: str
+    version: int
+    source: Source
+    transport: Transport | None
+    engines: Sequence[Engine]
+    plans: Sequence[ChunkPlan]
+    trace: Trace
+    max_inflight: int = 4
+    timeout: float = 120.0
+    faults: dict[str, int] = field(default_factory=dict)
+    hold: dict[int, list[str]] = field(default_factory=dict)
+    on_chunk: Callable[[int, int], None] | None = None
+    live: dict[int, SendBuffer] = field(default_factory=dict)
+    busy: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (chunk, since), for the watchdog
+    cut: dict[str, int] = field(default_factory=dict)  # stage -> chunk it was on when an error or cancel hit
+    started: anyio.Event | None = None  # set once every engine opened its round: sends wait for it
+    send_idle: bool = False  # the send stage waits for its next chunk
+    send_took: anyio.Event | None = None  # set when the send stage takes the chunk the pack stage waits on
+    owner: str | None = None  # the WeightSync's id: every update_info carries it (receivers refuse others)
+    sent_any: bool = False  # a chunk was handed to the engines: a failed push may have left them mixed
+    convert_kwargs: dict[str, Any] = field(default_factory=dict)
+    engine_layout: bool = True  # engines with `fusions` get fused tensors (pack.fuse_layout)
+    bytes_alive: int = 0
+    peak_bytes: int = 0
+    chunks_alive: int = 0
+    # chunk index -> (plan, converted tensors) as last checked: a source that hands back the same list for the
+    # same plan (its cached views) is not checked again; kept across pushes by WeightSync
+    checked: dict[int, tuple[ChunkPlan, Sequence[torch.Tensor]]] = field(default_factory=dict)

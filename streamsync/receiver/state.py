@@ -1,0 +1,431 @@
+"""`WeightReceiver`: the receiving state machine (init, start, update per chunk, finish or abort)."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ValidationError
+from ..log import get_logger
+from ..pack import Layout, TensorMeta, TensorSpec, dtype_from_name, dtype_name
+from ..transports.base import Receiver, make_receiver
+from . import kernels
+
+Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+
+# Per whole HF tensor (name, dtype, full shape): the tensor to receive it into (contiguous, exactly that dtype
+# and shape, on the receiver's device: a parameter or a row slice of a fused one), or None (the loader copies it).
+Destinations = Callable[[Sequence[TensorSpec]], Sequence[torch.Tensor | None]]
+
+
+class UnknownLayout(ValidationError):
+    """An update named its layout by key only, and this receiver has not seen (or no longer keeps) that key.
+    Clients that strip known layouts resend the update with its layout."""
+
+
+@dataclass
+class _Staged:
+    tensor: torch.Tensor
+    rows: int = 0  # rows filled so far
+    direct: bool = False  # `tensor` is the destination itself: nothing to load once complete
+
+
+class RoundOwned(ValidationError):
+    """A call of one WeightSync met a round another WeightSync has open on this receiver."""
+
+
+class WeightReceiver:
+    """Four-phase receiving state machine: init -> (start -> update* -> finish)*.
+
+    `version` is the last version finished; it only moves in `finish`. A round that failed half-way leaves
+    `dirty` True (its weights are partly new) until the next finished round: `clean_version` is then None.
+
+    Ownership: `start(owner=...)` ties the round to one WeightSync; updates, finish and abort that carry
+    another owner are refused (RoundOwned), and so is another owner's `start` or `init` while the round is
+    open, so two syncs never mix their models under one version. A round nobody touched for longer than
+    the `stale_after` seconds its owner declared (its own timeout: that owner's push has failed by then)
+    is abandoned and may be taken over, so a crashed trainer never locks a receiver.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.transport: Receiver | None = None
+        self.version: int | None = None
+        self.updating = False
+        self.dirty = False
+        self.chunks = 0
+        self.bytes = 0
+        self._layouts: dict[str, Layout] = {}
+        self._open_sized = True
+        self._staged: dict[str, _Staged] = {}  # tensors split across chunks, being reassembled
+        self._open_targets = False
+        self._dest_fn: Destinations | None = None
+        self._dests: dict[Layout, list[torch.Tensor | None]] = {}  # per layout: each whole tensor's destination
+        # (layout, buffer address, reference set, loader) -> the chunk's load captured as a CUDA graph, or False
+        # after its first sighting (see `_load`)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph | bool] = {}
+        self._capture_stream: torch.cuda.Stream | None = None
+        #: loads replayed from a captured graph, and graphs captured (for benchmarks and tests)
+        self.graph_stats = {"replayed": 0, "captured": 0}
+        #: host seconds in update, by part: the transport's open (mapping a buffer), the references (mapping
+        #: trainer storages, building views), the load, and closing the buffer (the ack); for benchmarks
+        self.timing = {"open": 0.0, "refs": 0.0, "load": 0.0, "close": 0.0}
+        self.capture = True  # False: never capture (every load a Python call per tensor, as vLLM's)
+        # A loader's `prepare_load` (checked copies, planned as one kernel: `kernels.SegmentCopy`) is what a
+        # capture records, where it has one and Triton runs here; False: capture the loader's own copies.
+        self.kernel_copies = True
+        self._keep: dict[tuple, Any] = {}  # graph key -> what its captured copies read (a tile table)
+        self._rounds = 0  # rounds finished
+        self._graph_used: dict[tuple, int] = {}  # graph key -> the round that last loaded it (see `finish`)
+        # layout -> (packed views, reference views, loader takes blocked, joined views, joined metas, any part):
+        # a chunk whose views and references are the same objects as last time joins nothing again
+        self._joined: dict[Layout, tuple[Any, Any, bool, list, tuple, bool]] = {}
+        self._parts: dict[Layout, bool] = {}  # layout -> whether it holds parts of a split tensor
+        self.owner: str | None = None
+        self.stale_after: float | None = None
+        self._touched = 0.0
+
+    @property
+    def clean_version(self) -> int | None:
+        """The version held whole: None from a round's first applied chunk until a round finishes."""
+        return None if self.dirty else self.version
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds since the open round's owner was last heard from."""
+        return time.monotonic() - self._touched
+
+    def _owned_by_other(self, owner: str | None) -> bool:
+        """An open, fresh round of another owner (a round opened without an owner is anyone's)."""
+        if not self.updating or self.owner is None or owner == self.owner:
+            return False
+        stale = self.stale_after is not None and time.monotonic() - self._touched > self.stale_after
+        return not stale
+
+    def _check_owner(self, owner: str | None, what: str) -> None:
+        if owner is not None and self.owner is not None and owner != self.owner:
+            raise RoundOwned(f"{what} refused: the open round belongs to another WeightSync "
+                             f"(owner {self.owner[:8]}, this call's owner {owner[:8]})")
+        self._touched = time.monotonic()
+
+    def init(self, init_info: dict[str, Any], owner: str | None = None) -> None:
+        if owner is not None and self._owned_by_other(owner):
+            raise RoundOwned(f"init refused: a round of another WeightSync (owner {self.owner[:8]}) is open")
+        if self.transport is not None:
+            self.transport.close()
+        self.transport = make_receiver(init_info, self.device)
+        # Receivers registered before `open` took the layout's size keep working.
+        params = inspect.signature(self.transport.open).parameters
+        self._open_sized = "nbytes" in params
+        self._open_targets = "targets" in params  # may receive into the loader's parameters (direct receives)
+        self._dests.clear()
+
+    def start(self, owner: str | None = None, stale_after: float | None = None) -> None:
+        if self._owned_by_other(owner):
+            raise RoundOwned(f"start refused: a round of another WeightSync (owner {self.owner[:8]}) is open; "
+                             "one receiver takes one sync's pushes at a time")
+        if self.updating and self.transport is not None:
+            self.transport.end_round()  # the previous round failed half-way: drop what it mapped
+        self.updating = True
+        self.owner, self.stale_after = owner, stale_after
+        self._touched = time.monotonic()
+        self.chunks = self.bytes = 0
+        self._staged.clear()
+
+    def update(self, update_info: dict[str, Any], load: Loader, destinations: Destinations | None = None) -> int:
+        """Receive one chunk and load it. `destinations` (default: `load.destinations` where the loader has one)
+        lets a transport that can write into parameters do so (module doc)."""
+        if not self.updating:
+            raise ValidationError("update outside a round: call start_update first")
+        owner = update_info.get("owner")
+        if self.owner is None and self.chunks == 0 and isinstance(owner, str):
+            self.owner = owner  # a start that carries no owner (vLLM's): the round's first chunk claims it
+        self._check_owner(owner, "update")
+        if self.transport is None:
+            raise ValidationError("update before init: call init_transfer first")
+        layout = self._layout(update_info)
+        if self._open_targets:
+            targets = self._targets(layout, destinations or getattr(load, "destinations", None))
+            opened = self.transport.open(update_info, layout.nbytes, layout=layout, targets=targets,
+                                         before_write=self._writing)
+        else:
+            targets = None
+            opened = (self.transport.open(update_info, layout.nbytes) if self._open_sized
+                      else self.transport.open(update_info))
+        t0 = time.perf_counter()
+        with opened as buf:
+            t1 = time.perf_counter()
+            refs = self.transport.ref_views(update_info)
+            t2 = time.perf_counter()
+            self.dirty = True
+            got = targets if targets is not None and any(t is not None for t in targets) else None
+            if got is None or not all(t is not None for t, m in zip(got, layout.metas, strict=True) if m.nbytes):
+                if buf.numel() < layout.nbytes:
+                    raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
+                views: Iterable[tuple[str, torch.Tensor | None]] = self.transport.views(buf, layout)
+            else:  # everything was received into its destination: nothing to view (but empty tensors)
+                views = [(m.name, None if t is not None else torch.empty(m.shape, dtype=dtype_from_name(m.dtype),
+                                                                        device=buf.device))
+                         for t, m in zip(got, layout.metas, strict=True)]
+            views, metas, parts = self._join(layout, views, refs, load)
+            if got is not None or parts:
+                views = self._assemble(views, metas, got, self._dests.get(layout) if got else None)
+                load(views)
+            else:
+                self._load(load, views, layout, buf, update_info)
+            t3 = time.perf_counter()
+            del buf
+        t4 = time.perf_counter()
+        tm = self.timing
+        tm["open"] += t1 - t0
+        tm["refs"] += t2 - t1
+        tm["load"] += t3 - t2
+        tm["close"] += t4 - t3
+        nbytes = layout.nbytes + sum(m.nbytes for m, _ in refs)
+        self.chunks += 1
+        self.bytes += nbytes
+        return nbytes
+
+    def _join(self, layout: Layout, views: Any, refs: list[tuple[TensorMeta, torch.Tensor]],
+              load: Loader) -> tuple[Any, tuple[TensorMeta, ...], bool]:
+        """(views, metas, whether any is a part): the packed views, then the tensors sent by reference (CUDA IPC
+        one copy), reshaped to their HF shapes for loaders that take no blocked views. Cached per layout while
+        the transport hands back the same view and reference lists (an MoE chunk has thousands)."""
+        if not refs:
+            parts = self._parts.get(layout)
+            if parts is None:
+                if len(self._parts) > 4096:
+                    self._parts.clear()
+                parts = self._parts[layout] = any(m.part is not None for m in layout.metas)
+            return views, layout.metas, parts
+        blocked = bool(getattr(getattr(load, "__self__", load), "accepts_blocked", False))
+        hit = self._joined.get(layout)
+        if hit is not None and hit[0] is views and hit[1] is refs and hit[2] == blocked:
+            return hit[3], hit[4], hit[5]
+        fixed = refs if blocked else [(m, t if t.shape == m.shape else t.reshape(m.shape)) for m, t in refs]
+        joined = [*views, *((m.name, t) for m, t in fixed)]
+        metas = (*layout.metas, *(m for m, _ in fixed))
+        parts = any(m.part is not None for m in metas)
+        if isinstance(views, list):  # a transport's cached views (a fresh generator is never cached)
+            if len(self._joined) > 256:
+                self._joined.clear()
+            self._joined[layout] = (views, refs, blocked, joined, metas, parts)
+        return joined, metas, parts
+
+    def _load(self, load: Loader, views: Any, layout: Layout, buf: torch.Tensor, update_info: dict[str, Any]) -> None:
+        """`load(views)`, or its captured CUDA graph. A loader whose load is nothing but copies into its own
+        parameters says so (`capturable = True`: the fused stand-in, ModuleLoader; not vLLM's reload). Its
+        copies are captured as one graph, and later pushes of the same chunk from the same addresses (the same
+        layout in the same mapped buffer, the same reference set: every view is the same tensor) replay it:
+        one launch instead of a Python call and a launch per tensor. The capture is made the second time a chunk
+        arrives (the first time its copies run plainly: see below). A graph holds addresses, so it
+        stays right whatever those addresses hold when it runs; keys change with them (a new buffer address,
+        a new reference set once storages change), and graphs not replayed for a few rounds are dropped."""
+        owner = getattr(load, "__self__", load)
+        if not self.capture or not buf.is_cuda or not getattr(owner, "capturable", False):
+            load(views)
+            return
+        h = update_info.get("handle")
+        prepare = getattr(owner, "prepare_load", None) if self.kernel_copies and kernels.available() else None
+        key = (layout, buf.data_ptr(), h.get("refs_id") if isinstance(h, dict) else None, id(owner),
+               prepare is not None)
+        graph = self._graphs.get(key)
+        self._graph_used[key] = self._rounds
+        stream = torch.cuda.current_stream(buf.device)
+        if isinstance(graph, torch.cuda.CUDAGraph):
+            graph.replay()
+            self.graph_stats["replayed"] += 1
+            return
+        if graph is True:  # could not be captured
+            load(views)
+            return
+        if graph is None and len(self._graphs) > 1024:
+            self._graphs.clear()
+            self._keep.clear()
+            self._graph_used = {key: self._rounds}
+        if graph is None:
+            # First sighting: plain copies. A one-off never costs a capture, and a first push is faster so: on one
+            # H200 (8B shape, 2 chunks) capturing with the kernel at once took its receiver 8.5-9.3 ms of loads
+            # against 5.3-6.7 ms of plain copies (planning 800 copies costs about what queueing them does).
+            self._graphs[key] = False
+            load(views)
+            return
+        if self._capture_stream is None or self._capture_stream.device != buf.device:
+            self._capture_stream = torch.cuda.Stream(buf.device)
+        copies = None
+        if prepare is not None:  # planned outside the capture (its tile table is an upload)
+            try:
+                kernels.warm(buf.device)
+            except Exception as e:  # no working kernel here (a compile or its check failed): record the copies
+                self.kernel_copies = False
+                get_logger().warning("receiver: the segment copy kernel is unavailable; captured loads record "
+                                     "PyTorch's copies", error=str(e))
+            else:
+                copies = prepare(list(views))
+        side = self._capture_stream
+        side.wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    copies() if copies is not None else load(list(views))
+                finally:
+                    graph.capture_end()
+        except RuntimeError:  # a load this build cannot capture: plain copies for this chunk from now on
+            self._graphs[key] = True
+            load(views)
+            return
+        stream.wait_stream(side)
+        self._graphs[key] = graph
+        if copies is not None:
+            # The tile table only: the graph holds addresses, and a kept view would keep a mapped buffer (and the
+            # trainer's memory behind it) alive after the transport let it go.
+            keep = getattr(copies, "captured", None)
+            self._keep[key] = keep() if keep is not None else copies
+        self.graph_stats["captured"] += 1
+        graph.replay()  # capturing recorded the copies without running them
+
+    def _layout(self, update_info: dict[str, Any]) -> Layout:
+        """Parse and validate a chunk's layout once; later pushes of the same plan send the same key and the
+        receiver reuses what it validated (the key only selects, it is never trusted for bounds)."""
+        key = update_info.get("layout_key")
+        layout = self._layouts.get(key) if isinstance(key, str) else None
+        if layout is None:
+            if update_info.get("layout") is None and isinstance(key, str):
+                raise UnknownLayout(f"layout {key} is not known here: send the update with its layout")
+            layout = Layout.from_json(update_info.get("layout"))  # type: ignore[arg-type]
+            if isinstance(key, str):
+                if len(self._layouts) >= 4096:
+                    self._layouts.clear()
+                self._layouts[key] = layout
+        return layout
+
+    def _writing(self) -> None:
+        """A transport is about to write into the loader's parameters: from here the weights may be mixed."""
+        self.dirty = True
+
+    def _targets(self, layout: Layout, destinations: Destinations | None) -> list[torch.Tensor | None] | None:
+        """Per tensor of the chunk: where a direct receive may write it (its destination, or for a part its rows
+        of it), or None. Checked before anything is written: a destination of another dtype or shape is the
+        same error the loader would raise; a part must continue the rows received (into the same place)."""
+        if destinations is None:
+            return None
+        if destinations != self._dest_fn:
+            self._dest_fn = destinations
+            self._dests.clear()
+        whole = self._dests.get(layout)
+        if whole is None:
+            specs = [TensorSpec(m.name, dtype_from_name(m.dtype), m.shape if m.part is None else
+                                (m.part[1], *m.shape[1:])) for m in layout.metas]
+            whole = list(destinations(specs))
+            if len(whole) != len(specs):
+                raise ValidationError(f"the loader named {len(whole)} destinations for {len(specs)} tensors")
+            for d, sp in zip(whole, specs, strict=True):
+                if d is not None and (d.dtype != sp.dtype or tuple(d.shape) != sp.shape):
+                    raise ValidationError(f"parameter {sp.name!r}: received {dtype_name(sp.dtype)}{sp.shape}, "
+                                          f"receiver holds {dtype_name(d.dtype)}{tuple(d.shape)}")
+            if len(self._dests) >= 4096:
+                self._dests.clear()
+            self._dests[layout] = whole
+        targets: list[torch.Tensor | None] = []
+        for d, m in zip(whole, layout.metas, strict=True):
+            if d is None or not d.is_contiguous() or m.part is None:
+                targets.append(d if d is not None and d.is_contiguous() else None)
+                continue
+            row0, rows = m.part
+            staged = self._staged.get(m.name)
+            if staged is not None and not staged.direct:  # its earlier rows wait in a staging copy: rows too
+                targets.append(None)
+                continue
+            if row0 != (staged.rows if staged is not None else 0):
+                raise ValidationError(f"tensor {m.name!r}: part at row {row0} of {rows} does not continue the "
+                                      f"{staged.rows if staged is not None else 0} rows received")
+            targets.append(d.narrow(0, row0, m.shape[0]))
+        return targets
+
+    def _assemble(self, views: Iterable[tuple[str, torch.Tensor | None]], metas: Iterable[TensorMeta],
+                  got: Sequence[torch.Tensor | None] | None = None,
+                  whole: Sequence[torch.Tensor | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the loader gets: whole tensors as they are, except those received into their destination
+        (`got[i]` set); parts copied into their tensor's staging copy (or, once one part went to the tensor's
+        destination `whole[i]`, into its rows there); a staged tensor is yielded when its last row arrived.
+        Parts must come in row order (the sender plans them so)."""
+        for i, ((name, t), m) in enumerate(zip(views, metas, strict=True)):
+            dst = got[i] if got is not None and i < len(got) else None
+            if m.part is None:
+                if dst is None:
+                    yield name, t  # type: ignore[misc]
+                continue
+            row0, rows = m.part
+            n = m.shape[0]
+            if t is not None and t.shape != m.shape:  # a blocked reference: its rows in HF shape
+                t = t.reshape(m.shape)
+            staged = self._staged.get(name)
+            if staged is None:
+                if dst is not None and whole is not None and whole[i] is not None:
+                    staged = _Staged(whole[i], direct=True)  # the first part went there: so do the others
+                else:
+                    staged = _Staged(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device))  # type: ignore[union-attr]
+                self._staged[name] = staged
+            if row0 != staged.rows or tuple(staged.tensor.shape) != (rows, *m.shape[1:]):
+                raise ValidationError(f"tensor {name!r}: part at row {row0} of {rows} does not continue the "
+                                      f"{staged.rows} rows received")
+            if dst is None:
+                staged.tensor[row0:row0 + n].copy_(t)
+            staged.rows += n
+            if staged.rows == rows:
+                del self._staged[name]
+                if not staged.direct:
+                    yield name, staged.tensor
+
+    def finish(self, version: int | None, owner: str | None = None) -> None:
+        """End the round. `version` may be None where the engine keeps its own (vLLM does)."""
+        if not self.updating:
+            raise ValidationError("finish outside a round: call start_update first")
+        self._check_owner(owner, "finish")
+        if self._staged:
+            # A tensor split across chunks is half-loaded: this round was cut short (vLLM ends an aborted round
+            # with finish). End it as an abort: the version stays, and `dirty` too if a chunk was applied.
+            self.abort(owner)
+            return
+        self.updating = False
+        self.dirty = False
+        self.version = None if version is None else int(version)
+        if self.transport is not None:
+            self.transport.end_round()
+        self._rounds += 1
+        self._drop_stale_graphs()
+
+    @property
+    def graphs_held(self) -> int:
+        """Captured loads this receiver holds."""
+        return sum(isinstance(g, torch.cuda.CUDAGraph) for g in self._graphs.values())
+
+    def _drop_stale_graphs(self, rounds: int = 4) -> None:
+        """Captured loads no round of the last `rounds` replayed are dropped with their tile tables (~24 bytes per
+        64 KiB copied): a sender whose storages or chunking keep changing would otherwise pile them up."""
+        stale = [k for k, r in self._graph_used.items() if r < self._rounds - rounds]
+        for k in stale:
+            del self._graph_used[k]
+            self._graphs.pop(k, None)
+            self._keep.pop(k, None)
+
+    def abort(self, owner: str | None = None) -> None:
+        """End a failed round: the version stays; `dirty` stays True if any chunk was applied."""
+        if self.updating:
+            self._check_owner(owner, "abort")
+        if self.updating and self.transport is not None:
+            self.transport.end_round()
+        self.updating = False
+        self._staged.clear()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None

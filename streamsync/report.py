@@ -1,0 +1,65 @@
+"""What a push reports: `PushReport` per push, `ChunkDone` per chunk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from .trace import Trace
+
+if TYPE_CHECKING:
+    pass
+
+
+MiB = 1 << 20
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkDone:
+    """What `on_chunk` receives once a chunk was acknowledged by every engine and its buffer freed."""
+
+    push_id: str
+    version: int
+    chunk: int
+    chunks: int
+    bytes: int
+    tensors: int
+
+
+@dataclass
+class PushReport:
+    """What one push did. `stage_seconds` is each stage's busy time (sum of its spans)."""
+
+    push_id: str
+    version: int
+    seconds: float
+    bytes: int
+    chunks: int
+    stage_seconds: dict[str, float]
+    peak_bytes_inflight: int
+    max_chunks_alive: int
+    collectives: int
+    engines: list[str]
+    #: engine -> whether its prefix cache was reset after the round (absent when `reset_prefix_cache=False`)
+    cache_reset: dict[str, bool] = field(default_factory=dict)
+    #: milliseconds the interpreter spent in garbage collections during the push (any thread's)
+    gc_ms: float = 0.0
+    trace_path: str | None = None
+    trace: Trace | None = field(default=None, repr=False)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
+
+    def summary(self) -> str:
+        busy = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.stage_seconds.items())
+        return (f"push {self.push_id} v{self.version}: {self.bytes / MiB:.1f} MiB in {self.chunks} chunks, "
+                f"{self.seconds * 1e3:.0f} ms ({self.gbps:.2f} GB/s) to {len(self.engines)} engine(s); "
+                f"busy: {busy}; peak in flight {self.peak_bytes_inflight / MiB:.1f} MiB"
+                + (f"; garbage collection {self.gc_ms:.0f} ms" if self.gc_ms >= 1 else "")
+                + (f"; trace {self.trace_path}" if self.trace_path else ""))

@@ -1,0 +1,280 @@
+"""The collective transport's process group: rendezvous, backend objects, broadcasts, teardown."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import torch
+
+from ...errors import TransportError, ValidationError
+
+if TYPE_CHECKING:
+    pass
+
+
+BACKENDS = ("gloo", "nccl")
+
+CLOSE_TIMEOUT = 10.0
+
+T = TypeVar("T")
+
+
+async def _in_thread(fn: Callable[..., T], *args: object) -> T:
+    """Run a blocking collective call off the event loop; a cancelled push does not wait for it."""
+    try:
+        return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+    except TypeError:  # anyio < 4.1 spells it `cancellable`
+        return await anyio.to_thread.run_sync(fn, *args, cancellable=True)  # type: ignore[call-arg]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def host_store(addr: str, port: int, world: int, timeout: timedelta) -> Any:
+    """The rendezvous `TCPStore`, listening on `addr` only.
+
+    TCPStore's own server binds every interface whatever host name it is given; a socket bound here and
+    handed over (`master_listen_fd`) keeps the store off the other interfaces."""
+    import torch.distributed as dist
+
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(max(128, 2 * world))
+            bound = sock.getsockname()[1]
+        except OSError:
+            sock.close()
+            raise
+        # The store owns the descriptor from here on (it closes it when it goes).
+        return dist.TCPStore(addr, bound, world, True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=sock.detach())
+    except (RuntimeError, OSError) as e:
+        raise TransportError(f"cannot host the rendezvous on {addr}:{port}: {e}") from e
+
+
+def make_group(backend: str, store: Any, rank: int, world_size: int, timeout: timedelta,
+               host: str) -> Any:
+    """A process-group backend object over `store` (never registered as a torch.distributed group)."""
+    pg = _new_backend(backend, store, rank, world_size, timeout, host)
+    seq = getattr(pg, "_set_sequence_number_for_group", None)
+    if seq is not None:  # as torch does for its own groups (keeps c10d's desync debugging consistent)
+        seq()
+    return pg
+
+
+@contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _new_backend(backend: str, store: Any, rank: int, world_size: int, timeout: timedelta, host: str) -> Any:
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+        if _is_loopback(host):  # everyone is on this host: talk over loopback, whatever the hostname says
+            opts = ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            return ProcessGroupGloo(store, rank, world_size, opts)
+        return ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise TransportError("this torch build has no NCCL; use backend='gloo'")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        # The broadcasts are the critical path: their kernels go before the pack and unpack copies that
+        # overlap them (those run on ordinary streams).
+        opts.is_high_priority_stream = True
+        # Read by the constructor: on a timed-out collective abort this group's communicator and raise in
+        # the waiter (2), instead of terminating the process (torch's default, 3).
+        with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+            return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValidationError(f"collective backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _bcast_opts() -> Any:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return opts
+
+
+def broadcast(pg: Any, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+    """Blocking broadcast from rank 0. CUDA: returns when the bytes are in place on the device."""
+    if not tensor.is_cuda:
+        pg.broadcast([tensor], _bcast_opts()).wait()
+        return
+    with torch.cuda.device(tensor.device):
+        s = stream or torch.cuda.current_stream(tensor.device)
+        with torch.cuda.stream(s):
+            work = pg.broadcast([tensor], _bcast_opts())
+            work.wait()  # makes `s` wait for the collective's stream
+        s.synchronize()
+
+
+def launch_broadcast(pg: Any, tensor: torch.Tensor, stream: torch.cuda.Stream,
+                     after: torch.cuda.Event | None = None) -> torch.cuda.Event:
+    """Queue a broadcast of a CUDA tensor behind `after` on `stream`; returns the event that marks its end.
+    Blocks no host: NCCL's stream waits for `stream`, `stream` then waits for NCCL's."""
+    with torch.cuda.device(tensor.device), torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        work = pg.broadcast([tensor], _bcast_opts())
+        work.wait()
+        tensor.record_stream(stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
+
+
+def _coalesces(pg: Any) -> bool:
+    """Whether the backend groups collectives issued between `_start_coalescing()` and `_end_coalescing()` into
+    one launch. ProcessGroupNCCL does (ncclGroupStart/End, one Work for the group); gloo does not."""
+    try:
+        return bool(getattr(pg, "supports_coalescing", False)) and hasattr(pg, "_start_coalescing")
+    except RuntimeError:
+        return False
+
+
+def post_broadcasts(pg: Any, tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Issue one broadcast from rank 0 per tensor, in order; returns the Works to wait for.
+
+    Where the backend coalesces (NCCL) the broadcasts form one group: `ncclGroupStart`, one `ncclBroadcast`
+    per tensor, `ncclGroupEnd`, i.e. one kernel launch for all of them and one Work that ends when the last
+    one did (torch's `_coalescing_manager` makes the same calls through a registered `ProcessGroup`; this
+    backend object is not registered, so its own `_start_coalescing`/`_end_coalescing` are called, which take
+    no device). Each broadcast in the group still waits for the current stream (torch's syncStream), so the
+    caller queues its waits on that stream first. Elsewhere (gloo) one async broadcast per tensor: gloo
+    matches them by the tag each gets at issue, so every rank issuing them in the same order is enough.
+    Every rank must pass tensors of the same byte sizes in the same order (the layout decides both)."""
+    if not tensors:
+        return []
+    if len(tensors) > 1 and _coalesces(pg):
+        pg._start_coalescing()
+        try:
+            for t in tensors:
+                pg.broadcast([t], _bcast_opts())  # inside the group its own Work is not waited for: the group's is
+        except BaseException:
+            try:  # leave the group (ncclGroupEnd), or every later collective of this thread is swallowed
+                pg._end_coalescing()
+            except Exception:
+                pass
+            raise
+        work = pg._end_coalescing()
+        return [] if work is None else [work]
+    return [pg.broadcast([t], _bcast_opts()) for t in tensors]
+
+
+def broadcast_all(pg: Any, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream | None = None) -> None:
+    """Blocking broadcasts from rank 0 of every tensor (the host-ordered direct protocol). CUDA tensors:
+    returns when the bytes are in place on the device."""
+    if not tensors or not tensors[0].is_cuda:
+        for w in post_broadcasts(pg, tensors):
+            w.wait()
+        return
+    with torch.cuda.device(tensors[0].device):
+        s = stream or torch.cuda.current_stream(tensors[0].device)
+        with torch.cuda.stream(s):
+            for w in post_broadcasts(pg, tensors):
+                w.wait()
+        s.synchronize()
+
+
+def launch_broadcasts(pg: Any, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream,
+                      after: Sequence[torch.cuda.Event | None] = ()) -> torch.cuda.Event:
+    """Queue the broadcasts of CUDA tensors (one NCCL group) behind the events `after` on `stream`; returns
+    the event that marks their end. Blocks no host. Every tensor is marked used by `stream` (after `stream`
+    waited for the group), so memory freed meanwhile is not reused before the broadcasts read or wrote it."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        for ev in after:
+            if ev is not None:
+                stream.wait_event(ev)
+        for w in post_broadcasts(pg, tensors):
+            w.wait()  # `stream` waits for NCCL's stream
+        for t in tensors:
+            t.record_stream(stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
+
+
+class Stalled(TransportError):
+    """A collective did not finish in time: a peer died or froze."""
+
+
+def wait_event(ev: torch.cuda.Event, timeout: float, what: str) -> None:
+    """Wait for `ev` from the host for at most `timeout` seconds (polling: a stuck collective never returns
+    from `synchronize`). Polls at most 100 us apart: the sender's next broadcast launch waits on this."""
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while not ev.query():
+        if time.monotonic() > deadline:
+            raise Stalled(f"{what} did not finish within {timeout:.1f}s (a peer died or froze?)")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-4)
+
+
+def _abort(pg: Any) -> None:
+    """Tear the group down locally. `abort` first: `shutdown` finalizes NCCL communicators, which waits for
+    every peer and never returns when one is dead or frozen."""
+    for method in ("abort", "shutdown"):
+        fn = getattr(pg, method, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except Exception:  # best effort: the group may be half-built or already broken
+                pass
+
+
+def dispose(*objs: Any) -> threading.Thread:
+    """Abort process groups (and drop stores) in a daemon thread that holds the last references, so that no
+    destructor runs on the caller's thread either. Join it with a timeout; if it hangs, it is abandoned."""
+    box = [o for o in objs if o is not None]
+
+    def run() -> None:
+        while box:
+            o = box.pop()
+            if hasattr(o, "abort") or hasattr(o, "shutdown"):
+                _abort(o)
+            del o
+
+    t = threading.Thread(target=run, name="streamsync-collective-close", daemon=True)
+    t.start()
+    return t
+
+
+async def _join(t: threading.Thread, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while t.is_alive() and time.monotonic() < deadline:
+        await anyio.sleep(0.005)
+    return not t.is_alive()

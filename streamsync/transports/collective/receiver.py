@@ -1,0 +1,316 @@
+"""The collective receiving half (inside an engine worker)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...errors import TransportError, ValidationError
+from ...pack import Layout, TensorMeta, byte_view, dtype_from_name, unpack
+from ..base import Receiver
+from .group import (
+    BACKENDS,
+    CLOSE_TIMEOUT,
+    broadcast,
+    broadcast_all,
+    dispose,
+    launch_broadcast,
+    launch_broadcasts,
+    make_group,
+    wait_event,
+)
+from .sender import PROTOCOLS
+
+if TYPE_CHECKING:
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- receiver
+
+
+def _field(info: dict[str, Any], key: str, kind: type, *, lo: int = 0) -> Any:
+    v = info.get(key)
+    if kind is int and (type(v) is not int or v < lo):
+        raise ValidationError(f"collective init_info {key!r} must be an int >= {lo}, got {v!r:.80}")
+    if kind is float and (not isinstance(v, int | float) or isinstance(v, bool) or v <= 0):
+        raise ValidationError(f"collective init_info {key!r} must be a positive number, got {v!r:.80}")
+    if kind is str and (not isinstance(v, str) or not v or len(v) > 255):
+        raise ValidationError(f"collective init_info {key!r} must be a non-empty string, got {v!r:.80}")
+    return v
+
+
+class CollectiveReceiver(Receiver):
+    """Joins the sender's group at construction (blocks until every rank joined, or the timeout).
+
+    Rank: `rank_offset` + this worker's rank within its engine. Engines of one worker have rank 0; in a
+    multi-worker engine (`workers` > 1) that is `init_info["worker_rank"]` if given, else the worker's rank
+    in its engine's default torch.distributed group (how vLLM numbers its workers).
+
+    NCCL: two receive buffers; `open` posts the chunk's broadcast into one of them on a receive stream and
+    returns at once, the loader's copies (on the caller's current stream) wait for it on the device, and the
+    next chunk's broadcast goes into the other buffer meanwhile (module doc). `end_round` waits for all of it.
+    """
+
+    name = "collective"
+    SLOTS = 2
+
+    def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cpu") -> None:
+        super().__init__(init_info, device)
+        import torch.distributed as dist
+
+        backend = init_info.get("backend")
+        if backend not in BACKENDS:
+            raise ValidationError(f"collective init_info backend must be one of {BACKENDS}, got {backend!r:.40}")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise ValidationError(f"the nccl backend needs a CUDA receiver, got device {self.device}")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.group = _field(init_info, "group", str)
+        world = _field(init_info, "world_size", int, lo=2)
+        workers = _field(init_info, "workers", int, lo=1)
+        rank = _field(init_info, "rank_offset", int, lo=1) + self._worker_rank(init_info, workers)
+        if rank >= world:
+            raise ValidationError(f"collective rank {rank} outside a world of {world}")
+        addr = _field(init_info, "master_addr", str)
+        port = _field(init_info, "master_port", int, lo=1)
+        timeout = timedelta(seconds=_field(init_info, "timeout_s", float))
+        self.rank, self.world_size, self.backend = rank, world, backend
+        self.timeout = timeout.total_seconds()
+        self.close_timeout = CLOSE_TIMEOUT
+        self._pg: Any = None
+        try:
+            store = dist.TCPStore(addr, port, world, False, timeout=timeout)
+            self._pg = make_group(backend, dist.PrefixStore(self.group, store), rank, world, timeout, addr)
+            broadcast(self._pg, torch.zeros(1, dtype=torch.uint8, device=self.device if backend == "nccl" else "cpu"))
+        except RuntimeError as e:
+            if self._pg is not None:
+                dispose(self._pg).join(self.close_timeout)
+                self._pg = None
+            raise TransportError(f"cannot join collective group {self.group} as rank {rank}/{world} via "
+                                 f"{addr}:{port}: {e}") from e
+        self._store = store
+        self._seq = 0
+        self._bufs: list[torch.Tensor | None] = [None] * self.SLOTS
+        self._free: list[torch.cuda.Event | None] = [None] * self.SLOTS  # a slot's last load finished
+        self._views: dict[tuple[int, Layout], list[tuple[str, torch.Tensor]]] = {}
+        self._recv_stream: torch.cuda.Stream | None = None
+        self._load_streams: set[torch.cuda.Stream] = set()
+        self._queued = False  # device-ordered work may be queued (drained by end_round)
+
+    @staticmethod
+    def _worker_rank(info: dict[str, Any], workers: int) -> int:
+        if "worker_rank" in info:
+            r = _field(info, "worker_rank", int)
+        elif workers == 1:
+            r = 0
+        else:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise ValidationError("an engine of several workers needs 'worker_rank' in init_info or an "
+                                      "initialized torch.distributed default group")
+            r = dist.get_rank()
+        if r >= workers:
+            raise ValidationError(f"worker rank {r} outside an engine of {workers} workers")
+        return r
+
+    @property
+    def _nccl(self) -> bool:
+        return self.backend == "nccl"
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        buf = self._bufs[slot]
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None and self._nccl:  # its broadcast or loads may still be queued
+                self._drain()
+            self._bufs[slot] = None  # free the old one first
+            self._views.clear()
+            self._bufs[slot] = buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
+
+    @contextmanager
+    def open(self, update_info: dict[str, Any], nbytes: int | None = None, *, layout: Layout | None = None,
+             targets: list[torch.Tensor | None] | None = None,
+             before_write: Callable[[], None] | None = None) -> Iterator[torch.Tensor]:
+        """Receive the chunk; yield its receive buffer (module doc).
+
+        Direct protocol (the handle says so): needs the chunk's `layout`, and receives tensor i into
+        `targets[i]` where that is given (the whole tensor or, for a part, its rows of the destination: a
+        contiguous tensor of the meta's dtype and shape on this receiver's device), into its slot of the receive
+        buffer otherwise. On entry `targets[i]` is left set exactly where tensor i was (or is queued to be)
+        written there: those the caller must not load again; the others are set to None (the chunk protocol sets
+        them all to None). `before_write` is called before anything is written into a target."""
+        h = update_info.get("handle")
+        if not isinstance(h, dict):
+            raise ValidationError(f"collective handle must be {{group, seq, nbytes}}, got {h!r:.200}")
+        if h.get("group") != self.group:
+            raise ValidationError(f"chunk is for group {h.get('group')!r:.80}, this receiver joined {self.group!r}")
+        seq, size = h.get("seq"), h.get("nbytes")
+        if type(seq) is not int or seq != self._seq:
+            raise ValidationError(f"collective chunk sequence {seq!r:.40} out of step (expected {self._seq})")
+        if type(size) is not int or not 0 < size < 1 << 45:
+            raise ValidationError(f"collective chunk size must be a positive int, got {size!r:.40}")
+        if nbytes is not None and size != nbytes:  # before the receive buffer grows to what a handle claims
+            raise ValidationError(f"collective chunk {seq} is {size} bytes, its layout {nbytes}")
+        ordered = h.get("device_ordered", False)
+        if type(ordered) is not bool:
+            raise ValidationError(f"collective handle device_ordered must be a bool, got {ordered!r:.40}")
+        protocol = h.get("protocol", "chunk")
+        if protocol not in PROTOCOLS:
+            raise ValidationError(f"collective handle protocol must be one of {PROTOCOLS}, got {protocol!r:.40}")
+        if protocol == "direct" and layout is None:
+            raise ValidationError(f"collective chunk {seq} uses the direct protocol: its receiver must pass the "
+                                  "chunk's layout to open (one broadcast per tensor)")
+        if layout is not None and layout.nbytes != size:
+            raise ValidationError(f"collective chunk {seq} is {size} bytes, its layout {layout.nbytes}")
+        if targets is not None and layout is not None and len(targets) != len(layout.metas):
+            raise ValidationError(f"{len(targets)} targets for a layout of {len(layout.metas)} tensors")
+        if self._pg is None:
+            raise TransportError("collective receiver is closed")
+        if protocol == "direct":
+            assert layout is not None
+            with self._open_direct(seq, layout, targets, before_write, ordered and self._nccl) as buf:
+                yield buf
+            return
+        if targets is not None:  # the chunk protocol writes nothing but its receive buffer
+            targets[:] = [None] * len(targets)
+        if ordered and self._nccl:
+            with self._open_streamed(seq, size) as buf:
+                yield buf
+            return
+        if self._queued:  # the host protocol right after device-ordered chunks: their work is done first
+            self._drain()
+        buf = self._buffer(0, size)
+        self._seq += 1
+        try:
+            broadcast(self._pg, buf)
+        except RuntimeError as e:
+            raise TransportError(f"broadcast of chunk {seq} failed: {e}") from e
+        try:
+            yield buf
+        finally:
+            if buf.is_cuda:  # the loader's copies out of the buffer finish before the ack
+                torch.cuda.current_stream(buf.device).synchronize()
+
+    @contextmanager
+    def _open_streamed(self, seq: int, size: int) -> Iterator[torch.Tensor]:
+        slot = seq % self.SLOTS
+        buf = self._buffer(slot, size)
+        if self._recv_stream is None:
+            self._recv_stream = torch.cuda.Stream(self.device)
+        self._seq += 1
+        self._queued = True
+        try:
+            got = launch_broadcast(self._pg, buf, self._recv_stream, self._free[slot])
+        except RuntimeError as e:
+            raise TransportError(f"broadcast of chunk {seq} failed: {e}") from e
+        load = torch.cuda.current_stream(self.device)
+        self._load_streams.add(load)
+        load.wait_event(got)
+        try:
+            yield buf
+        finally:
+            # The ack: the loader's copies are queued on `load`; the next broadcast into this slot waits for them.
+            ev = self._free[slot] = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+
+    def _accepts(self, target: torch.Tensor | None, meta: TensorMeta) -> bool:
+        return (target is not None and target.device == self.device and target.is_contiguous()
+                and target.dtype == dtype_from_name(meta.dtype) and tuple(target.shape) == meta.shape)
+
+    @contextmanager
+    def _open_direct(self, seq: int, layout: Layout, targets: list[torch.Tensor | None] | None,
+                     before_write: Callable[[], None] | None, streamed: bool) -> Iterator[torch.Tensor]:
+        """One broadcast per tensor of the layout (none for an empty one), in layout order, as the sender posts
+        them: into its target where one is given and fits, else into its slot of the receive buffer (made only
+        if some tensor lands there). Device-ordered (NCCL): one group on the receive stream behind the slot's
+        last loads (staged tensors) and the current stream's work (targets: nothing queued before this chunk on
+        the engine's stream still reads or writes them); the current stream waits for the group."""
+        metas = layout.metas
+        tg: list[torch.Tensor | None] = targets if targets is not None else [None] * len(metas)
+        for i, m in enumerate(metas):
+            if tg[i] is not None and not self._accepts(tg[i], m):
+                tg[i] = None
+        staged = any(t is None and m.nbytes for t, m in zip(tg, metas, strict=True))
+        slot = seq % self.SLOTS
+        buf = (self._buffer(slot, layout.nbytes) if staged
+               else torch.empty(0, dtype=torch.uint8, device=self.device))
+        recvs = [byte_view(t) if t is not None else buf[m.offset: m.offset + m.nbytes]
+                 for t, m in zip(tg, metas, strict=True) if m.nbytes]
+        writes = any(t is not None for t in tg)
+        if writes and before_write is not None:
+            before_write()
+        self._seq += 1
+        if not streamed:
+            if self._queued:  # the host protocol right after device-ordered chunks: their work is done first
+                self._drain()
+            try:
+                broadcast_all(self._pg, recvs)
+            except RuntimeError as e:
+                raise TransportError(f"broadcast of chunk {seq} failed: {e}") from e
+            try:
+                yield buf
+            finally:
+                if buf.is_cuda:  # the loader's copies out of the buffer finish before the ack
+                    torch.cuda.current_stream(buf.device).synchronize()
+            return
+        if self._recv_stream is None:
+            self._recv_stream = torch.cuda.Stream(self.device)
+        self._queued = True
+        load = torch.cuda.current_stream(self.device)
+        after: list[torch.cuda.Event | None] = [self._free[slot] if staged else None]
+        if writes:
+            engine = torch.cuda.Event()
+            engine.record(load)
+            after.append(engine)
+        try:
+            got = launch_broadcasts(self._pg, recvs, self._recv_stream, after)
+        except RuntimeError as e:
+            raise TransportError(f"broadcast of chunk {seq} failed: {e}") from e
+        self._load_streams.add(load)
+        load.wait_event(got)
+        try:
+            yield buf
+        finally:
+            if staged:  # the ack: the next broadcast into this slot waits for the loader's copies
+                ev = self._free[slot] = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+
+    def views(self, buf: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
+        """The chunk's views, made once per (receive buffer, layout): a steady push unpacks nothing."""
+        key = (buf.data_ptr(), layout)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            views = self._views[key] = list(unpack(buf, layout))
+        return views
+
+    def _drain(self) -> None:
+        """Every queued broadcast and load has finished (bounded by the group timeout)."""
+        for s in [self._recv_stream, *self._load_streams]:
+            if s is not None:
+                ev = torch.cuda.Event()
+                ev.record(s)
+                wait_event(ev, self.timeout, f"collective receive of group {self.group}")
+        self._queued = False
+
+    def end_round(self) -> None:
+        """Before a round's end is acknowledged, every broadcast and copy into the parameters has finished."""
+        if self._nccl and self._pg is not None:
+            self._drain()
+
+    def close(self) -> None:
+        """Abort the group (bounded: returns within `close_timeout` whatever the sender does)."""
+        pg, store = self._pg, getattr(self, "_store", None)
+        self._pg = self._store = None
+        if pg is not None or store is not None:
+            dispose(pg, store).join(self.close_timeout)
+            del pg, store
+        self._bufs = [None] * self.SLOTS
+        self._free = [None] * self.SLOTS
+        self._views.clear()
