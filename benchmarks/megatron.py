@@ -66,8 +66,8 @@ def _worker(rank: int, world_size: int, port: int, secret: str, workload: str,
         await sync.connect()
 
         async def push(mode: str) -> dict[str, float]:
-            source = MegatronSource(model, hf_config=tiny.hf_config(), coalesce=mode != "per_parameter",
-                                    bucket_bytes=args.bucket_mib * MiB if mode == "bucketed" else None)
+            bucket = {"coalesced": None, "bucketed": args.bucket_mib * MiB, "per_parameter": 1}[mode]
+            source = MegatronSource(model, hf_config=tiny.hf_config(), bucket_bytes=bucket)
             report = await sync.push(source)
             out.update(chunks=report.chunks, bytes=report.bytes)
             return {"seconds": report.seconds, "gather_s": report.stage_seconds["gather"],

@@ -380,7 +380,7 @@ def _tp2_worker(rank: int, world: int, key: str, shape: dict[str, Any], ports: d
         transport = CollectiveTransport(setup.backend, device=setup.dev[0], group_timeout=120) if rank == 0 else None
         sync = WeightSync(engines, transport=transport, chunk_bytes=chunk, timeout=600)
         await sync.connect()
-        sources = {m: MegatronSource(model, coalesce=m == "coalesced", **options)
+        sources = {m: MegatronSource(model, bucket_bytes=None if m == "coalesced" else 1, **options)
                    for m in ("coalesced", "per_parameter")}
         runs: dict[str, list[dict[str, float]]] = {m: [] for m in sources}
         exact = True

@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any
 
@@ -36,10 +39,26 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
     )
 
 
+#: set where only warnings and errors are logged (ranks that only take part in gathers: `quiet`)
+_QUIET: ContextVar[bool] = ContextVar("streamsync_quiet", default=False)
+
+
 def get_logger(**bound: object) -> structlog.typing.FilteringBoundLogger:
+    if _QUIET.get():
+        return quiet_logger(**bound)
     if not structlog.is_configured():
         configure()
     return structlog.get_logger("streamsync").bind(**bound)
+
+
+@contextmanager
+def quiet(on: bool = True) -> Iterator[None]:
+    """In this context (its tasks included) `get_logger` logs warnings and errors only."""
+    token = _QUIET.set(on)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
 
 
 def quiet_logger(**bound: object) -> structlog.typing.FilteringBoundLogger:
@@ -48,3 +67,9 @@ def quiet_logger(**bound: object) -> structlog.typing.FilteringBoundLogger:
         configure()
     return structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
                                  logger_factory_args=("streamsync",)).bind(**bound)
+
+
+def bound(**values: object) -> AbstractContextManager[object]:
+    """Bind `values` (push, version, stage, chunk) to every event logged in this context, its tasks included:
+    bound once where a push, a stage's work on a chunk, ... begins, not passed along as arguments."""
+    return structlog.contextvars.bound_contextvars(**values)

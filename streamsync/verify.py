@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .engines.base import Engine
+
 # bf16 weights, fp32 accumulation in vLLM and transformers, activations rounded to bf16 between ops in
 # different places: measured differences here stay under ~0.1 nats on the tiny model; a wrong or stale weight
 # or a stale cached prefix moves logprobs by whole nats.
@@ -47,14 +49,11 @@ def long_prompt(vocab_size: int, n: int = 200, *, seed: int = 0, skip_below: int
     return (torch.randint(skip_below, vocab_size, (n,), generator=gen)).tolist()
 
 
-async def verify_outputs(engine: object, reference: torch.nn.Module, prompt_ids: Sequence[int], *,
+async def verify_outputs(engine: Engine, reference: torch.nn.Module, prompt_ids: Sequence[int], *,
                          max_tokens: int = 8, tol: float = DEFAULT_TOL) -> GenerationCheck:
-    """Greedy-decode `prompt_ids` on `engine` (any engine with `greedy`: the vLLM clients) and compare every
+    """Greedy-decode `prompt_ids` on `engine` (an engine that generates: the vLLM clients) and compare every
     step with `reference` (a transformers model holding the weights the engine should compute with)."""
-    greedy = getattr(engine, "greedy", None)
-    if greedy is None:
-        raise TypeError(f"engine {getattr(engine, 'name', engine)!r} cannot generate (no greedy())")
-    tokens, logprobs = await greedy(list(prompt_ids), max_tokens)
+    tokens, logprobs = await engine.greedy(list(prompt_ids), max_tokens)
     ref = reference_logprobs(reference, prompt_ids, tokens)
     check = compare_generation(ref, tokens, logprobs, tol)
     check.tokens = list(tokens)

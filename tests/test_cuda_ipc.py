@@ -20,6 +20,7 @@ from streamsync.testing.gpu import gpu
 from streamsync.testing.gpu import perturb as _perturb
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.transports.cuda_ipc import CudaIpcTransport, parse_handle
+from streamsync.transports.refs import reference_view
 
 CHUNK = 1 << 20
 
@@ -59,14 +60,13 @@ def test_malformed_ipc_handles_are_refused_before_anything_is_opened(path, value
 
 def test_per_buffer_caches_start_over_but_keep_exports_when_they_grow_too_large():
     from streamsync.transports.pool import PoolBuffer
-    from streamsync.transports.pool import remember as _remember
 
     pb = PoolBuffer(torch.empty(0, dtype=torch.uint8), 0, "0123456789abcdef")
-    pb.extra.update({0: "export of engine 0", "ready": "event"})
+    pb.exports[0] = {"export of": "engine 0"}
     for i in range(600):
-        _remember(pb, ("graph", i), False)
-    assert pb.extra[0] == "export of engine 0" and pb.extra["ready"] == "event"
-    assert sum(isinstance(k, tuple) for k in pb.extra) <= 512 and pb.extra[("graph", 599)] is False
+        pb.cache[("graph", i)] = False
+    assert pb.exports[0] == {"export of": "engine 0"}
+    assert len(pb.cache) <= 512 and pb.cache[("graph", 599)] is False
 
 
 def _ref(name="q", dtype="bfloat16", hf=(8, 4), offset=0, shape=(8, 4), stride=(4, 1), part=None) -> list:
@@ -75,14 +75,12 @@ def _ref(name="q", dtype="bfloat16", hf=(8, 4), offset=0, shape=(8, 4), stride=(
 
 
 def test_a_reference_is_a_view_of_the_mapped_storage_in_hf_or_blocked_shape():
-    from streamsync.transports.cuda_ipc import CudaIpcReceiver
-
     storage = torch.arange(2 * 6 * 4, dtype=torch.bfloat16).view(torch.uint8)  # a fused [2 groups x 6 rows, 4]
-    meta, t = CudaIpcReceiver._ref_view(_ref(hf=(2, 4), offset=8 * 2, shape=(2, 4)), storage)
+    meta, t = reference_view(_ref(hf=(2, 4), offset=8 * 2, shape=(2, 4)), storage)
     assert meta.name == "q" and meta.shape == (2, 4) and t.data_ptr() == storage.data_ptr() + 16
     assert torch.equal(t, torch.arange(8, 16, dtype=torch.bfloat16).view(2, 4))
     # Q of an interleaved QKV: 4 of every 6 rows. No HF-shaped view exists: the blocked view comes back.
-    meta, t = CudaIpcReceiver._ref_view(_ref(hf=(8, 4), shape=(2, 4, 4), stride=(24, 4, 1)), storage)
+    meta, t = reference_view(_ref(hf=(8, 4), shape=(2, 4, 4), stride=(24, 4, 1)), storage)
     assert t.shape == (2, 4, 4) and meta.shape == (8, 4)
     fused = torch.arange(48, dtype=torch.bfloat16).view(2, 6, 4)
     assert torch.equal(t.reshape(8, 4), fused[:, :4].reshape(8, 4))
@@ -90,19 +88,17 @@ def test_a_reference_is_a_view_of_the_mapped_storage_in_hf_or_blocked_shape():
 
 @pytest.mark.parametrize("nbytes", [96, 95])  # 95: no bf16 view of the whole storage, each view is a slice
 def test_views_through_the_typed_storage_cache_are_the_views_made_without_it(nbytes):
-    from streamsync.transports.cuda_ipc import CudaIpcReceiver
-
     storage = torch.arange(48, dtype=torch.bfloat16).view(torch.uint8)[:nbytes]
     typed: dict = {}
     for ref in (_ref(hf=(2, 4), offset=8 * 2, shape=(2, 4)), _ref(hf=(8, 4), shape=(2, 4, 4), stride=(24, 4, 1)),
                 _ref(dtype="float16", hf=(4, 4), offset=32, shape=(4, 4))):
-        (m1, a), (m2, b) = CudaIpcReceiver._ref_view(ref, storage), CudaIpcReceiver._ref_view(ref, storage, typed=typed)
+        (m1, a), (m2, b) = reference_view(ref, storage), reference_view(ref, storage, typed=typed)
         assert m1 == m2 and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
         assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
     assert set(typed) == {torch.bfloat16, torch.float16}
     assert all((v is None) == (nbytes % 2 == 1) for v in typed.values())
     with pytest.raises(ValidationError, match="outside"):  # the cache changes nothing about the bounds
-        CudaIpcReceiver._ref_view(_ref(offset=64), storage, typed=typed)
+        reference_view(_ref(offset=64), storage, typed=typed)
 
 
 @pytest.mark.parametrize("ref, why", [
@@ -117,10 +113,8 @@ def test_views_through_the_typed_storage_cache_are_the_views_made_without_it(nby
     (_ref(part=(6, 8)), "part"),                                        # rows outside the whole tensor
 ])
 def test_malformed_references_are_refused_before_a_view_is_made(ref, why):
-    from streamsync.transports.cuda_ipc import CudaIpcReceiver
-
     with pytest.raises(ValidationError, match=why):
-        CudaIpcReceiver._ref_view(ref, torch.zeros(64, dtype=torch.uint8))
+        reference_view(ref, torch.zeros(64, dtype=torch.uint8))
 
 
 _DRIVER_EXPORT = {"driver": 1, "gpu": "GPU-00000000-0000-0000-0000-000000000000",
@@ -160,7 +154,7 @@ async def test_ipc_round_trip_is_bit_exact_and_reuses_buffers(cuda_mixed):
     # buffer; their per-chunk budget is the transport's ref_bytes, 4 GiB)
     # (zero-size tensors have no storage to refer to: packed)
     assert sync.transport.name == "cuda_ipc" and report.chunks == 1
-    assert sync.transport.ref_stats["referenced"] >= len(mixed_specs()) - 2
+    assert report.trace.counts["refs.referenced"] >= len(mixed_specs()) - 2
     assert await engine.checksums() == digests(model.state_dict().items())
     _perturb(model, 1)
     await sync.push(model, max_inflight=1)
@@ -169,21 +163,20 @@ async def test_ipc_round_trip_is_bit_exact_and_reuses_buffers(cuda_mixed):
     await sync.close()
 
 
-@pytest.mark.parametrize("release", ["event", "sync"])
 @gpu
-async def test_ipc_into_fused_receiver_and_buffers_are_freed_after_receivers_let_go(tmp_path, release):
+async def test_ipc_into_fused_receiver_and_buffers_are_freed_after_receivers_let_go(tmp_path):
     specs = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
     model = StateModule(specs, fill="random", seed=3, device="cuda")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(release=release, ref_bytes=CHUNK), chunk_bytes=CHUNK)
+        sync = WeightSync([engine], transport=CudaIpcTransport(ref_bytes=CHUNK), chunk_bytes=CHUNK)
         for window in (4, 1, 4):
             _perturb(model, window)
-            await sync.push(model, max_inflight=window)
+            report = await sync.push(model, max_inflight=window)
             assert await engine.checksums(device=True) == device_digests(model.state_dict().items())
-        assert sync.transport.ref_stats["referenced"] > 0  # one copy: the pool holds only what is packed
+        assert report.trace.counts["refs.referenced"] > 0  # one copy: the pool holds only what is packed
         await sync.close()
     torch.cuda.ipc_collect()  # the receiver unmapped at shutdown: the pool's memory comes back
     assert torch.cuda.memory_allocated() <= base + (64 << 10)
@@ -208,9 +201,8 @@ async def test_a_tied_fused_receivers_head_is_the_pushed_embedding_on_the_gpu(tm
         await sync.close()
 
 
-@pytest.mark.parametrize("release", ["event", "sync"])
 @gpu
-async def test_float32_weights_are_cast_to_the_receivers_dtype_by_the_pack_copy(tmp_path, release):
+async def test_float32_weights_are_cast_to_the_receivers_dtype_by_the_pack_copy(tmp_path):
     # The source hands over float32 tensors for bfloat16 slots (cast=False); the IPC pack casts them while
     # copying, small ones in the batched path too. The receiver's bits must be exactly `.to(bfloat16)`'s.
     specs = qwen3_specs(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
@@ -218,7 +210,7 @@ async def test_float32_weights_are_cast_to_the_receivers_dtype_by_the_pack_copy(
     model = StateModule(fp32, fill="random", seed=5, device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(release=release), chunk_bytes=CHUNK,
+        sync = WeightSync([engine], transport=CudaIpcTransport(), chunk_bytes=CHUNK,
                           source_options={"dtype": torch.bfloat16})
         for window in (4, 1):
             _perturb(model, window)
@@ -249,37 +241,18 @@ async def test_captured_packs_carry_every_new_weight_and_new_addresses_fall_back
             assert await engine.checksums(device=True) == want, f"push {step}"
             return report
 
+        def graphs(report: Any) -> tuple[int, int]:  # (packs captured, packs replayed) in that push
+            c = report.trace.counts
+            return c.get("pack_graphs_captured", 0), c.get("pack_graphs_replayed", 0)
+
         report = await push_and_check(1)
-        assert transport.graph_stats == {"replayed": 0, "captured": 0}
-        await push_and_check(2)
-        assert transport.graph_stats["captured"] == report.chunks
-        await push_and_check(3)
-        assert transport.graph_stats["replayed"] == 2 * report.chunks
+        assert graphs(report) == (0, 0)
+        assert graphs(await push_and_check(2)) == (report.chunks, report.chunks)  # captured, then replayed
+        assert graphs(await push_and_check(3)) == (0, report.chunks)
         with torch.no_grad():
             for p in model.parameters():
                 p.data = p.data.clone()
-        replayed = transport.graph_stats["replayed"]
-        await push_and_check(4)
-        assert transport.graph_stats["replayed"] == replayed
-        await sync.close()
-
-
-@gpu
-async def test_the_acknowledgement_mode_can_change_between_pushes(tmp_path):
-    # Event acks, then the plain protocol (the receiver waits for its copies), then events again, on one
-    # transport and one set of exported buffers; a slow receiver GPU makes any missed wait show.
-    specs = qwen3_specs(vocab=4096, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=768)
-    model = StateModule(specs, fill="random", seed=8, device="cuda")
-    with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True,
-                         gpu_delay_ms=2) as rp:
-        engine = rp.engine()
-        transport = CudaIpcTransport(ref_bytes=CHUNK // 2)
-        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK // 2, max_inflight=2)
-        for step, mode in enumerate(("event", "sync", "event", "sync")):
-            transport.release = mode
-            _perturb(model, 20 + step)
-            await sync.push(model)
-            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), mode
+        assert graphs(await push_and_check(4))[1] == 0  # new addresses: plain copies
         await sync.close()
 
 
@@ -304,16 +277,15 @@ async def test_a_buffer_is_not_repacked_before_a_slow_receiver_copied_it_out(tmp
         await sync.close()
 
 
-@pytest.mark.parametrize("release", ["event", "sync"])
 @gpu
-async def test_a_receiver_does_not_read_a_chunk_before_its_pack_ran(tmp_path, release):
+async def test_a_receiver_does_not_read_a_chunk_before_its_pack_ran(tmp_path):
     # The trainer's stream is busy (~20 ms) when the push starts, so every pack runs late on the device;
     # with release events the handles go out at once and only the ready events hold the receiver back.
     specs = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
     model = StateModule(specs, fill="random", seed=6, device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(release=release, ref_bytes=CHUNK), chunk_bytes=CHUNK)
+        sync = WeightSync([engine], transport=CudaIpcTransport(ref_bytes=CHUNK), chunk_bytes=CHUNK)
         for step in range(2):
             _perturb(model, 20 + step)
             torch.cuda._sleep(int(40e6))
@@ -342,20 +314,23 @@ async def test_one_copy_sends_views_by_reference_packs_the_rest_and_the_trainer_
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK, source_options={"dtype": torch.bfloat16})
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        peaks = []
+        peaks, reports = [], []
         for step in range(3):
             _perturb(model, 30 + step)
             torch.cuda.reset_peak_memory_stats()
-            report = await sync.push(model)
+            reports.append(await sync.push(model))
             peaks.append(torch.cuda.max_memory_allocated() - base)
             want = device_digests((n, t.to(torch.bfloat16)) for n, t in model.state_dict().items())
             assert await engine.checksums(device=True) == want, f"push {step}"
-        assert report.chunks == 1  # the packed norms fit one chunk's budget; referenced bytes fill their own
-        refs, n_packed = transport.ref_stats["referenced"], transport.ref_stats["packed"]
+        assert reports[-1].chunks == 1  # the packed norms fit one chunk's budget; referenced bytes fill their own
+        counts = [r.trace.counts for r in reports]
+        refs = sum(c.get("refs.referenced", 0) for c in counts)
+        n_packed = sum(c.get("refs.packed", 0) for c in counts)
         items = [s.name for p in sync.plan(model)[1] for s in p.specs]  # split tensors: one item per part
         assert refs == 3 * sum(1 for n in items if "norm" not in n) and n_packed == 3 * (len(items) - refs // 3)
         # Exports: one per storage, made on the first push only.
-        assert transport.ref_stats["exports"] == sum(1 for n in model.state_dict() if "norm" not in n)
+        exports = [c.get("refs.exports", 0) for c in counts]
+        assert exports == [sum(1 for n in model.state_dict() if "norm" not in n), 0, 0]
         # The trainer's extra memory is the packed norms' buffers, not the model.
         assert max(peaks) <= 4 * max(packed, 4096) + (1 << 20) < _nbytes(model.parameters()) // 4, peaks
         await sync.close()
@@ -374,9 +349,9 @@ async def test_one_copy_never_reads_a_replaced_or_resized_storage(tmp_path, ipc)
         transport = CudaIpcTransport(ref_bytes=CHUNK, ipc=ipc)
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK)
         await sync.push(model)
-        assert all((ex.ipc.get("driver") == 1) == (ipc == "driver") for ex in transport._exports.values())
+        assert all((ex.data.get("driver") == 1) == (ipc == "driver") for ex in transport.refs.exports())
         params = list(model.parameters())
-        n_storages = len(transport._exports)
+        n_storages = len(list(transport.refs.exports()))
         for step in range(3):
             with torch.no_grad():
                 for i, p in enumerate(params):
@@ -393,7 +368,7 @@ async def test_one_copy_never_reads_a_replaced_or_resized_storage(tmp_path, ipc)
             assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), step
             del junk
             # Storages no push uses any more are dropped on both sides: the count stays the model's.
-            assert len(transport._exports) == n_storages
+            assert len(list(transport.refs.exports())) == n_storages
         await sync.close()
 
 
@@ -522,11 +497,11 @@ async def test_moe_experts_by_reference_replay_coalesced_copies_and_stay_exact(t
         sync = WeightSync([engine], transport=transport)
         for step in range(4):
             _perturb(model, 110 + step)
-            await sync.push(model)
+            report = await sync.push(model)
             assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), step
         graphs = (await engine.call("status"))["graphs"]
         assert graphs["captured"] >= 1 and graphs["replayed"] >= 1
-        assert transport.ref_stats["referenced"] > 0
+        assert report.trace.counts["refs.referenced"] > 0
         fuse_fc1()  # new storages for every expert
         for step in range(3):
             _perturb(model, 120 + step)
@@ -582,8 +557,8 @@ async def test_captured_loads_with_and_without_the_copy_kernel_stay_exact(tmp_pa
 
 
 class _Tamper(ReceiverEngine):
-    async def update(self, update_info: dict[str, Any]) -> None:
-        info = copy.deepcopy(update_info)
+    async def update(self, message: Any) -> None:
+        info = copy.deepcopy(message.wire())
         info["handle"]["ipc"]["gpu"] = "GPU-00000000-0000-0000-0000-000000000000"
         await super().update(info)
 

@@ -11,6 +11,7 @@ from streamsync.checksum import device_digests, digests
 from streamsync.models.megatron import TinyModel
 from streamsync.models.synthetic import StateModule, perturb_, qwen3_specs, save_specs
 from streamsync.pack import Fusion, Layout, TensorSpec, fuse_layout, fusions_from_json, plan_layout
+from streamsync.plan.chunk import layout_key as _key
 from streamsync.testing.fused import FusedModel
 from streamsync.testing.receiver import ReceiverProcess
 
@@ -68,12 +69,21 @@ async def test_moe_experts_arrive_stacked_and_bit_exact(tmp_path, engine_layout)
     model = StateModule(specs, fill="random", seed=3)
     with ReceiverProcess(str(save_specs(specs, tmp_path / "moe.json")), threads=1, fused=True) as rp:
         engine = rp.engine()
+        layouts = []  # the layouts the engine received
+        update = engine.update
+
+        async def recorded(message):
+            layouts.append(message.layout_json)
+            await update(message)
+
+        engine.update = recorded
         sync = WeightSync([engine], chunk_bytes=1 << 20, engine_layout=engine_layout)
         for step in range(2):
             perturb_(model, step)
             await sync.push(model)
             assert await engine.checksums() == digests(model.state_dict().items())
-        fused = [js for v in engine.__dict__.get("_fused_layouts", {}).values() if v for js in [v[0]]]
+        plan_keys = {p.layout_key for p in sync.plan(model)[1]}
+        fused = {_key(js): js for js in layouts if _key(js) not in plan_keys}.values()  # converted, each once
         names = {t[0].rsplit(".", 1)[-1] if "experts" in t[0] else t[0].split(".")[-2]
                  for js in fused for t in js["tensors"]}
         if engine_layout:

@@ -1,4 +1,4 @@
-"""The segment copy (streamsync.kernels): which copies become byte runs, and its kernel run bit for bit.
+"""The segment copy (streamsync.receiver.kernels): which copies become byte runs, and its kernel run bit for bit.
 
 On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, read when the module is imported: a fresh
 process); on a GPU `test_kernels.py` and `test_cuda_ipc.py` run it compiled, inside the receiver's captured loads."""
@@ -67,7 +67,7 @@ def test_the_kernel_copies_bit_for_bit_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from streamsync import kernels
+        from streamsync.receiver import kernels
         g = torch.Generator().manual_seed(0)
         fused = torch.randn(4, 6 * 16, 64, generator=g).to(torch.bfloat16)
         big = torch.randn(3, kernels.TILE, generator=g)  # runs of several tiles, and a ragged last tile

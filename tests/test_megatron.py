@@ -43,7 +43,7 @@ TWO = [
     Case("qwen3-moe tp2 (expert tp2)", MOE, tp=2, seed=6),
     Case("qwen3 dp2 (unsharded)", QWEN3, seed=7),
     Case("qwen3 tp2 1 MiB chunks", QWEN3, tp=2, seed=8, chunk_bytes=1 << 20),
-    Case("qwen3 tp2 1 MiB chunks per-parameter", QWEN3, tp=2, seed=9, chunk_bytes=1 << 20, coalesce=False),
+    Case("qwen3 tp2 1 MiB chunks per-parameter", QWEN3, tp=2, seed=9, chunk_bytes=1 << 20, bucket_bytes=1),
     # BlockingWeightSync on every rank from a plain loop: three pushes, no anyio.run in the trainer
     Case("qwen3 tp2 blocking", QWEN3, tp=2, seed=10, pushes=3, blocking=True),
 ]
@@ -120,7 +120,8 @@ def test_receiver_holds_the_hf_weights_bit_for_bit(request: pytest.FixtureReques
     assert all(not r["is_sender"] for r in _ranks(request, name)[1:])
 
 
-@pytest.mark.parametrize("name", [c.name for c in TWO + FOUR if c.coalesce and (c.tp, c.pp, c.ep) != (1, 1, 1)])
+@pytest.mark.parametrize("name", [c.name for c in TWO + FOUR
+                                  if c.bucket_bytes is None and (c.tp, c.pp, c.ep) != (1, 1, 1)])
 def test_one_collective_per_group_dtype_and_chunk(request: pytest.FixtureRequest, name: str) -> None:
     case = CASES[name]
     ranks = _ranks(request, name)

@@ -47,12 +47,17 @@ def _recording(engine) -> list[dict]:
     seen: list[dict] = []
     update = engine.update
 
-    async def update_and_record(info):
-        seen.append(info["handle"])
-        await update(info)
+    async def update_and_record(message):
+        seen.append(dict(message.handle))
+        await update(message)
 
     engine.update = update_and_record
     return seen
+
+
+def _refs(report) -> dict[str, int]:
+    """What the push sent by reference and packed, and the exports it made (the trace's counts)."""
+    return {k: report.trace.counts.get(f"refs.{k}", 0) for k in ("referenced", "packed", "exports")}
 
 
 @pytest.fixture
@@ -71,8 +76,7 @@ async def test_a_push_by_reference_is_bit_exact_and_a_second_one_sends_only_ids(
     report = await sync.push(model)
     assert await engine.checksums() == digests(model.state_dict().items())
     n = len(SPECS)
-    counts = {k: v for k, v in transport.ref_stats.items() if k != "export_ms"}
-    assert counts == {"referenced": n, "packed": 0, "exports": n}, transport.ref_stats
+    assert _refs(report) == {"referenced": n, "packed": 0, "exports": n}, report.trace.counts
     assert report.chunks > 1 and all("refs" in h and "storages" in h for h in first)
     # The side effect: every parameter now lives in shared memory, moved once, in place.
     assert transport.moved_bytes == nbytes and all(p.untyped_storage().is_shared() for p in model.parameters())
@@ -81,11 +85,10 @@ async def test_a_push_by_reference_is_bit_exact_and_a_second_one_sends_only_ids(
 
     again = _recording(engine)
     perturb_(model, 1)  # in place: the same storages
-    await sync.push(model)
+    report = await sync.push(model)
     assert await engine.checksums() == digests(model.state_dict().items())
     assert again and all(set(h) & {"refs", "storages"} == set() and "refs_id" in h for h in again), again[0]
-    counts = {k: v for k, v in transport.ref_stats.items() if k != "export_ms"}
-    assert counts == {"referenced": 2 * n, "packed": 0, "exports": n}
+    assert _refs(report) == {"referenced": n, "packed": 0, "exports": 0}  # every storage exported already
     assert transport.moved_bytes == nbytes
     await sync.close()
 
@@ -120,12 +123,13 @@ async def test_parameters_in_one_flat_buffer_are_one_export_for_every_chunk(rx):
     engine = rx.engine()
     transport = ShmTransport(one_copy=True, ref_bytes=CHUNK)
     sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK)
+    reports = []
     for step in range(2):
-        report = await sync.push(model)
+        reports.append(await sync.push(model))
         assert await engine.checksums() == digests(model.state_dict().items()), step
         perturb_(model, 30 + step)
-    assert report.chunks > 1 and transport.ref_stats["exports"] == 1, transport.ref_stats
-    assert transport.ref_stats["referenced"] == 2 * len(SPECS)
+    assert reports[-1].chunks > 1 and [_refs(r)["exports"] for r in reports] == [1, 0]
+    assert [_refs(r)["referenced"] for r in reports] == [len(SPECS)] * 2
     assert len(_torch_files(rx.pid)) == 1
     await sync.close()
 
@@ -136,7 +140,7 @@ async def test_replaced_and_resized_parameters_get_new_exports_and_old_storages_
     transport = ShmTransport(one_copy=True, ref_bytes=CHUNK)
     sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK)
     await sync.push(model)
-    n = len(transport._exports)
+    n = len(list(transport.refs.exports()))
     params = list(model.parameters())
     for step in range(2):
         old = _links(model)
@@ -151,12 +155,12 @@ async def test_replaced_and_resized_parameters_get_new_exports_and_old_storages_
             grown.data = big[:grown.numel()].view(grown.shape)
         junk = [torch.randn(p.shape).to(p.dtype).share_memory_() for p in params[:6]]  # take freed addresses
         perturb_(model, 10 + step)
-        await sync.push(model)
+        report = await sync.push(model)
         # (digests of clones: a tensor's `.numpy()` marks its storage non-resizable for good)
         assert await engine.checksums() == digests((k, t.clone()) for k, t in model.state_dict().items()), step
-        assert transport.ref_stats["exports"] == len(SPECS) + 3 * (step + 1)
+        assert _refs(report)["exports"] == 3  # the three new storages
         # Both sides hold exactly the storages this push used: the old ones are gone on each side.
-        assert len(transport._exports) == n
+        assert len(list(transport.refs.exports())) == n
         assert set(_torch_files(rx.pid)) == _links(model) and len(old - _links(model)) == 3
         del junk
     await sync.close()
@@ -185,8 +189,8 @@ async def test_a_cast_tensor_goes_packed_in_the_same_push_as_the_references(rx):
     handles = _recording(engine)
     report = await sync.push(model)
     norms = sum(1 for n in model.state_dict() if "norm" in n)
-    assert norms and transport.ref_stats["referenced"] == len(SPECS) - norms
-    assert transport.ref_stats["packed"] == norms
+    assert norms and _refs(report)["referenced"] == len(SPECS) - norms
+    assert _refs(report)["packed"] == norms
     assert report.chunks == 1 and "refs" in handles[0]  # one chunk carries both
     assert await engine.checksums() == digests((n, t.to(torch.bfloat16)) for n, t in model.state_dict().items())
     await sync.close()
@@ -244,8 +248,8 @@ async def test_one_copy_into_a_vllm_cpu_engine_is_bit_exact_and_generates(llm, m
     transport = ShmTransport(one_copy=True)
     sync = WeightSync([engine], transport=transport, chunk_bytes=1 << 20)
     await sync.connect()
-    await sync.push(trainer, version=sync.version + 1)
-    assert transport.ref_stats["referenced"] > 0 and transport.ref_stats["packed"] == 0
+    report = await sync.push(trainer, version=sync.version + 1)
+    assert _refs(report)["referenced"] > 0 and _refs(report)["packed"] == 0
     got = await engine.weight_digests()
     assert got == expected_digests(trainer.state_dict(), await engine.packed_modules())
     check = generation_matches_reference(llm, model_dir, trainer, prompt, before)

@@ -4,8 +4,9 @@
     abort_update(version)           a failed (or cancelled) push: end the round; an engine that may hold
                                     part of `version`'s weights says so (`state().mixed`), never the old version
     start_update()                  begin a round (vLLM: start_weight_update)
-    update(update_info)             once per chunk; returns after the engine applied the chunk and closed
-                                    its handle: that return is the acknowledgement the release stage waits on
+    update(message)                 once per chunk (`streamsync.message.UpdateMessage`); returns after the engine
+                                    applied the chunk and closed its handle: that return is the acknowledgement
+                                    the release stage waits on
     finish_update(version)          the round is complete; the engine now reports `version`
     reset_cache()                   after finish: drop what was computed under the old weights (prefix cache)
     pause(mode, clear_cache) / resume() / get_version() / state()
@@ -14,15 +15,22 @@ Every call has a timeout; a failed or late call raises EngineError naming the en
 happened ("engine process exited", "no reply in N s", or the engine's own refusal).
 
 Ownership: `WeightSync.connect` sets `owner` (one id per WeightSync). Engines that can carry it (the
-receiver process; every update_info carries it for the vLLM backend) refuse a round from another owner
-while one is open, so two syncs never mix two models under one version.
+receiver process; every message carries it for the vLLM backend) refuse a round from another owner while one
+is open, so two syncs never mix two models under one version.
+
+Capabilities are declared here, never probed: `device`, `remote` and `rendezvous_addr` (where it runs, for
+`transport="auto"`), `workers` (how many receiving processes it has), `fused_layout()` (its own fused tensors),
+`expected_weights()` (what a push must carry), `pause`/`resume` (whether it can freeze generation).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from ..message import UpdateMessage
 
 #: Version string a vLLM engine reports after a failed push left part of that push's weights in it.
 MIXED = "mixed:"
@@ -65,9 +73,8 @@ class Engine(ABC):
     owner: str | None = None
     #: "cpu" or "cuda:<uuid>"-style location, used to pick a transport when transport="auto".
     device: str = "cpu"
-    #: the engine's fused tensors by first HF member (`pack.Fusion`), set at connect from `fused_layout()`
-    #: where the engine has one: pushes then send a run of HF tensors as the one tensor it makes up.
-    fusions: dict | None = None
+    #: receiving processes (vLLM workers) behind the engine; each joins a collective group as a rank of its own
+    workers: int = 1
     #: the engine runs on another host (or GPU) than the sender: with transport="auto" only the collective
     #: transport reaches it (shared memory and CUDA IPC need the sender's host)
     remote: bool = False
@@ -85,7 +92,9 @@ class Engine(ABC):
     async def start_update(self) -> None: ...
 
     @abstractmethod
-    async def update(self, update_info: dict[str, Any]) -> None: ...
+    async def update(self, message: UpdateMessage | Mapping[str, Any]) -> None:
+        """Apply one chunk. `message`: what a push sends, or its wire form as a plain dict (`message.wire`):
+        receivers validate every field either way."""
 
     @abstractmethod
     async def finish_update(self, version: int) -> None: ...
@@ -108,11 +117,22 @@ class Engine(ABC):
         """HF name -> (dtype name, shape) the engine will accept, if it can say; checked before bytes move."""
         return None
 
+    async def fused_layout(self) -> dict[str, Any] | None:
+        """The engine's own fused tensors and their HF members, as plain data ({name: [[members], shape]},
+        `pack.fusions_from_json`), or None: it takes HF names only. Pushes then send each run of packed HF
+        tensors that makes up one of them as that one tensor (`WeightSync(engine_layout=True)`)."""
+        return None
+
     async def reset_cache(self) -> bool:
         """Drop state computed under the previous weights (vLLM: the prefix cache), so no later request reuses
         it. False when the engine could not (vLLM: requests kept across the push still hold cache blocks).
         Engines that cache nothing derived from weights return True."""
         return True
+
+    async def greedy(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """Greedy-decode `max_tokens` after `prompt_ids`: (tokens, the logprob of each), for checks of what the
+        engine computes with (`streamsync.verify`)."""
+        raise NotImplementedError(f"engine {self.name!r} cannot generate")
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         raise NotImplementedError(f"engine {self.name!r} cannot pause generation")

@@ -27,12 +27,13 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
 
 from ..errors import EngineError, ValidationError
+from ..message import UpdateMessage, wire
 from .base import Engine, EngineState
 
 #: the calls a sender may make on the actor's engine (nothing else is reachable through the mixin)
@@ -222,8 +223,8 @@ class RayVllmEngine(Engine):
     async def start_update(self) -> None:
         await self._call("start_update")
 
-    async def update(self, update_info: dict[str, Any]) -> None:
-        await self._call("update", update_info)
+    async def update(self, message: UpdateMessage | Mapping[str, Any]) -> None:
+        await self._call("update", wire(message))  # plain data across the actor boundary
 
     async def finish_update(self, version: int) -> None:
         await self._call("finish_update", version)

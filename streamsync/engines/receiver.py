@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from ..cache import BoundedCache
 from ..errors import EngineError
+from ..message import UpdateMessage, wire
 from ..receiver.protocol import HELLO_LINE, REPLY_LINE, proof, same_secret
 from .base import Engine, EngineState
 
@@ -34,7 +37,8 @@ class ReceiverEngine(Engine):
         self._stream: anyio.abc.ByteStream | None = None
         self._buffered: anyio.streams.buffered.BufferedByteReceiveStream | None = None
         self._lock = anyio.Lock()
-        self._known: set[str] = set()  # layout keys this connection's receiver has parsed
+        # layout keys this connection's receiver has parsed (it keeps as many: `WeightReceiver`)
+        self._known: BoundedCache[str, bool] = BoundedCache(4096)
         #: per op: [calls, seconds from request to reply, seconds encoding and writing the request] (for
         #: benchmarks: the rest, less the receiver's own busy time, is the socket and the two processes' waits)
         self.rpc_seconds: dict[str, list[float]] = {}
@@ -112,24 +116,23 @@ class ReceiverEngine(Engine):
         # timeout, when our push has failed anyway; another WeightSync may then take the receiver over.
         await self.call("start", owner=self.owner, stale_after=self.timeout)
 
-    async def update(self, update_info: dict[str, Any]) -> None:
+    async def update(self, message: UpdateMessage | Mapping[str, Any]) -> None:
         """Apply one chunk. A layout the receiver has parsed before goes by its key only (a dense chunk's
         layout is a few KB of JSON, an MoE chunk's tens of KB, each push); if the receiver no longer knows
         the key, the update is sent again with the layout."""
-        key = update_info.get("layout_key")
+        key = message.layout_key if isinstance(message, UpdateMessage) else message.get("layout_key")
         if isinstance(key, str) and key in self._known:
             try:
-                await self.call("update", info={k: v for k, v in update_info.items() if k != "layout"})
+                await self.call("update", info=wire(message, layout=False))
                 return
             except EngineError as e:
                 if "UnknownLayout:" not in str(e):
                     raise
-                self._known.discard(key)
-        await self.call("update", info=update_info)
-        if isinstance(key, str) and update_info.get("layout") is not None:
-            if len(self._known) >= 4096:
-                self._known.clear()
-            self._known.add(key)
+                del self._known[key]
+        info = wire(message)
+        await self.call("update", info=info)
+        if isinstance(key, str) and info.get("layout") is not None:
+            self._known[key] = True
 
     async def finish_update(self, version: int) -> None:
         await self.call("finish", version=version, owner=self.owner)

@@ -12,12 +12,13 @@ pending call waiting forever, so without it a dead engine would be reported only
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
 
 from ..errors import EngineError
+from ..message import UpdateMessage, wire
 from .base import MIXED, Engine, EngineState, parse_version
 
 #: seconds a call runs before its engine's liveness is checked, then the interval between checks
@@ -115,9 +116,9 @@ class _Guarded(Engine):
     async def _start(self) -> None:
         raise NotImplementedError
 
-    async def update(self, update_info: dict[str, Any]) -> None:
+    async def update(self, message: UpdateMessage | Mapping[str, Any]) -> None:
         self._touched = True
-        await self._update(update_info)
+        await self._update(wire(message))
 
     async def _update(self, update_info: dict[str, Any]) -> None:
         raise NotImplementedError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio
 import torch
@@ -15,6 +15,9 @@ from ..sources.base import Source
 from ..trace import Trace
 from ..transports.base import SendBuffer, Transport
 
+if TYPE_CHECKING:
+    from .messages import Messages
+
 
 class InjectedFault(RuntimeError):
     """Raised by `faults={stage: chunk}`: a failure on demand, for tests of the error paths."""
@@ -22,6 +25,8 @@ class InjectedFault(RuntimeError):
 
 @dataclass
 class Work:
+    """One chunk on its way through the stages."""
+
     plan: ChunkPlan
     gathered: object = None
     tensors: Sequence[torch.Tensor] | None = None
@@ -39,10 +44,13 @@ class Push:
     engines: Sequence[Engine]
     plans: Sequence[ChunkPlan]
     trace: Trace
+    messages: Messages | None = None  # builds each engine's UpdateMessage (senders only)
     max_inflight: int = 4
     timeout: float = 120.0
     faults: dict[str, int] = field(default_factory=dict)
+    #: chunk -> names of its tensors whose decoder layer continues in a later chunk (receivers keep no views)
     hold: dict[int, list[str]] = field(default_factory=dict)
+    owner: str | None = None  # the WeightSync's id: every message carries it (receivers refuse others)
     on_chunk: Callable[[int, int], None] | None = None
     live: dict[int, SendBuffer] = field(default_factory=dict)
     busy: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (chunk, since), for the watchdog
@@ -50,13 +58,28 @@ class Push:
     started: anyio.Event | None = None  # set once every engine opened its round: sends wait for it
     send_idle: bool = False  # the send stage waits for its next chunk
     send_took: anyio.Event | None = None  # set when the send stage takes the chunk the pack stage waits on
-    owner: str | None = None  # the WeightSync's id: every update_info carries it (receivers refuse others)
     sent_any: bool = False  # a chunk was handed to the engines: a failed push may have left them mixed
-    convert_kwargs: dict[str, Any] = field(default_factory=dict)
-    engine_layout: bool = True  # engines with `fusions` get fused tensors (pack.fuse_layout)
     bytes_alive: int = 0
     peak_bytes: int = 0
     chunks_alive: int = 0
     # chunk index -> (plan, converted tensors) as last checked: a source that hands back the same list for the
     # same plan (its cached views) is not checked again; kept across pushes by WeightSync
     checked: dict[int, tuple[ChunkPlan, Sequence[torch.Tensor]]] = field(default_factory=dict)
+
+    def where(self) -> dict[str, int]:
+        """stage -> chunk of the stages at work when the push was stopped."""
+        return {stage: chunk for stage, (chunk, _) in self.busy.items()} or dict(self.cut)
+
+    def running_stage(self) -> str:
+        return next(iter(self.where()), "start" if self.started is not None and not self.started.is_set()
+                    else "finish")
+
+    def running_chunk(self) -> int | None:
+        return next(iter(self.where().values()), None)
+
+    def running(self) -> str:
+        """What the push was doing, for a timeout or cancellation message."""
+        where = self.where()
+        if where:
+            return ", ".join(f"{stage} of chunk {chunk} was running" for stage, chunk in where.items())
+        return f"{self.running_stage()} was running"

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from ..errors import ValidationError
+from ..pack import dtype_name
 from .chunk import ChunkPlan
 
-if TYPE_CHECKING:
-    pass
+#: HF name -> (dtype name, shape): what an engine holds and a push must carry
+Expected = Mapping[str, tuple[str, tuple[int, ...]]]
 
 
 def nonfinite(tensors: Sequence[tuple[str, Any]]) -> list[str]:
@@ -16,8 +18,8 @@ def nonfinite(tensors: Sequence[tuple[str, Any]]) -> list[str]:
 
     One L1 norm per tensor: NaN and inf propagate through it, and a norm of finite weights overflowing would
     need weights near 1e29. `torch._foreach_norm` computes a whole group (one device and dtype) in a few
-    fused launches: per-tensor reductions were launch-bound (80 ms for the 4,719 tensors of an MoE shape on
-    an H200). No tensor-sized temporaries, unlike `isfinite(t).all()`.
+    fused launches, where per-tensor reductions are launch-bound on a GPU (an MoE has thousands of tensors).
+    No tensor-sized temporaries, unlike `isfinite(t).all()`.
     """
     import torch
 
@@ -46,7 +48,7 @@ def nonfinite(tensors: Sequence[tuple[str, Any]]) -> list[str]:
 VOCAB_NAMES = ("embed_tokens.weight", "lm_head.weight")
 
 
-def vocab_hint(plans: Sequence[ChunkPlan], expected: dict[str, tuple[str, tuple[int, ...]]]) -> str:
+def vocab_hint(plans: Sequence[ChunkPlan], expected: Expected) -> str:
     """Megatron pads its vocabulary (to a multiple of `make_vocab_size_divisible_by` x TP): when only
     the row count of an embedding or lm_head differs, say which option drops the padding rows."""
     for p in plans:
@@ -59,3 +61,37 @@ def vocab_hint(plans: Sequence[ChunkPlan], expected: dict[str, tuple[str, tuple[
                         "vocabulary; pass WeightSync(..., source_options={'hf_config': <the served model's config>})"
                         f" (or {{'vocab_size': {exp[1][0]}}}) so the padding rows are dropped")
     return ""
+
+
+def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected]) -> None:
+    """Refuse a plan that names a tensor twice, or that does not match what an engine holds (`expected`, by
+    engine name): unknown names, dtype or shape mismatches, missing tensors, each named with its chunk."""
+    if not plans:
+        raise ValidationError("nothing to push: the source planned no chunks")
+    seen: dict[str, int] = {}
+    parts: set[tuple[str, int]] = set()
+    for p in plans:
+        for s in p.specs:
+            if s.part is not None and s.part[0] > 0 and (s.name, s.part[0]) not in parts:
+                parts.add((s.name, s.part[0]))  # a later part of a tensor split by rows
+                continue
+            if s.name in seen:
+                raise ValidationError(f"tensor {s.name!r} appears in chunks {seen[s.name]} and {p.index}")
+            seen[s.name] = p.index
+    for engine, holds in expected.items():
+        problems = []
+        for p in plans:
+            for s in p.specs:
+                exp = holds.get(s.name)
+                if exp is None:
+                    problems.append(f"unknown parameter {s.name!r} (chunk {p.index})")
+                elif exp != (dtype_name(s.dtype), s.full_shape):
+                    problems.append(f"parameter {s.name!r} (chunk {p.index}) is {dtype_name(s.dtype)}"
+                                    f"{s.full_shape}, engine holds {exp[0]}{exp[1]}")
+        missing = sorted(set(holds) - set(seen))
+        if missing:
+            problems.append(f"{len(missing)} parameter(s) missing from the push, e.g. {missing[:3]}")
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise ValidationError(f"model does not match engine {engine!r}: " + "; ".join(problems[:5]) + more
+                                  + vocab_hint(plans, holds))

@@ -1,19 +1,19 @@
 """Many copies as one kernel: a receiver's captured load, closer to one large copy's speed.
 
-A chunk's load is thousands of copies into slices of the engine's parameters (an MoE push: 3,098 of 3-6 MB,
-most one expert's gate and up projections as one run). Measured on one H200 (`benchmarks/copy_modes.py
---shape moe`, session 7): captured in a CUDA graph as `copy_` they took 13.6 ms, as `_foreach_copy_` 10.7 ms,
-and as this module's kernel 8.4 ms, against 7.5 ms for one copy of the same bytes; each copy of the first two
-is a kernel or memcpy node that ramps up and drains on its own. `SegmentCopy` turns every copy whose source and
-destination are runs of contiguous bytes (a contiguous tensor; Q, K or V of a fused QKV; a row slice) into
+A chunk's load is thousands of copies into slices of the engine's parameters (an MoE push: thousands of a few
+MB, most one expert's gate and up projections as one run). Captured in a CUDA graph as `copy_` or
+`_foreach_copy_`, each copy is a kernel or memcpy node that ramps up and drains on its own, well short of one
+large copy's speed (`python -m benchmarks.copy_modes` measures the three side by side). `SegmentCopy` turns
+every copy whose source and destination are runs of contiguous bytes (a contiguous tensor; Q, K or V of a
+fused QKV; a row slice) into
 16-byte-aligned tiles listed in a table on the device, and copies all of them with one persistent Triton kernel,
 16 bytes per access. Copies it cannot take (a cast, other layouts, unaligned bytes) are queued as PyTorch copies
 beside it.
 
 Made once, outside any capture (the tile table is an upload), then called every time the copies are wanted
 (`WeightReceiver` captures the call in its chunk's graph and keeps only its tile table, `captured()`). Needs
-Triton and CUDA tensors (`available()`); `warm()` compiles the kernel ahead (~1 s once per machine, cached
-on disk after), where a receiver starts.
+Triton and CUDA tensors (`available()`); `warm()` compiles the kernel ahead (once per machine, cached on disk
+after), where a receiver starts.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class SegmentCopy:
               programs: int | None) -> None:
         # Tiles of at most TILE bytes; offsets in int64 elements from each side's base (negative ones too). The
         # runs go up (24 bytes each) and the tiles are expanded on the device: built on the host, a 16 GB
-        # chunk's 250,000 tiles took 33 ms of tensor ops (2-core CI host), which a first push would pay.
+        # chunk's quarter million tiles cost tens of ms of tensor ops, which a first push would pay.
         sb, db = bases[0].data_ptr(), bases[1].data_ptr()
         n_tiles = sum((n + TILE - 1) // TILE for _, _, n in merged)
         r = torch.tensor([[(s - sb) // ELEM, (d - db) // ELEM, n // ELEM] for d, s, n in merged],

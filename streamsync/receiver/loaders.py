@@ -1,21 +1,76 @@
-"""Loaders: what a receiver hands each chunk's tensors to (a plain module's parameters)."""
+"""Loaders: what a receiver hands each chunk's tensors to.
+
+A `Loader` declares what it can take and what a load is (`accepts_blocked`, `capturable`, `prepare_load`);
+`WeightReceiver` reads those declarations, it never probes. Three kinds:
+
+* `FunctionLoader` wraps a callable of the vLLM model protocol, `load_weights(iterable of (name, tensor))`:
+  what the vLLM backend hands a worker's model (layerwise reload; nothing to capture).
+* `ModuleLoader` copies into a plain module's parameters and buffers by exact name.
+* A `LoadingModule` (a receiver's own model with a layout of its own, e.g. vLLM-style fused parameters) makes
+  its loader itself (`loader()`), and says which tensors it fuses and what it holds.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
 
 import torch
 
 from ..errors import ValidationError
-from ..pack import TensorSpec, dtype_name, fits
+from ..pack import dtype_name, fits
 from . import kernels
 
+Weights = Iterable[tuple[str, torch.Tensor]]
 
-class ModuleLoader:
+
+class Loader(ABC):
+    """Takes a chunk's (name, tensor) views and puts them where the receiver computes with them.
+
+    The views are valid only during the call (they lie in a mapped chunk buffer or a trainer storage): a
+    loader that must keep a tensor past it copies it."""
+
+    #: takes a tensor in a blocked shape of its parameter's (`pack.fits`: the same row-major bytes, e.g. Q as a
+    #: view of a fused QKV) and copies it in row-major order; otherwise the receiver reshapes it first
+    accepts_blocked: ClassVar[bool] = False
+    #: a load is copies into the loader's own tensors and nothing else, so a receiver may capture it once as a
+    #: CUDA graph and replay it for later pushes of the same chunk from the same addresses
+    capturable: ClassVar[bool] = False
+
+    @abstractmethod
+    def load(self, weights: Weights) -> object:
+        """Load the tensors; raise before copying a tensor whose name, dtype or shape does not fit."""
+
+    def prepare_load(self, weights: Weights) -> kernels.SegmentCopy | None:
+        """The copies `load(weights)` would make, checked now and queued by each call of the result as one
+        kernel where they are runs of contiguous bytes (`kernels.SegmentCopy`); what a capture records. None:
+        capture `load` itself."""
+        return None
+
+    def expected(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+        """HF name -> (dtype name, shape) of what it loads, where it can say."""
+        return None
+
+
+class FunctionLoader(Loader):
+    """A callable of the vLLM model protocol (`model.load_weights`)."""
+
+    def __init__(self, fn: Callable[[Weights], Any]) -> None:
+        self.fn = fn
+
+    def load(self, weights: Weights) -> object:
+        return self.fn(weights)
+
+
+class ModuleLoader(Loader):
     """Copy received tensors into a plain module's parameters and buffers, by exact name.
 
     Unknown names, shape or dtype mismatches raise before anything of the tensor is copied.
     """
+
+    accepts_blocked = True
+    capturable = True
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.targets = {n: t.detach() for n, t in module.state_dict(keep_vars=True).items()}
@@ -23,42 +78,40 @@ class ModuleLoader:
     def expected(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in self.targets.items()}
 
-    #: takes a tensor in a blocked shape of its parameter's (see `pack.fits`): copies it in row-major order
-    accepts_blocked = True
-    #: a load is copies into the module's tensors and nothing else: WeightReceiver may replay it as a graph
-    capturable = True
-
-    def destinations(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
-        """The parameter each HF tensor loads into, where it is contiguous (`Destinations`); names this module
-        does not hold get None (the load then raises as usual)."""
-        return [as_destination(self.targets.get(s.name), s) for s in specs]
-
-    def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    def load(self, weights: Weights) -> list[str]:
         loaded = []
         with torch.no_grad():
-            for name, src in _checked(weights, self.targets):
+            for name, src in checked(weights, self.targets):
                 dst = self.targets[name]
                 (dst if dst.shape == src.shape else dst.view(src.shape)).copy_(src)
                 loaded.append(name)
         return loaded
 
-    def prepare_load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Callable[[], None]:
-        """The copies of `self(weights)`, checked now and queued by each call of the result as one kernel where
-        they are runs of contiguous bytes (`kernels.SegmentCopy`); for a captured load (`WeightReceiver._load`)."""
-        pairs = [(self.targets[n], s) for n, s in _checked(weights, self.targets)]
+    def prepare_load(self, weights: Weights) -> kernels.SegmentCopy:
+        pairs = [(self.targets[n], s) for n, s in checked(weights, self.targets)]
         dsts = [d if d.shape == s.shape else d.view(s.shape) for d, s in pairs]
         return kernels.SegmentCopy(dsts, [s for _, s in pairs])
 
 
-def as_destination(t: torch.Tensor | None, spec: TensorSpec) -> torch.Tensor | None:
-    """`t` if a direct receive may write `spec` into it: contiguous, of exactly its dtype and shape."""
-    if t is None or not t.is_contiguous() or t.dtype != spec.dtype or tuple(t.shape) != tuple(spec.shape):
+class LoadingModule(torch.nn.Module):
+    """A receiver's own model that makes its loader itself (the vLLM-style fused stand-in): the receiver
+    process serves it through `loader()`, and its answers to the sender come from here."""
+
+    def loader(self) -> Loader:
+        raise NotImplementedError
+
+    def fused_layout(self) -> dict[str, Any] | None:
+        """Its fused tensors and their HF members (`Engine.fused_layout`), or None."""
         return None
-    return t
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of everything it holds, as views into its own parameters (for checksums)."""
+        return iter(self.state_dict().items())
 
 
-def _checked(weights: Iterable[tuple[str, torch.Tensor]],
-             targets: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def checked(weights: Weights, targets: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights`, each refused (ValidationError) unless `targets` holds that name with its dtype and shape (or
+    a blocked form of it)."""
     for name, src in weights:
         dst = targets.get(name)
         if dst is None:

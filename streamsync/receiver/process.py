@@ -53,8 +53,6 @@ def main(argv: list[str] | None = None) -> None:
                     "update's copies (tests that a sender waits for the receiver on the device)")
     ap.add_argument("--no-capture", action="store_true", help="never replay a chunk's load as a captured CUDA "
                     "graph (as a vLLM engine: a Python call and a copy launch per tensor, every push)")
-    ap.add_argument("--no-direct", action="store_true", help="name no destinations for direct receives (the "
-                    "loader copies every tensor out of the receive buffer, as in a vLLM engine)")
     ap.add_argument("--secret-file", help=f"without {SECRET_ENV}: generate a secret and write it to this new file")
     ap.add_argument("--max-wait", type=float, default=600.0, help="longest wait a client may ask for (seconds)")
     args = ap.parse_args(argv)
@@ -84,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
 
     prof = cProfile.Profile() if profile_to else None
     server = ReceiverServer(module, args.device, args.delay, args.gpu_delay_ms, secret=secret,
-                            max_wait_s=args.max_wait, profiler=prof, direct=not args.no_direct)
+                            max_wait_s=args.max_wait, profiler=prof)
     server.rx.capture = not args.no_capture
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: every chunk is unmapped before exiting
         signal.signal(sig, lambda *_: server.stop())
@@ -101,11 +99,11 @@ class ReceiverProcess:
 
     def __init__(self, specs_path: str, *, delay: float = 0.0, threads: int = 0, start_timeout: float = 60.0,
                  name: str = "receiver", device: str = "cpu", module: str | None = None, gpu_delay_ms: float = 0.0,
-                 tie: bool = False, host: str = "127.0.0.1", direct: bool = True, capture: bool = True) -> None:
+                 tie: bool = False, host: str = "127.0.0.1", capture: bool = True) -> None:
         cmd = [sys.executable, "-m", "streamsync.receiver.process", "--specs", str(specs_path),
                "--delay", str(delay), "--threads", str(threads), "--device", device, "--host", host,
                "--gpu-delay-ms", str(gpu_delay_ms)] + (["--module", module] if module else []) \
-            + (["--tie"] if tie else []) + ([] if direct else ["--no-direct"]) + ([] if capture else ["--no-capture"])
+            + (["--tie"] if tie else []) + ([] if capture else ["--no-capture"])
         self.name = name
         self.device = device
         self.host = host

@@ -32,7 +32,7 @@ import torch
 from ..checksum import digests
 from ..errors import ValidationError
 from ..log import get_logger
-from .loaders import ModuleLoader
+from .loaders import Loader, LoadingModule, ModuleLoader
 from .protocol import HELLO_LINE, MAX_LINE, proof, same_secret
 from .state import WeightReceiver
 
@@ -51,20 +51,13 @@ class ReceiverServer:
     def __init__(self, module: torch.nn.Module, device: str, delay_s: float = 0.0, gpu_delay_ms: float = 0.0, *,
                  secret: str, max_line: int = MAX_LINE, handshake_timeout: float = 5.0,
                  max_wait_s: float = 600.0, max_pending: int = 64,
-                 profiler: cProfile.Profile | None = None, direct: bool = True) -> None:
+                 profiler: cProfile.Profile | None = None) -> None:
         if not isinstance(secret, str) or len(secret) < 32:
             raise ValidationError("a receiver secret must be a string of at least 32 characters (new_secret())")
         self.module = module
         self.gpu_delay_ms = gpu_delay_ms
-        # A module with the vLLM model protocol (e.g. testing.fused.FusedModel) loads itself; else copy by name.
-        self._plain = ModuleLoader(module)
-        self.loader = getattr(module, "load_weights", None) or self._plain
-        # Where a transport may receive tensors directly (receiver.Destinations): the module's own, for a module
-        # that loads itself, else its parameters by name.
-        # direct=False: none (as a vLLM engine: every tensor through the receive buffer and the loader).
-        self.destinations = None if not direct else (
-            getattr(module, "destinations", None) if self.loader is not self._plain else self._plain.destinations)
-        self.expected = getattr(module, "expected", None) or self._plain.expected
+        # A module with a layout of its own (the fused stand-in) makes its loader; a plain one is copied by name.
+        self.loader: Loader = module.loader() if isinstance(module, LoadingModule) else ModuleLoader(module)
         self.rx = WeightReceiver(device)
         if self.rx.device.type == "cuda":  # the captured loads' kernel, compiled before any client connects
             from . import kernels
@@ -101,7 +94,7 @@ class ReceiverServer:
                 time.sleep(self.delay_s)
             if self.gpu_delay_ms:  # a device busy before the copies: tests that the sender waits on the device
                 torch.cuda._sleep(int(self.gpu_delay_ms * 2e6))
-            return self.rx.update(msg["info"], self.loader, self.destinations)
+            return self.rx.update(msg["info"], self.loader)
         elif op == "finish":
             self.rx.finish(msg["version"], owner)
         elif op == "abort":
@@ -112,19 +105,20 @@ class ReceiverServer:
             return {"version": self.rx.clean_version, "last_version": self.rx.version,
                     "updating": self.rx.updating, "dirty": self.rx.dirty,
                     "mixed": self.rx.dirty and not self.rx.updating, "paused": self.paused, "pid": os.getpid(),
-                    "graphs": {**self.rx.graph_stats, "held": self.rx.graphs_held},
+                    "graphs": {"replayed": self.rx.stats.replayed, "captured": self.rx.stats.captured,
+                               "held": self.rx.graphs_held},
                     "busy_ms": {k: [int(n), round(t * 1e3, 3)] for k, (n, t) in self.busy.items()},
-                    "update_split_ms": {k: round(t * 1e3, 3) for k, t in
-                                        {**self.rx.timing, **getattr(self.rx.transport, "timing", {})}.items()}}
+                    "update_split_ms": {k: round(t * 1e3, 3) for k, t in self._split().items()}}
         elif op == "fused_layout":  # the engine's own layout a sender may convert into (pack.fuse_layout)
-            fused = getattr(self.module, "fused_layout", None)
-            return fused() if fused is not None else None
+            return self.module.fused_layout() if isinstance(self.module, LoadingModule) else None
         elif op == "weight_info":
-            return {n: [d, list(s)] for n, (d, s) in self.expected().items()}
+            expected = self.loader.expected() or {}
+            return {n: [d, list(s)] for n, (d, s) in expected.items()}
         elif op == "checksums":
             # HF-named tensors (views into fused parameters where the module fuses them); "device": checksums
             # computed on the device, for models too large to copy to the host and hash.
-            named = self.module.hf_tensors() if hasattr(self.module, "hf_tensors") else self.module.state_dict().items()
+            named = (self.module.hf_tensors() if isinstance(self.module, LoadingModule)
+                     else self.module.state_dict().items())
             if msg.get("device"):
                 from ..checksum import device_digests
 
@@ -145,6 +139,10 @@ class ReceiverServer:
         else:
             raise ValueError(f"unknown op {op!r}")
         return None
+
+    def _split(self) -> dict[str, float]:
+        """Host seconds in update by part, the transport's own measurements beside them."""
+        return {**self.rx.stats.seconds, **(self.rx.transport.stats() if self.rx.transport is not None else {})}
 
     def _bounded(self, info: Any) -> Any:
         """Refuse waits longer than the owner allows: `timeout_s` comes from the client."""
@@ -248,8 +246,8 @@ class ReceiverServer:
 
 class _Listener(socketserver.ThreadingTCPServer):
     """Binds exactly the address given. A thread per connection rather than an event loop with ops in worker
-    threads: a hop to a worker thread and back per op cost ~0.2 ms per chunk here (ping round trip 0.9 ms
-    against 0.35 ms on a loaded 2-core machine), and the thread that reads a request is the one that runs it."""
+    threads: a hop to a worker thread and back per op would add a thread switch to every chunk's round trip,
+    and the thread that reads a request is the one that runs it."""
 
     allow_reuse_address = True
     daemon_threads = True

@@ -1,26 +1,31 @@
-"""`WeightReceiver`: the receiving state machine (init, start, update per chunk, finish or abort)."""
+"""`WeightReceiver`: the receiving state machine (init, start, update per chunk, finish or abort).
+
+It turns an `update_info` (plain data: layout + transport handle) into (name, tensor) views and hands them to
+a `Loader` (the vLLM model protocol `load_weights`, or `ModuleLoader`, which copies into a plain module's
+parameters). It closes the chunk's handle before returning, so returning from the update call is the
+acknowledgement the sender waits for.
+
+Tensors larger than the sender's chunk budget arrive as row parts in consecutive chunks; the receiver copies
+each part into a staging tensor and hands the loader the whole tensor once its last row arrived (so every
+receiver, vLLM's included, loads whole tensors, bit for bit what the sender holds).
+"""
 
 from __future__ import annotations
 
-import inspect
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..cache import BoundedCache
 from ..errors import ValidationError
 from ..log import get_logger
-from ..pack import Layout, TensorMeta, TensorSpec, dtype_from_name, dtype_name
+from ..pack import Layout, TensorMeta
 from ..transports.base import Receiver, make_receiver
 from . import kernels
-
-Loader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
-
-# Per whole HF tensor (name, dtype, full shape): the tensor to receive it into (contiguous, exactly that dtype
-# and shape, on the receiver's device: a parameter or a row slice of a fused one), or None (the loader copies it).
-Destinations = Callable[[Sequence[TensorSpec]], Sequence[torch.Tensor | None]]
+from .loaders import FunctionLoader, Loader, Weights
 
 
 class UnknownLayout(ValidationError):
@@ -28,15 +33,25 @@ class UnknownLayout(ValidationError):
     Clients that strip known layouts resend the update with its layout."""
 
 
+class RoundOwned(ValidationError):
+    """A call of one WeightSync met a round another WeightSync has open on this receiver."""
+
+
 @dataclass
 class _Staged:
     tensor: torch.Tensor
     rows: int = 0  # rows filled so far
-    direct: bool = False  # `tensor` is the destination itself: nothing to load once complete
 
 
-class RoundOwned(ValidationError):
-    """A call of one WeightSync met a round another WeightSync has open on this receiver."""
+@dataclass
+class ReceiverStats:
+    """What a receiver did since it started (reported by its status): loads replayed from captured graphs,
+    graphs captured, and host seconds in `update` by part: the transport's open (mapping a buffer), the
+    references (mapping trainer storages, building views), the load, and closing the buffer (the ack)."""
+
+    replayed: int = 0
+    captured: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: {"open": 0.0, "refs": 0.0, "load": 0.0, "close": 0.0})
 
 
 class WeightReceiver:
@@ -50,6 +65,10 @@ class WeightReceiver:
     open, so two syncs never mix their models under one version. A round nobody touched for longer than
     the `stale_after` seconds its owner declared (its own timeout: that owner's push has failed by then)
     is abandoned and may be taken over, so a crashed trainer never locks a receiver.
+
+    capture: replay a repeated chunk's load as a captured CUDA graph where the loader allows it (`_load`);
+    False loads tensor by tensor every push, as vLLM's reload does. kernel_copies: record the loader's
+    `prepare_load` (one segment copy kernel) in captures where Triton runs here; False records its copies.
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
@@ -60,32 +79,22 @@ class WeightReceiver:
         self.dirty = False
         self.chunks = 0
         self.bytes = 0
-        self._layouts: dict[str, Layout] = {}
-        self._open_sized = True
+        self.capture = True
+        self.kernel_copies = True
+        self.stats = ReceiverStats()
+        self._layouts: BoundedCache[str, Layout] = BoundedCache(4096)  # layout key -> its validated layout
         self._staged: dict[str, _Staged] = {}  # tensors split across chunks, being reassembled
-        self._open_targets = False
-        self._dest_fn: Destinations | None = None
-        self._dests: dict[Layout, list[torch.Tensor | None]] = {}  # per layout: each whole tensor's destination
-        # (layout, buffer address, reference set, loader) -> the chunk's load captured as a CUDA graph, or False
-        # after its first sighting (see `_load`)
+        # (layout, buffer address, reference set, loader, kernel) -> the chunk's load captured as a CUDA graph, or
+        # False after its first sighting, True where it cannot be captured (see `_load`)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph | bool] = {}
         self._capture_stream: torch.cuda.Stream | None = None
-        #: loads replayed from a captured graph, and graphs captured (for benchmarks and tests)
-        self.graph_stats = {"replayed": 0, "captured": 0}
-        #: host seconds in update, by part: the transport's open (mapping a buffer), the references (mapping
-        #: trainer storages, building views), the load, and closing the buffer (the ack); for benchmarks
-        self.timing = {"open": 0.0, "refs": 0.0, "load": 0.0, "close": 0.0}
-        self.capture = True  # False: never capture (every load a Python call per tensor, as vLLM's)
-        # A loader's `prepare_load` (checked copies, planned as one kernel: `kernels.SegmentCopy`) is what a
-        # capture records, where it has one and Triton runs here; False: capture the loader's own copies.
-        self.kernel_copies = True
         self._keep: dict[tuple, Any] = {}  # graph key -> what its captured copies read (a tile table)
         self._rounds = 0  # rounds finished
         self._graph_used: dict[tuple, int] = {}  # graph key -> the round that last loaded it (see `finish`)
         # layout -> (packed views, reference views, loader takes blocked, joined views, joined metas, any part):
         # a chunk whose views and references are the same objects as last time joins nothing again
-        self._joined: dict[Layout, tuple[Any, Any, bool, list, tuple, bool]] = {}
-        self._parts: dict[Layout, bool] = {}  # layout -> whether it holds parts of a split tensor
+        self._joined: BoundedCache[Layout, tuple[Any, Any, bool, list, tuple, bool]] = BoundedCache(256)
+        self._parts: BoundedCache[Layout, bool] = BoundedCache(4096)  # layout -> holds parts of a split tensor?
         self.owner: str | None = None
         self.stale_after: float | None = None
         self._touched = 0.0
@@ -115,20 +124,15 @@ class WeightReceiver:
 
     def init(self, init_info: dict[str, Any], owner: str | None = None) -> None:
         if owner is not None and self._owned_by_other(owner):
-            raise RoundOwned(f"init refused: a round of another WeightSync (owner {self.owner[:8]}) is open")
+            raise RoundOwned(f"init refused: a round of another WeightSync (owner {str(self.owner)[:8]}) is open")
         if self.transport is not None:
             self.transport.close()
         self.transport = make_receiver(init_info, self.device)
-        # Receivers registered before `open` took the layout's size keep working.
-        params = inspect.signature(self.transport.open).parameters
-        self._open_sized = "nbytes" in params
-        self._open_targets = "targets" in params  # may receive into the loader's parameters (direct receives)
-        self._dests.clear()
 
     def start(self, owner: str | None = None, stale_after: float | None = None) -> None:
         if self._owned_by_other(owner):
-            raise RoundOwned(f"start refused: a round of another WeightSync (owner {self.owner[:8]}) is open; "
-                             "one receiver takes one sync's pushes at a time")
+            raise RoundOwned(f"start refused: a round of another WeightSync (owner {str(self.owner)[:8]}) is "
+                             "open; one receiver takes one sync's pushes at a time")
         if self.updating and self.transport is not None:
             self.transport.end_round()  # the previous round failed half-way: drop what it mapped
         self.updating = True
@@ -137,9 +141,9 @@ class WeightReceiver:
         self.chunks = self.bytes = 0
         self._staged.clear()
 
-    def update(self, update_info: dict[str, Any], load: Loader, destinations: Destinations | None = None) -> int:
-        """Receive one chunk and load it. `destinations` (default: `load.destinations` where the loader has one)
-        lets a transport that can write into parameters do so (module doc)."""
+    def update(self, update_info: dict[str, Any], load: Loader | Callable[[Weights], Any]) -> int:
+        """Receive one chunk and load it (a plain callable is a loader of the vLLM model protocol)."""
+        loader = load if isinstance(load, Loader) else FunctionLoader(load)
         if not self.updating:
             raise ValidationError("update outside a round: call start_update first")
         owner = update_info.get("owner")
@@ -149,39 +153,25 @@ class WeightReceiver:
         if self.transport is None:
             raise ValidationError("update before init: call init_transfer first")
         layout = self._layout(update_info)
-        if self._open_targets:
-            targets = self._targets(layout, destinations or getattr(load, "destinations", None))
-            opened = self.transport.open(update_info, layout.nbytes, layout=layout, targets=targets,
-                                         before_write=self._writing)
-        else:
-            targets = None
-            opened = (self.transport.open(update_info, layout.nbytes) if self._open_sized
-                      else self.transport.open(update_info))
+        opened = self.transport.open(update_info, layout.nbytes)
         t0 = time.perf_counter()
         with opened as buf:
             t1 = time.perf_counter()
             refs = self.transport.ref_views(update_info)
             t2 = time.perf_counter()
             self.dirty = True
-            got = targets if targets is not None and any(t is not None for t in targets) else None
-            if got is None or not all(t is not None for t, m in zip(got, layout.metas, strict=True) if m.nbytes):
-                if buf.numel() < layout.nbytes:
-                    raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
-                views: Iterable[tuple[str, torch.Tensor | None]] = self.transport.views(buf, layout)
-            else:  # everything was received into its destination: nothing to view (but empty tensors)
-                views = [(m.name, None if t is not None else torch.empty(m.shape, dtype=dtype_from_name(m.dtype),
-                                                                        device=buf.device))
-                         for t, m in zip(got, layout.metas, strict=True)]
-            views, metas, parts = self._join(layout, views, refs, load)
-            if got is not None or parts:
-                views = self._assemble(views, metas, got, self._dests.get(layout) if got else None)
-                load(views)
+            if buf.numel() < layout.nbytes:
+                raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
+            views: Iterable[tuple[str, torch.Tensor]] = self.transport.views(buf, layout)
+            views, metas, parts = self._join(layout, views, refs, loader)
+            if parts:
+                loader.load(self._assemble(views, metas))
             else:
-                self._load(load, views, layout, buf, update_info)
+                self._load(loader, views, layout, buf, update_info)
             t3 = time.perf_counter()
             del buf
         t4 = time.perf_counter()
-        tm = self.timing
+        tm = self.stats.seconds
         tm["open"] += t1 - t0
         tm["refs"] += t2 - t1
         tm["load"] += t3 - t2
@@ -192,18 +182,16 @@ class WeightReceiver:
         return nbytes
 
     def _join(self, layout: Layout, views: Any, refs: list[tuple[TensorMeta, torch.Tensor]],
-              load: Loader) -> tuple[Any, tuple[TensorMeta, ...], bool]:
-        """(views, metas, whether any is a part): the packed views, then the tensors sent by reference (CUDA IPC
-        one copy), reshaped to their HF shapes for loaders that take no blocked views. Cached per layout while
-        the transport hands back the same view and reference lists (an MoE chunk has thousands)."""
+              loader: Loader) -> tuple[Any, tuple[TensorMeta, ...], bool]:
+        """(views, metas, whether any is a part): the packed views, then the tensors sent by reference (one
+        copy), reshaped to their HF shapes for loaders that take no blocked views. Cached per layout while the
+        transport hands back the same view and reference lists (an MoE chunk has thousands)."""
         if not refs:
             parts = self._parts.get(layout)
             if parts is None:
-                if len(self._parts) > 4096:
-                    self._parts.clear()
                 parts = self._parts[layout] = any(m.part is not None for m in layout.metas)
             return views, layout.metas, parts
-        blocked = bool(getattr(getattr(load, "__self__", load), "accepts_blocked", False))
+        blocked = loader.accepts_blocked
         hit = self._joined.get(layout)
         if hit is not None and hit[0] is views and hit[1] is refs and hit[2] == blocked:
             return hit[3], hit[4], hit[5]
@@ -212,53 +200,48 @@ class WeightReceiver:
         metas = (*layout.metas, *(m for m, _ in fixed))
         parts = any(m.part is not None for m in metas)
         if isinstance(views, list):  # a transport's cached views (a fresh generator is never cached)
-            if len(self._joined) > 256:
-                self._joined.clear()
             self._joined[layout] = (views, refs, blocked, joined, metas, parts)
         return joined, metas, parts
 
-    def _load(self, load: Loader, views: Any, layout: Layout, buf: torch.Tensor, update_info: dict[str, Any]) -> None:
-        """`load(views)`, or its captured CUDA graph. A loader whose load is nothing but copies into its own
-        parameters says so (`capturable = True`: the fused stand-in, ModuleLoader; not vLLM's reload). Its
+    def _load(self, loader: Loader, views: Any, layout: Layout, buf: torch.Tensor, update_info: dict[str, Any]
+              ) -> None:
+        """`loader.load(views)`, or its captured CUDA graph. A loader whose load is nothing but copies into its
+        own parameters says so (`Loader.capturable`: the fused stand-in, ModuleLoader; not vLLM's reload). Its
         copies are captured as one graph, and later pushes of the same chunk from the same addresses (the same
         layout in the same mapped buffer, the same reference set: every view is the same tensor) replay it:
         one launch instead of a Python call and a launch per tensor. The capture is made the second time a chunk
-        arrives (the first time its copies run plainly: see below). A graph holds addresses, so it
-        stays right whatever those addresses hold when it runs; keys change with them (a new buffer address,
-        a new reference set once storages change), and graphs not replayed for a few rounds are dropped."""
-        owner = getattr(load, "__self__", load)
-        if not self.capture or not buf.is_cuda or not getattr(owner, "capturable", False):
-            load(views)
+        arrives (the first time its copies run plainly: a one-off never costs a capture, and planning a
+        chunk's copies costs about what queueing them does). A graph holds addresses, so it stays right
+        whatever those addresses hold when it runs; keys change with them (a new buffer address, a new reference
+        set once storages change), and graphs not replayed for a few rounds are dropped."""
+        if not self.capture or not buf.is_cuda or not loader.capturable:
+            loader.load(views)
             return
         h = update_info.get("handle")
-        prepare = getattr(owner, "prepare_load", None) if self.kernel_copies and kernels.available() else None
-        key = (layout, buf.data_ptr(), h.get("refs_id") if isinstance(h, dict) else None, id(owner),
-               prepare is not None)
+        kernel = self.kernel_copies and kernels.available()
+        key = (layout, buf.data_ptr(), h.get("refs_id") if isinstance(h, dict) else None, id(loader), kernel)
         graph = self._graphs.get(key)
         self._graph_used[key] = self._rounds
         stream = torch.cuda.current_stream(buf.device)
         if isinstance(graph, torch.cuda.CUDAGraph):
             graph.replay()
-            self.graph_stats["replayed"] += 1
+            self.stats.replayed += 1
             return
         if graph is True:  # could not be captured
-            load(views)
+            loader.load(views)
             return
         if graph is None and len(self._graphs) > 1024:
             self._graphs.clear()
             self._keep.clear()
             self._graph_used = {key: self._rounds}
-        if graph is None:
-            # First sighting: plain copies. A one-off never costs a capture, and a first push is faster so: on one
-            # H200 (8B shape, 2 chunks) capturing with the kernel at once took its receiver 8.5-9.3 ms of loads
-            # against 5.3-6.7 ms of plain copies (planning 800 copies costs about what queueing them does).
+        if graph is None:  # first sighting: plain copies
             self._graphs[key] = False
-            load(views)
+            loader.load(views)
             return
         if self._capture_stream is None or self._capture_stream.device != buf.device:
             self._capture_stream = torch.cuda.Stream(buf.device)
         copies = None
-        if prepare is not None:  # planned outside the capture (its tile table is an upload)
+        if kernel:  # planned outside the capture (its tile table is an upload)
             try:
                 kernels.warm(buf.device)
             except Exception as e:  # no working kernel here (a compile or its check failed): record the copies
@@ -266,7 +249,7 @@ class WeightReceiver:
                 get_logger().warning("receiver: the segment copy kernel is unavailable; captured loads record "
                                      "PyTorch's copies", error=str(e))
             else:
-                copies = prepare(list(views))
+                copies = loader.prepare_load(list(views))
         side = self._capture_stream
         side.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
@@ -274,21 +257,20 @@ class WeightReceiver:
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    copies() if copies is not None else load(list(views))
+                    copies() if copies is not None else loader.load(list(views))
                 finally:
                     graph.capture_end()
         except RuntimeError:  # a load this build cannot capture: plain copies for this chunk from now on
             self._graphs[key] = True
-            load(views)
+            loader.load(views)
             return
         stream.wait_stream(side)
         self._graphs[key] = graph
         if copies is not None:
             # The tile table only: the graph holds addresses, and a kept view would keep a mapped buffer (and the
             # trainer's memory behind it) alive after the transport let it go.
-            keep = getattr(copies, "captured", None)
-            self._keep[key] = keep() if keep is not None else copies
-        self.graph_stats["captured"] += 1
+            self._keep[key] = copies.captured()
+        self.stats.captured += 1
         graph.replay()  # capturing recorded the copies without running them
 
     def _layout(self, update_info: dict[str, Any]) -> Layout:
@@ -301,88 +283,33 @@ class WeightReceiver:
                 raise UnknownLayout(f"layout {key} is not known here: send the update with its layout")
             layout = Layout.from_json(update_info.get("layout"))  # type: ignore[arg-type]
             if isinstance(key, str):
-                if len(self._layouts) >= 4096:
-                    self._layouts.clear()
                 self._layouts[key] = layout
         return layout
 
-    def _writing(self) -> None:
-        """A transport is about to write into the loader's parameters: from here the weights may be mixed."""
-        self.dirty = True
-
-    def _targets(self, layout: Layout, destinations: Destinations | None) -> list[torch.Tensor | None] | None:
-        """Per tensor of the chunk: where a direct receive may write it (its destination, or for a part its rows
-        of it), or None. Checked before anything is written: a destination of another dtype or shape is the
-        same error the loader would raise; a part must continue the rows received (into the same place)."""
-        if destinations is None:
-            return None
-        if destinations != self._dest_fn:
-            self._dest_fn = destinations
-            self._dests.clear()
-        whole = self._dests.get(layout)
-        if whole is None:
-            specs = [TensorSpec(m.name, dtype_from_name(m.dtype), m.shape if m.part is None else
-                                (m.part[1], *m.shape[1:])) for m in layout.metas]
-            whole = list(destinations(specs))
-            if len(whole) != len(specs):
-                raise ValidationError(f"the loader named {len(whole)} destinations for {len(specs)} tensors")
-            for d, sp in zip(whole, specs, strict=True):
-                if d is not None and (d.dtype != sp.dtype or tuple(d.shape) != sp.shape):
-                    raise ValidationError(f"parameter {sp.name!r}: received {dtype_name(sp.dtype)}{sp.shape}, "
-                                          f"receiver holds {dtype_name(d.dtype)}{tuple(d.shape)}")
-            if len(self._dests) >= 4096:
-                self._dests.clear()
-            self._dests[layout] = whole
-        targets: list[torch.Tensor | None] = []
-        for d, m in zip(whole, layout.metas, strict=True):
-            if d is None or not d.is_contiguous() or m.part is None:
-                targets.append(d if d is not None and d.is_contiguous() else None)
-                continue
-            row0, rows = m.part
-            staged = self._staged.get(m.name)
-            if staged is not None and not staged.direct:  # its earlier rows wait in a staging copy: rows too
-                targets.append(None)
-                continue
-            if row0 != (staged.rows if staged is not None else 0):
-                raise ValidationError(f"tensor {m.name!r}: part at row {row0} of {rows} does not continue the "
-                                      f"{staged.rows if staged is not None else 0} rows received")
-            targets.append(d.narrow(0, row0, m.shape[0]))
-        return targets
-
-    def _assemble(self, views: Iterable[tuple[str, torch.Tensor | None]], metas: Iterable[TensorMeta],
-                  got: Sequence[torch.Tensor | None] | None = None,
-                  whole: Sequence[torch.Tensor | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """What the loader gets: whole tensors as they are, except those received into their destination
-        (`got[i]` set); parts copied into their tensor's staging copy (or, once one part went to the tensor's
-        destination `whole[i]`, into its rows there); a staged tensor is yielded when its last row arrived.
-        Parts must come in row order (the sender plans them so)."""
-        for i, ((name, t), m) in enumerate(zip(views, metas, strict=True)):
-            dst = got[i] if got is not None and i < len(got) else None
+    def _assemble(self, views: Iterable[tuple[str, torch.Tensor]], metas: Iterable[TensorMeta]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the loader gets: whole tensors as they are; parts copied into their tensor's staging copy, which
+        is yielded when its last row arrived. Parts must come in row order (the sender plans them so)."""
+        for (name, t), m in zip(views, metas, strict=True):
             if m.part is None:
-                if dst is None:
-                    yield name, t  # type: ignore[misc]
+                yield name, t
                 continue
             row0, rows = m.part
             n = m.shape[0]
-            if t is not None and t.shape != m.shape:  # a blocked reference: its rows in HF shape
+            if t.shape != m.shape:  # a blocked reference: its rows in HF shape
                 t = t.reshape(m.shape)
             staged = self._staged.get(name)
             if staged is None:
-                if dst is not None and whole is not None and whole[i] is not None:
-                    staged = _Staged(whole[i], direct=True)  # the first part went there: so do the others
-                else:
-                    staged = _Staged(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device))  # type: ignore[union-attr]
-                self._staged[name] = staged
+                staged = self._staged[name] = _Staged(torch.empty((rows, *t.shape[1:]), dtype=t.dtype,
+                                                                  device=t.device))
             if row0 != staged.rows or tuple(staged.tensor.shape) != (rows, *m.shape[1:]):
                 raise ValidationError(f"tensor {name!r}: part at row {row0} of {rows} does not continue the "
                                       f"{staged.rows} rows received")
-            if dst is None:
-                staged.tensor[row0:row0 + n].copy_(t)
+            staged.tensor[row0:row0 + n].copy_(t)
             staged.rows += n
             if staged.rows == rows:
                 del self._staged[name]
-                if not staged.direct:
-                    yield name, staged.tensor
+                yield name, staged.tensor
 
     def finish(self, version: int | None, owner: str | None = None) -> None:
         """End the round. `version` may be None where the engine keeps its own (vLLM does)."""

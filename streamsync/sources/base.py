@@ -18,15 +18,6 @@ def addresses(tensors: Iterable[torch.Tensor], device: torch.device) -> set[int]
             if t.get_device() == want and t.numel()}
 
 
-def own_addresses(source: object, device: torch.device) -> set[int]:
-    """`source.local_addresses(device)`, or, for a duck-typed source without it, the same from its
-    `local_tensors()`."""
-    own = getattr(source, "local_addresses", None)
-    if own is not None:
-        return own(device)
-    return addresses((t for _, t in source.local_tensors()), device)  # type: ignore[attr-defined]
-
-
 class AddressCache:
     """`addresses` of a source's own tensors, computed again only when one of their data pointers moved (one
     pass of `data_ptr` over thousands of parameters, instead of five calls each). A storage swapped under an
@@ -58,7 +49,10 @@ class Source(ABC):
     def device(self) -> torch.device: ...
 
     @abstractmethod
-    def plan(self, chunk_bytes: int) -> list[ChunkPlan]: ...
+    def plan(self, chunk_bytes: int, *, ref_bytes: int | None = None) -> list[ChunkPlan]:
+        """Chunks of at most `chunk_bytes` packed bytes. `ref_bytes`: where a transport sends the source's own
+        tensors by reference (`Transport.ref_chunk_bytes`), the budget of referenced bytes per chunk; a source
+        that cannot tell which tensors are plain views of its own may plan by `chunk_bytes` alone."""
 
     @abstractmethod
     async def gather(self, chunk: ChunkPlan) -> object: ...

@@ -10,8 +10,8 @@ with `WeightSync([])`, no engines), so the collectives line up:
 * writer replica: dense tensors are gathered only by data(+context)-parallel rank 0, experts only by
   expert-data-parallel rank 0; other replicas hold copies and issue nothing.
 
-A chunk's gather runs three rounds, each coalesced to one collective per (group, dtype) per chunk (or one
-per parameter with `coalesce=False`, for comparison), all async and awaited together:
+A chunk's gather runs three rounds, each coalesced to one collective per (group, dtype) per chunk (or per
+bucket of at most `bucket_bytes`), all async and awaited together:
 
   1. TP:  all-gather the shards of the stage's dense tensors over the tensor-parallel group, and of its
           local experts over the expert-tensor-parallel group; merged by `partition_dim` / `partition_stride`.
@@ -253,7 +253,7 @@ _TABLES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[dict[str, ParamInfo], 
 
 @dataclass
 class _Batch:
-    """Tensors moved by one collective: one (group, dtype) of a chunk, or one parameter (coalesce=False)."""
+    """Tensors moved by one collective: one (group, dtype) of a chunk, or one bucket of it."""
 
     keys: list[str]
     dtype: torch.dtype
@@ -281,11 +281,10 @@ class MegatronSource(Source):
                  default: `hf_config`'s dtype, else the megatron `params_dtype`.
     vocab_size:  the HF vocabulary; padding rows beyond it are dropped. Default: `hf_config.vocab_size`,
                  else megatron's (padded) vocabulary, sent whole.
-    coalesce:    one collective per (group, dtype) per chunk (default), or one per parameter.
-    bucket_bytes: with coalesce, cap one collective's payload (per rank): a (group, dtype) of a chunk
-                 then takes one collective per bucket, all in flight together. Gloo runs concurrent
+    bucket_bytes: cap one collective's payload (per rank): a (group, dtype) of a chunk then takes one
+                 collective per bucket, all in flight together (1: one per parameter). Gloo runs concurrent
                  collectives on several threads, so on CPU a few MiB buckets beat one large message;
-                 NCCL wants one large message (default None: no cap).
+                 NCCL wants one large message (default None: one collective per (group, dtype) per chunk).
     every_rank_sends: colocated engines (one per trainer GPU, as vLLM TP workers that each load full
                  tensors): every rank keeps the full tensors its all-gathers brought and sends them to
                  its own engine, after the same one set of gathers. Needs PP = 1, and expert TP = 1
@@ -297,13 +296,14 @@ class MegatronSource(Source):
     """
 
     def __init__(self, model: object, *, arch: str | None = None, dtype: torch.dtype | str | None = None,
-                 coalesce: bool = True, bucket_bytes: int | None = None, hf_config: object = None,
+                 bucket_bytes: int | None = None, hf_config: object = None,
                  vocab_size: int | None = None, every_rank_sends: bool = False) -> None:
         self.chunks = unwrap_chunks(model)
         self.every_rank_sends = every_rank_sends
         first = self.chunks[0]
         cfg = first.config
-        self.coalesce = coalesce
+        if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes < 1):
+            raise ValidationError(f"bucket_bytes must be a positive integer or None, got {bucket_bytes!r}")
         self.bucket_bytes = bucket_bytes
         self.tied = bool(getattr(first, "share_embeddings_and_output_weights", False))
         hf_tied = _hf_get(hf_config, "tie_word_embeddings")
@@ -420,7 +420,7 @@ class MegatronSource(Source):
         """Every HF tensor a push sends, in push order (what a receiver must hold)."""
         return [s for p in self.plan(1 << 62) for s in p.specs]
 
-    def plan(self, chunk_bytes: int, ref_bytes: int | None = None) -> list[ChunkPlan]:
+    def plan(self, chunk_bytes: int, *, ref_bytes: int | None = None) -> list[ChunkPlan]:
         """Chunks of Megatron parameters (keys: global names) with their HF specs; all experts of a layer stay
         in one chunk. Pure and the same on every rank; resets `collectives` for the push it plans.
 
@@ -529,14 +529,12 @@ class MegatronSource(Source):
     # -- the three rounds ------------------------------------------------------------------------------
 
     def _batches(self, keys: Sequence[str], numel: dict[str, int], wire: bool = False) -> list[_Batch]:
-        """Group tensors into collectives: by dtype (coalesced) or one each. `wire`: floating tensors travel
-        in the receiver's dtype (the sender casts to it anyway, so the bits are the same)."""
+        """Group tensors into collectives: by dtype, in buckets of at most `bucket_bytes`. `wire`: floating
+        tensors travel in the receiver's dtype (the sender casts to it anyway, so the bits are the same)."""
         def dtype(k: str) -> torch.dtype:
             t = self.table[k].dtype
             return self.dtype if wire and t.is_floating_point else t
 
-        if not self.coalesce:
-            return [_Batch([k], dtype(k), [numel[k]]) for k in keys]
         by_dtype: dict[torch.dtype, list[_Batch]] = {}
         for k in keys:
             dt = dtype(k)

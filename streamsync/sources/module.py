@@ -61,7 +61,7 @@ class ModuleSource(Source):
         dtype = self.dtype if (self.dtype is not None and t.is_floating_point()) else t.dtype
         return TensorSpec(name, dtype, tuple(t.shape))
 
-    def plan(self, chunk_bytes: int, ref_bytes: int | None = None) -> list[ChunkPlan]:
+    def plan(self, chunk_bytes: int, *, ref_bytes: int | None = None) -> list[ChunkPlan]:
         """Keys are names, or (name, row0, row1) for the parts of a tensor larger than `chunk_bytes`, which is
         split by rows so that every chunk (its aligned layout) fits the budget.
 

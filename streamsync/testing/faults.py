@@ -38,7 +38,6 @@ class Rig:
     chunk_bytes: int = 1 << 20
     delay: float = 0.3            # a slow receiver's sleep per update: the push is mid-broadcast for seconds
     fused: bool = False
-    protocol: str = "auto"        # CollectiveTransport(protocol=): "direct", "chunk" or "auto"
 
     def receiver(self, name: str, delay: float = 0.0) -> ReceiverProcess:
         return ReceiverProcess(self.specs_path, name=name, delay=delay, threads=1, device=self.rx_device,
@@ -46,7 +45,7 @@ class Rig:
 
     def transport(self) -> CollectiveTransport:
         dev = next(self.model.parameters()).device
-        return CollectiveTransport(self.backend, group_timeout=self.group_timeout, device=dev, protocol=self.protocol)
+        return CollectiveTransport(self.backend, group_timeout=self.group_timeout, device=dev)
 
     def sync(self, rx: ReceiverProcess, transport: CollectiveTransport | None = None) -> WeightSync:
         # Engine calls and stages get a longer timeout than the group: the group timeout must be what fires.
@@ -187,8 +186,7 @@ async def one_copy_failed_push(sync: WeightSync, transport: Any, model: torch.nn
                                weights_match: Callable[[], Awaitable[bool]]) -> None:
     """A one-copy transport (CUDA IPC, shm) after a push failed mid-way: it drops every export (it cannot know
     what the receiver kept), the next push exports everything again, and the engine is exact. Asserts."""
-    await sync.push(model)
-    exports = transport.ref_stats["exports"]
+    exports = (await sync.push(model)).trace.counts["refs.exports"]
     sync.faults = {"send": 2}
     try:
         await sync.push(model)
@@ -196,9 +194,9 @@ async def one_copy_failed_push(sync: WeightSync, transport: Any, model: torch.nn
         pass
     else:
         raise AssertionError("the push with an injected fault in send of chunk 2 did not fail")
-    assert not transport._exports, "exports kept after a failed push"
+    assert not list(transport.refs.exports()), "exports kept after a failed push"
     sync.faults = {}
     perturb(model, 70)
-    await sync.push(model)
-    assert transport.ref_stats["exports"] == 2 * exports, transport.ref_stats
+    counts = (await sync.push(model)).trace.counts
+    assert counts["refs.exports"] == exports, counts  # every storage exported again
     assert await weights_match(), "engine weights differ from the trainer's after the failed push"

@@ -13,16 +13,17 @@ Built from the HF specs a push sends, so it accepts exactly those names, dtypes 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..errors import ValidationError
 from ..models.synthetic import Spec, fill_random
-from ..pack import TensorSpec, batched, coalesce, dtype_from_name, dtype_name, fits
+from ..pack import batched, coalesce, dtype_from_name, dtype_name, fits
 from ..receiver.kernels import SegmentCopy
-from ..receiver.loaders import as_destination
+from ..receiver.loaders import Loader, LoadingModule, Weights
 
 # (fused parameter, HF projection, shard id), as vLLM's Qwen3/Llama `stacked_params_mapping`. Shards lie in
 # the fused parameter's rows in this order.
@@ -74,16 +75,30 @@ def _expert(name: str) -> tuple[str, int, int] | None:
     return None
 
 
-class FusedModel(torch.nn.Module):
-    """Parameters fused like vLLM's; `load_weights` is the vLLM model protocol."""
+class FusedLoader(Loader):
+    """A FusedModel's loader. Its load is copies into the model's parameters and nothing else (checks aside,
+    which a repeat of the same chunk passes): WeightReceiver may capture a chunk's load as a CUDA graph and
+    replay it. vLLM's layerwise reload is not (it swaps parameters and runs weight processing), so this
+    stand-in is faster than a vLLM engine from the second push on; benchmarks say which they measure."""
 
-    #: `load_weights` takes a tensor in a blocked shape of its slot's (see `pack.fits`)
-    accepts_blocked = True
-    #: `load_weights` is copies into its parameters and nothing else (checks aside, which a repeat of the same
-    #: chunk passes): WeightReceiver may capture a chunk's load as a CUDA graph and replay it. vLLM's
-    #: layerwise reload is not (it swaps parameters and runs weight processing), so this stand-in is faster
-    #: than a vLLM engine from the second push on; benchmarks say which they measure.
+    accepts_blocked = True  # takes a tensor in a blocked shape of its slot's (see `pack.fits`)
     capturable = True
+
+    def __init__(self, model: FusedModel) -> None:
+        self.model = model
+
+    def load(self, weights: Weights) -> set[str]:
+        return self.model.load_weights(weights)
+
+    def prepare_load(self, weights: Weights) -> SegmentCopy:
+        return self.model.prepare_load(weights)
+
+    def expected(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return self.model.expected()
+
+
+class FusedModel(LoadingModule):
+    """Parameters fused like vLLM's; `load_weights` is the vLLM model protocol."""
 
     def __init__(self, specs: Iterable[Spec], *, device: str | torch.device = "cpu", fill: str = "zeros",
                  seed: int = 0, tie: bool = False) -> None:
@@ -203,7 +218,10 @@ class FusedModel(torch.nn.Module):
                 torch._foreach_copy_(small_dst, small_src, non_blocking=True)
         return loaded
 
-    def prepare_load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Callable[[], None]:
+    def loader(self) -> FusedLoader:
+        return FusedLoader(self)
+
+    def prepare_load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SegmentCopy:
         """What `load_weights(weights)` copies, checked and planned now, queued by each call of the result: one
         kernel for every copy of contiguous runs (`kernels.SegmentCopy`). `WeightReceiver` captures the call in
         a CUDA graph and replays it every push."""
@@ -230,15 +248,10 @@ class FusedModel(torch.nn.Module):
             loaded.add(name)
         return loaded, all_dst, all_src
 
-    def fused_layout(self) -> dict[str, list]:
+    def fused_layout(self) -> dict[str, Any]:
         """{fused parameter: [[its HF members, in the order their bytes lie in it], its shape]}: `load_weights`
         also takes a fused parameter whole under its own name (see `pack.fuse_layout`)."""
         return {f: [members, list(self._dst[f].shape)] for f, members in self._fused.items()}
-
-    def destinations(self, specs: Sequence[TensorSpec]) -> list[torch.Tensor | None]:
-        """Where each HF tensor lands (`streamsync.receiver.Destinations`): the row slice of its fused parameter
-        (contiguous: rows of a row-major tensor), or its own parameter. Direct receives write there."""
-        return [as_destination(self._dst.get(s.name), s) for s in specs]
 
     # -- what a sender compares against ----------------------------------------------------------------
 
@@ -246,7 +259,7 @@ class FusedModel(torch.nn.Module):
         """HF name -> (dtype name, shape): what `load_weights` accepts."""
         return {n: (d, tuple(s)) for n, d, s in self.hf_specs_}
 
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
         """(HF name, view into the fused parameters): the checkpoint as this receiver holds it."""
         params = dict(self.named_parameters())
         for name, _, _ in self.hf_specs_:

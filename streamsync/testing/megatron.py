@@ -125,7 +125,7 @@ class Case:
     vpp: int | None = None
     seed: int = 0
     chunk_bytes: int = 32 << 10
-    coalesce: bool = True
+    bucket_bytes: int | None = None  # MegatronSource(bucket_bytes=): 1 is one collective per parameter
     pushes: int = 1
     every_rank_sends: bool = False  # each rank pushes into its own receiver (`receivers[f"{name}@{rank}"]`)
     blocking: bool = False  # push through BlockingWeightSync from plain Python (no anyio.run) on every rank
@@ -180,7 +180,7 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case],
             target = receivers[case.name] if rank == 0 else None
         engines = ([ReceiverEngine("127.0.0.1", target[0], secret=target[1], timeout=60)]
                    if target is not None else [])
-        options = {"hf_config": case.model.hf_config(), "coalesce": case.coalesce,
+        options = {"hf_config": case.model.hf_config(), "bucket_bytes": case.bucket_bytes,
                    "every_rank_sends": case.every_rank_sends}
 
         def record(i: int, report: PushReport, source: MegatronSource, case: Case = case,
@@ -284,18 +284,19 @@ def ddp_one_copy_pushes(rank: int, world_size: int, tiny: TinyModel, port: int, 
         engine = ReceiverEngine("127.0.0.1", port, secret=secret, timeout=120)
         transport = CudaIpcTransport()
         sync = WeightSync([engine], transport=transport, chunk_bytes=1 << 20)
+        counts: list[dict[str, int]] = []
         for step in range(pushes):
             if step:
                 torch.manual_seed(step)
                 with torch.no_grad():
                     for p in params:
                         p.add_(torch.randn_like(p), alpha=0.01)
-            await sync.push(model)
+            counts.append((await sync.push(model)).trace.counts)
             hf = await export_hf_async(model)
             assert hf is not None
             out["exact"].append(await engine.checksums(device=True) == device_digests(hf.items()))
-        out["exports"] = int(transport.ref_stats["exports"])
-        out["referenced"] = int(transport.ref_stats["referenced"])
+        out["exports"] = sum(c.get("refs.exports", 0) for c in counts)
+        out["referenced"] = sum(c.get("refs.referenced", 0) for c in counts)
         await sync.close()
 
     anyio.run(main)

@@ -2,48 +2,75 @@
 engine worker). Both halves agree on plain-data messages only:
 
 * `init_info` (once, at connect): what a receiver needs to set itself up (e.g. a rendezvous address);
-* `update_info["handle"]` (per chunk): how to find the chunk's bytes (a segment name, an IPC handle).
+* a chunk's handle (`ChunkHandle.data`, the `handle` of its `UpdateMessage`): how to find its bytes (a segment
+  name, an IPC handle), and, for tensors sent by reference, where each lies.
+
+Per push the sending half sees, in order: `begin_push` (the plans, the source, the engines), then per chunk
+`allocate` -> `pack` -> `handles` -> `send` -> `free`, then `end_push(ok)`. The send stage calls `handles` and
+`send` back to back, one chunk at a time, in plan order.
 
 Ownership: the sender allocates a chunk's buffer; a receiver may read it from `Receiver.open` until the
 context exits, and acknowledges by returning from its update call; the sender frees the buffer only after
-every receiver acknowledged (the release stage), or when the push fails.
+every receiver acknowledged (the release stage), or when the push fails (then it is dropped, never reused:
+a receiver that gave up may still read it).
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import anyio
 import torch
 
 from ..errors import ValidationError
+from ..message import ChunkHandle, Recipient, UpdateMessage
 from ..pack import Layout, TensorMeta, pack_into, unpack
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
     from ..plan.chunk import ChunkPlan
+    from ..sources.base import Source
+    from .pool import PoolBuffer
+    from .refs import ChunkRefs
 
 
 @dataclass
 class SendBuffer:
-    """A chunk's sender-side buffer: `tensor` is the flat uint8 view pack writes into."""
+    """A chunk's sender-side buffer, and what its transport keeps for the chunk until `free`."""
 
     chunk: int
+    #: bytes this chunk keeps alive on the sender (counted in the push's peak)
     nbytes: int
+    #: the flat uint8 view `pack` writes into (empty when nothing of the chunk is packed)
     tensor: torch.Tensor
+    #: the transport's plain-data handle for the chunk, before any per-engine fields
     handle: dict[str, Any]
-    state: dict[str, Any] = field(default_factory=dict)
+    #: the pool buffer behind `tensor`, for transports that pool them
+    pooled: PoolBuffer | None = None
+    #: one copy: the chunk's tensors sent by reference and the packed rest
+    refs: ChunkRefs | None = None
+    #: recorded on the device once the pack's copies ran; None when `pack` returned after they ran
+    ready: torch.cuda.Event | None = None
 
 
 class Transport(ABC):
-    """Sending half. One instance serves one `WeightSync` (all its engines)."""
+    """Sending half. One instance serves one `WeightSync` (all its engines).
+
+    Subclasses call `super().__init__()`. Capabilities are declared here, never probed: `reaches` (which
+    engines `transport="auto"` gives it) and `ref_chunk_bytes` (whether tensors may go by reference)."""
 
     name: ClassVar[str]
+    #: the engines this transport reaches: "cpu" / "cuda" engines on the sender's own host (shared memory,
+    #: CUDA IPC), or "remote" (engines anywhere: a collective group)
+    reaches: ClassVar[Literal["cpu", "cuda", "remote"]]
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def init_info(self, index: int, engine: Engine) -> dict[str, Any]:
         """Plain data for engine `index`'s `init_transfer`. Must include `transport`."""
@@ -56,15 +83,21 @@ class Transport(ABC):
                 for i, e in enumerate(engines):
                     tg.start_soon(e.init_transfer, self.init_info(i, e))
 
-    def begin_push(self, plans: Sequence[ChunkPlan], push_id: str) -> None:  # noqa: B027 - optional hook
-        """Called before a push's first allocate (e.g. to size a buffer pool)."""
+    @property
+    def ref_chunk_bytes(self) -> int | None:
+        """Referenced bytes per chunk where tensors may go by reference (one copy: a referenced tensor costs the
+        sender no memory, so chunks of them are planned by their own, larger budget); None otherwise."""
+        return None
 
-    def end_push(self) -> None:  # noqa: B027 - optional hook
-        """Called when a push ended, successfully or not, after every buffer was freed."""
+    def begin_push(self, plans: Sequence[ChunkPlan], source: Source, engines: Sequence[Engine], *,  # noqa: B027
+                   by_reference: bool = True) -> None:
+        """A push of `plans` from `source` to `engines` starts: size pools, note which storages may go by
+        reference (none with `by_reference=False`: every tensor packed, for a buffer another transport reads
+        too). Called before the first `allocate`."""
 
     @abstractmethod
-    def allocate(self, chunk: ChunkPlan, push_id: str) -> SendBuffer:
-        """A buffer of at least `chunk.nbytes` on the transport's device."""
+    def allocate(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor]) -> SendBuffer:
+        """The chunk's buffer, once its converted tensors are known: at least the bytes it will pack."""
 
     async def pack(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
         """Copy tensors into the buffer without blocking the event loop.
@@ -73,7 +106,7 @@ class Transport(ABC):
         stream) and awaited through an event, so the loop and other chunks' device work keep going.
         """
         if buf.tensor.device.type == "cuda":
-            stream = self._side_stream(buf.tensor.device)
+            stream = self.side_stream(buf.tensor.device)
             stream.wait_stream(torch.cuda.current_stream(buf.tensor.device))
             with torch.cuda.stream(stream):
                 pack_into(buf.tensor, layout, tensors)
@@ -83,25 +116,39 @@ class Transport(ABC):
         else:
             await anyio.to_thread.run_sync(pack_into, buf.tensor, layout, tensors)
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        streams = self.__dict__.setdefault("_streams", {})
-        if device not in streams:
-            streams[device] = torch.cuda.Stream(device)
-        return streams[device]
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """This transport's copy stream on `device`."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
 
-    async def send(self, buf: SendBuffer, update_info: dict[str, Any], engines: Sequence[Engine]) -> None:
-        """Deliver the packed chunk to every engine; return when all acknowledged (closed their handle).
+    def handles(self, buf: SendBuffer, engines: int) -> Sequence[ChunkHandle]:
+        """Each engine's handle for the chunk in `buf`, in engine order (the default: one for all)."""
+        return [ChunkHandle(buf.handle)] * engines
 
-        The default hands the handle to every engine concurrently; collective transports also move the
-        bytes here. Errors raised out of an engine call keep their EngineError type (it names the engine).
-        """
+    async def send(self, buf: SendBuffer, messages: Sequence[UpdateMessage], recipients: Sequence[Recipient]) -> None:
+        """Deliver the chunk: `recipients[i].update(messages[i])` for every engine; return when all acknowledged
+        (closed their handle). The default calls them concurrently; collective transports also move the bytes
+        here. Errors raised by a recipient keep their EngineError type (it names the engine)."""
+        if len(recipients) == 1:  # the common colocated case: no task group per chunk
+            await recipients[0].update(messages[0])
+            return
         async with anyio.create_task_group() as tg:
-            for e in engines:
-                tg.start_soon(e.update, update_info)
+            for r, m in zip(recipients, messages, strict=True):
+                tg.start_soon(r.update, m)
 
     @abstractmethod
     def free(self, buf: SendBuffer) -> None:
         """Give the buffer back. Idempotent; safe on a failed push."""
+
+    def end_push(self, ok: bool) -> None:  # noqa: B027 - optional hook
+        """The push ended, every buffer freed; `ok`: every engine acknowledged every chunk."""
+
+    def push_counts(self) -> Mapping[str, float]:
+        """What this transport counted during the last push (tensors referenced and packed, exports, captured
+        packs), recorded in the push's trace (`Trace.counts`)."""
+        return {}
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Tear down process groups or pools."""
@@ -120,16 +167,16 @@ class Receiver(ABC):
     def open(self, update_info: dict[str, Any], nbytes: int | None = None) -> AbstractContextManager[torch.Tensor]:
         """Map the chunk named by `update_info` and yield its flat uint8 bytes; unmap on exit.
 
-        `nbytes`: the chunk's size from its already validated layout. A transport that allocates for a
-        chunk refuses a handle of another size before it allocates anything."""
+        `nbytes`: the chunk's size from its already validated layout (`WeightReceiver` always passes it). A
+        transport that allocates for a chunk refuses a handle of another size before it allocates anything."""
 
     def views(self, buf: torch.Tensor, layout: Layout) -> Iterable[tuple[str, torch.Tensor]]:
         """(name, view) of every tensor of the chunk in `buf` (the tensor `open` yielded)."""
         return unpack(buf, layout)
 
     def ref_views(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]]:
-        """Tensors of the chunk sent by reference instead of packed (CUDA IPC one copy): (metadata, view).
-        Called while the chunk is open. Transports without references refuse an update that has some."""
+        """Tensors of the chunk sent by reference instead of packed (one copy): (metadata, view). Called while
+        the chunk is open. Transports without references refuse an update that has some."""
         h = update_info.get("handle")
         if isinstance(h, dict) and h.get("refs"):
             raise ValidationError(f"the {self.name} transport takes no tensors by reference")
@@ -138,37 +185,69 @@ class Receiver(ABC):
     def end_round(self) -> None:  # noqa: B027 - optional hook
         """A round (start..finish, or a failed one) ended: drop per-round mappings."""
 
+    def stats(self) -> dict[str, float]:
+        """What this receiving half measured since it started (host seconds mapping trainer storages, ...),
+        reported with the receiver's status."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release transport resources (process groups)."""
 
 
-# Lazy registry: name -> (module, sender class, receiver class). Adding a transport is one entry here.
-_REGISTRY: dict[str, tuple[str, str, str]] = {
-    "shm": ("streamsync.transports.shm", "ShmTransport", "ShmReceiver"),
-    "cuda_ipc": ("streamsync.transports.cuda_ipc", "CudaIpcTransport", "CudaIpcReceiver"),
-    "collective": ("streamsync.transports.collective", "CollectiveTransport", "CollectiveReceiver"),
-}
+@dataclass(frozen=True)
+class _Entry:
+    module: str
+    sender: str
+    receiver: str
+    reaches: str
 
 
-def register_transport(name: str, module: str, sender: str, receiver: str) -> None:
-    _REGISTRY[name] = (module, sender, receiver)
+# Lazy registry: name -> where the two halves are, and what the transport reaches (`transport="auto"`).
+_REGISTRY: dict[str, _Entry] = {}
 
 
-def _load(name: str, which: int) -> type:
+def register_transport(name: str, module: str, sender: str, receiver: str, *,
+                       reaches: Literal["cpu", "cuda", "remote"]) -> None:
+    """Register a transport by the module and class names of its halves (imported when first used). A name
+    registered already is refused: two transports under one name would make receivers guess."""
+    if name in _REGISTRY:
+        raise ValidationError(f"transport {name!r} is registered already ({_REGISTRY[name].module})")
+    if reaches not in ("cpu", "cuda", "remote"):
+        raise ValidationError(f"transport {name!r}: reaches must be 'cpu', 'cuda' or 'remote', got {reaches!r}")
+    _REGISTRY[name] = _Entry(module, sender, receiver, reaches)
+
+
+register_transport("shm", "streamsync.transports.shm", "ShmTransport", "ShmReceiver", reaches="cpu")
+register_transport("cuda_ipc", "streamsync.transports.cuda_ipc", "CudaIpcTransport", "CudaIpcReceiver",
+                   reaches="cuda")
+register_transport("collective", "streamsync.transports.collective", "CollectiveTransport", "CollectiveReceiver",
+                   reaches="remote")
+
+
+def _entry(name: str) -> _Entry:
     try:
-        entry = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
         raise ValidationError(f"unknown transport {name!r}; known: {sorted(_REGISTRY)}") from None
-    return getattr(importlib.import_module(entry[0]), entry[which])
 
 
 def transport_class(name: str) -> type[Transport]:
-    return _load(name, 1)
+    entry = _entry(name)
+    cls: type[Transport] = getattr(importlib.import_module(entry.module), entry.sender)
+    return cls
+
+
+def transport_for(reaches: str) -> str:
+    """The registered transport that reaches engines of this kind ("cpu", "cuda" or "remote")."""
+    names = [n for n, e in _REGISTRY.items() if e.reaches == reaches]
+    if not names:
+        raise ValidationError(f"no transport registered reaches {reaches!r} engines; pass transport=")
+    return names[0]
 
 
 def make_receiver(init_info: dict[str, Any], device: torch.device | str = "cpu") -> Receiver:
     if not isinstance(init_info, dict) or not isinstance(init_info.get("transport"), str):
         raise ValidationError(f"init_info must be a dict with a 'transport' name, got {init_info!r:.200}")
-    return _load(init_info["transport"], 2)(init_info, device)
-
-
+    entry = _entry(init_info["transport"])
+    cls: type[Receiver] = getattr(importlib.import_module(entry.module), entry.receiver)
+    return cls(init_info, device)

@@ -13,30 +13,40 @@ broadcast may still read it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import anyio
 import torch
 
+from ..message import ChunkHandle, Recipient, UpdateMessage
 from ..pack import Layout
 from ..plan.chunk import ChunkPlan
 from .base import SendBuffer, Transport
-from .collective.sender import CollectiveTransport
+from .collective import CollectiveTransport
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
+    from ..sources.base import Source
 
 
 class MixedTransport(Transport):
     """local: shared memory or CUDA IPC, for engines with `remote=False`; remote: the collective transport."""
 
-    name = "mixed"
+    name: ClassVar[str] = "mixed"
+    reaches: ClassVar[Literal["cpu", "cuda", "remote"]] = "remote"
 
     def __init__(self, local: Transport, remote: CollectiveTransport) -> None:
+        super().__init__()
         self.local = local
         self.remote = remote
-        remote.ordering = "host"  # see the module doc: the pack was not queued by the collective itself
+        remote.order_on_host()  # see the module doc: the pack was not queued by the collective itself
+        self._near: list[int] = []  # engine indices of this push, by half
+        self._far: list[int] = []
+
+    @property
+    def ref_chunk_bytes(self) -> int | None:
+        return None  # one packed buffer serves both halves: nothing goes by reference
 
     @staticmethod
     def split(engines: Sequence[Engine]) -> tuple[list[Engine], list[Engine]]:
@@ -51,37 +61,51 @@ class MixedTransport(Transport):
             if far:
                 tg.start_soon(self.remote.connect, far, timeout)
 
-    def begin_push(self, plans: Sequence[ChunkPlan], push_id: str) -> None:
-        self.local.begin_push(plans, push_id)
-        self.remote.begin_push(plans, push_id)  # its chunk bookkeeping; its own pool stays empty
+    def begin_push(self, plans: Sequence[ChunkPlan], source: Source, engines: Sequence[Engine], *,
+                   by_reference: bool = True) -> None:
+        self._near = [i for i, e in enumerate(engines) if not e.remote]
+        self._far = [i for i, e in enumerate(engines) if e.remote]
+        near, far = self.split(engines)
+        self.local.begin_push(plans, source, near, by_reference=False)  # the collective broadcasts its buffer
+        self.remote.begin_push(plans, source, far)  # its chunk bookkeeping; its own pool stays empty
 
-    def allocate(self, chunk: ChunkPlan, push_id: str) -> SendBuffer:
-        return self.local.allocate(chunk, push_id)
+    def allocate(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor]) -> SendBuffer:
+        return self.local.allocate(chunk, tensors)
 
     async def pack(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
         await self.local.pack(buf, layout, tensors)
 
-    async def send(self, buf: SendBuffer, update_info: dict[str, Any], engines: Sequence[Engine]) -> None:
-        near, far = self.split(engines)
-        ready = buf.state.get("pb").extra.get("ready") if buf.tensor.is_cuda and "pb" in buf.state else None
+    def handles(self, buf: SendBuffer, engines: int) -> Sequence[ChunkHandle]:
+        out: list[ChunkHandle | None] = [None] * engines
+        for indices, half in ((self._near, self.local), (self._far, self.remote)):
+            if indices:
+                for i, h in zip(indices, half.handles(buf, len(indices)), strict=True):
+                    out[i] = h
+        assert all(h is not None for h in out)
+        return out  # type: ignore[return-value]
 
+    async def send(self, buf: SendBuffer, messages: Sequence[UpdateMessage], recipients: Sequence[Recipient]) -> None:
         async def broadcast() -> None:
-            if ready is not None:  # the colocated pack was queued on a side stream: it must have run
-                await anyio.to_thread.run_sync(ready.synchronize)
-            await self.remote.send(buf, update_info, far)
+            if buf.ready is not None:  # the colocated pack was queued on a side stream: it must have run
+                await anyio.to_thread.run_sync(buf.ready.synchronize)
+            await self.remote.send(buf, [messages[i] for i in self._far], [recipients[i] for i in self._far])
 
         async with anyio.create_task_group() as tg:
-            if near:
-                tg.start_soon(self.local.send, buf, update_info, near)
-            if far:
+            if self._near:
+                tg.start_soon(self.local.send, buf, [messages[i] for i in self._near],
+                              [recipients[i] for i in self._near])
+            if self._far:
                 tg.start_soon(broadcast)
 
     def free(self, buf: SendBuffer) -> None:
         self.local.free(buf)
 
-    def end_push(self) -> None:
-        self.local.end_push()
-        self.remote.end_push()
+    def push_counts(self) -> Mapping[str, float]:
+        return {**self.local.push_counts(), **self.remote.push_counts()}
+
+    def end_push(self, ok: bool) -> None:
+        self.local.end_push(ok)
+        self.remote.end_push(ok)
 
     async def close(self) -> None:
         try:

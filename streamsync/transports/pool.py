@@ -20,16 +20,39 @@ from typing import Any
 
 import torch
 
+from ..cache import BoundedCache
+
 
 @dataclass
 class PoolBuffer:
-    """`token` changes whenever the memory does: receivers key their cached mappings by it."""
+    """A pooled buffer and what its transport keeps with it while it lives. `token` changes whenever the
+    memory does: receivers key their cached mappings by it."""
 
     tensor: torch.Tensor = field(repr=False)
     size: int
     token: str
-    extra: dict[Any, Any] = field(default_factory=dict, repr=False)
     serial: int = 0  # creation order: every push hands buffers out in this order
+    #: what the allocator keeps alive with the memory (shared memory: its fd and mapping)
+    backing: Any = field(default=None, repr=False)
+    #: CUDA IPC: the export of this buffer to each engine, by engine index (one per receiver: torch counts one
+    #: release per export)
+    exports: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
+    #: recorded once this buffer's pack ran (receivers and the broadcast wait for it on the device)
+    ready: torch.cuda.Event | None = field(default=None, repr=False)
+    #: recorded by the broadcast out of this buffer (the next pack into it waits for it)
+    sent: torch.cuda.Event | None = field(default=None, repr=False)
+    #: CUDA IPC: each receiver's release event (the next pack into this buffer waits for all of them)
+    release_events: list[torch.cuda.Event] = field(default_factory=list, repr=False)
+    #: per-chunk work made for this buffer (destination views, captured packs), keyed by chunk layout and the
+    #: sources' addresses: bounded, since a trainer whose chunking or addresses keep changing makes new keys
+    cache: BoundedCache[tuple, Any] = field(default_factory=lambda: BoundedCache(512), repr=False)
+
+    def reset(self) -> None:
+        """Forget everything kept with the memory (the buffer was dropped)."""
+        self.exports.clear()
+        self.release_events.clear()
+        self.cache.clear()
+        self.ready = self.sent = None
 
 
 class BufferPool:
@@ -135,18 +158,9 @@ class BufferPool:
             b.tensor = torch.empty(0, dtype=torch.uint8)
             if self.destroy is not None:
                 self.destroy(b)
-            b.extra.clear()
+            b.reset()
         if self.on_drop is not None:
             self.on_drop()
-
-
-def remember(pb: PoolBuffer, key: tuple, value: Any) -> None:
-    """Put an entry in a buffer's per-chunk caches (destination views, pack graphs: tuple keys). When the
-    chunking or the sources' addresses changed many times, start those caches over; exports stay."""
-    if len(pb.extra) > 512:
-        for k in [k for k in pb.extra if isinstance(k, tuple)]:
-            del pb.extra[k]
-    pb.extra[key] = value
 
 
 def captured(pb: PoolBuffer, key: tuple, stream: torch.cuda.Stream,
@@ -156,11 +170,11 @@ def captured(pb: PoolBuffer, key: tuple, stream: torch.cuda.Stream,
     second (captured now, not run: the caller replays it), (graph, False) after. Captured on `stream`, which
     records nothing else meanwhile; "thread_local": other threads of the trainer may use CUDA during the
     capture. A RuntimeError means these copies cannot be captured here."""
-    graph = pb.extra.get(key)
+    graph = pb.cache.get(key)
     if isinstance(graph, torch.cuda.CUDAGraph):
         return graph, False
     if graph is None:
-        remember(pb, key, False)
+        pb.cache[key] = False
         return None, False
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
@@ -169,5 +183,5 @@ def captured(pb: PoolBuffer, key: tuple, stream: torch.cuda.Stream,
             record()
         finally:
             graph.capture_end()
-    remember(pb, key, graph)
+    pb.cache[key] = graph
     return graph, True

@@ -7,7 +7,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,7 +28,7 @@ CLOSE_TIMEOUT = 10.0
 T = TypeVar("T")
 
 
-async def _in_thread(fn: Callable[..., T], *args: object) -> T:
+async def in_thread(fn: Callable[..., T], *args: object) -> T:
     """Run a blocking collective call off the event loop; a cancelled push does not wait for it."""
     try:
         return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
@@ -156,77 +156,6 @@ def launch_broadcast(pg: Any, tensor: torch.Tensor, stream: torch.cuda.Stream,
     return done
 
 
-def _coalesces(pg: Any) -> bool:
-    """Whether the backend groups collectives issued between `_start_coalescing()` and `_end_coalescing()` into
-    one launch. ProcessGroupNCCL does (ncclGroupStart/End, one Work for the group); gloo does not."""
-    try:
-        return bool(getattr(pg, "supports_coalescing", False)) and hasattr(pg, "_start_coalescing")
-    except RuntimeError:
-        return False
-
-
-def post_broadcasts(pg: Any, tensors: Sequence[torch.Tensor]) -> list[Any]:
-    """Issue one broadcast from rank 0 per tensor, in order; returns the Works to wait for.
-
-    Where the backend coalesces (NCCL) the broadcasts form one group: `ncclGroupStart`, one `ncclBroadcast`
-    per tensor, `ncclGroupEnd`, i.e. one kernel launch for all of them and one Work that ends when the last
-    one did (torch's `_coalescing_manager` makes the same calls through a registered `ProcessGroup`; this
-    backend object is not registered, so its own `_start_coalescing`/`_end_coalescing` are called, which take
-    no device). Each broadcast in the group still waits for the current stream (torch's syncStream), so the
-    caller queues its waits on that stream first. Elsewhere (gloo) one async broadcast per tensor: gloo
-    matches them by the tag each gets at issue, so every rank issuing them in the same order is enough.
-    Every rank must pass tensors of the same byte sizes in the same order (the layout decides both)."""
-    if not tensors:
-        return []
-    if len(tensors) > 1 and _coalesces(pg):
-        pg._start_coalescing()
-        try:
-            for t in tensors:
-                pg.broadcast([t], _bcast_opts())  # inside the group its own Work is not waited for: the group's is
-        except BaseException:
-            try:  # leave the group (ncclGroupEnd), or every later collective of this thread is swallowed
-                pg._end_coalescing()
-            except Exception:
-                pass
-            raise
-        work = pg._end_coalescing()
-        return [] if work is None else [work]
-    return [pg.broadcast([t], _bcast_opts()) for t in tensors]
-
-
-def broadcast_all(pg: Any, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream | None = None) -> None:
-    """Blocking broadcasts from rank 0 of every tensor (the host-ordered direct protocol). CUDA tensors:
-    returns when the bytes are in place on the device."""
-    if not tensors or not tensors[0].is_cuda:
-        for w in post_broadcasts(pg, tensors):
-            w.wait()
-        return
-    with torch.cuda.device(tensors[0].device):
-        s = stream or torch.cuda.current_stream(tensors[0].device)
-        with torch.cuda.stream(s):
-            for w in post_broadcasts(pg, tensors):
-                w.wait()
-        s.synchronize()
-
-
-def launch_broadcasts(pg: Any, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream,
-                      after: Sequence[torch.cuda.Event | None] = ()) -> torch.cuda.Event:
-    """Queue the broadcasts of CUDA tensors (one NCCL group) behind the events `after` on `stream`; returns
-    the event that marks their end. Blocks no host. Every tensor is marked used by `stream` (after `stream`
-    waited for the group), so memory freed meanwhile is not reused before the broadcasts read or wrote it."""
-    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-        for ev in after:
-            if ev is not None:
-                stream.wait_event(ev)
-        for w in post_broadcasts(pg, tensors):
-            w.wait()  # `stream` waits for NCCL's stream
-        for t in tensors:
-            t.record_stream(stream)
-        done = torch.cuda.Event()
-        done.record(stream)
-    return done
-
-
 class Stalled(TransportError):
     """A collective did not finish in time: a peer died or froze."""
 
@@ -273,7 +202,7 @@ def dispose(*objs: Any) -> threading.Thread:
     return t
 
 
-async def _join(t: threading.Thread, timeout: float) -> bool:
+async def join_thread(t: threading.Thread, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while t.is_alive() and time.monotonic() < deadline:
         await anyio.sleep(0.005)

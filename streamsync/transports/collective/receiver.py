@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import torch
 
+from ...cache import BoundedCache
 from ...errors import TransportError, ValidationError
-from ...pack import Layout, TensorMeta, byte_view, dtype_from_name, unpack
+from ...pack import Layout, unpack
 from ..base import Receiver
-from .group import (
-    BACKENDS,
-    CLOSE_TIMEOUT,
-    broadcast,
-    broadcast_all,
-    dispose,
-    launch_broadcast,
-    launch_broadcasts,
-    make_group,
-    wait_event,
-)
-from .sender import PROTOCOLS
-
-if TYPE_CHECKING:
-    pass
-
-
-# ---------------------------------------------------------------------------------------------- receiver
+from .group import BACKENDS, CLOSE_TIMEOUT, broadcast, dispose, launch_broadcast, make_group, wait_event
 
 
 def _field(info: dict[str, Any], key: str, kind: type, *, lo: int = 0) -> Any:
@@ -55,7 +39,7 @@ class CollectiveReceiver(Receiver):
     next chunk's broadcast goes into the other buffer meanwhile (module doc). `end_round` waits for all of it.
     """
 
-    name = "collective"
+    name: ClassVar[str] = "collective"
     SLOTS = 2
 
     def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cpu") -> None:
@@ -82,6 +66,7 @@ class CollectiveReceiver(Receiver):
         self.timeout = timeout.total_seconds()
         self.close_timeout = CLOSE_TIMEOUT
         self._pg: Any = None
+        self._store: Any = None
         try:
             store = dist.TCPStore(addr, port, world, False, timeout=timeout)
             self._pg = make_group(backend, dist.PrefixStore(self.group, store), rank, world, timeout, addr)
@@ -96,7 +81,8 @@ class CollectiveReceiver(Receiver):
         self._seq = 0
         self._bufs: list[torch.Tensor | None] = [None] * self.SLOTS
         self._free: list[torch.cuda.Event | None] = [None] * self.SLOTS  # a slot's last load finished
-        self._views: dict[tuple[int, Layout], list[tuple[str, torch.Tensor]]] = {}
+        # (receive buffer, layout) -> the chunk's views: a steady push unpacks nothing
+        self._views: BoundedCache[tuple[int, Layout], list[tuple[str, torch.Tensor]]] = BoundedCache(256)
         self._recv_stream: torch.cuda.Stream | None = None
         self._load_streams: set[torch.cuda.Stream] = set()
         self._queued = False  # device-ordered work may be queued (drained by end_round)
@@ -133,17 +119,8 @@ class CollectiveReceiver(Receiver):
         return buf[:nbytes]
 
     @contextmanager
-    def open(self, update_info: dict[str, Any], nbytes: int | None = None, *, layout: Layout | None = None,
-             targets: list[torch.Tensor | None] | None = None,
-             before_write: Callable[[], None] | None = None) -> Iterator[torch.Tensor]:
-        """Receive the chunk; yield its receive buffer (module doc).
-
-        Direct protocol (the handle says so): needs the chunk's `layout`, and receives tensor i into
-        `targets[i]` where that is given (the whole tensor or, for a part, its rows of the destination: a
-        contiguous tensor of the meta's dtype and shape on this receiver's device), into its slot of the receive
-        buffer otherwise. On entry `targets[i]` is left set exactly where tensor i was (or is queued to be)
-        written there: those the caller must not load again; the others are set to None (the chunk protocol sets
-        them all to None). `before_write` is called before anything is written into a target."""
+    def open(self, update_info: dict[str, Any], nbytes: int | None = None) -> Iterator[torch.Tensor]:
+        """Receive the chunk; yield its receive buffer (package doc)."""
         h = update_info.get("handle")
         if not isinstance(h, dict):
             raise ValidationError(f"collective handle must be {{group, seq, nbytes}}, got {h!r:.200}")
@@ -159,25 +136,8 @@ class CollectiveReceiver(Receiver):
         ordered = h.get("device_ordered", False)
         if type(ordered) is not bool:
             raise ValidationError(f"collective handle device_ordered must be a bool, got {ordered!r:.40}")
-        protocol = h.get("protocol", "chunk")
-        if protocol not in PROTOCOLS:
-            raise ValidationError(f"collective handle protocol must be one of {PROTOCOLS}, got {protocol!r:.40}")
-        if protocol == "direct" and layout is None:
-            raise ValidationError(f"collective chunk {seq} uses the direct protocol: its receiver must pass the "
-                                  "chunk's layout to open (one broadcast per tensor)")
-        if layout is not None and layout.nbytes != size:
-            raise ValidationError(f"collective chunk {seq} is {size} bytes, its layout {layout.nbytes}")
-        if targets is not None and layout is not None and len(targets) != len(layout.metas):
-            raise ValidationError(f"{len(targets)} targets for a layout of {len(layout.metas)} tensors")
         if self._pg is None:
             raise TransportError("collective receiver is closed")
-        if protocol == "direct":
-            assert layout is not None
-            with self._open_direct(seq, layout, targets, before_write, ordered and self._nccl) as buf:
-                yield buf
-            return
-        if targets is not None:  # the chunk protocol writes nothing but its receive buffer
-            targets[:] = [None] * len(targets)
         if ordered and self._nccl:
             with self._open_streamed(seq, size) as buf:
                 yield buf
@@ -218,75 +178,11 @@ class CollectiveReceiver(Receiver):
             ev = self._free[slot] = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
 
-    def _accepts(self, target: torch.Tensor | None, meta: TensorMeta) -> bool:
-        return (target is not None and target.device == self.device and target.is_contiguous()
-                and target.dtype == dtype_from_name(meta.dtype) and tuple(target.shape) == meta.shape)
-
-    @contextmanager
-    def _open_direct(self, seq: int, layout: Layout, targets: list[torch.Tensor | None] | None,
-                     before_write: Callable[[], None] | None, streamed: bool) -> Iterator[torch.Tensor]:
-        """One broadcast per tensor of the layout (none for an empty one), in layout order, as the sender posts
-        them: into its target where one is given and fits, else into its slot of the receive buffer (made only
-        if some tensor lands there). Device-ordered (NCCL): one group on the receive stream behind the slot's
-        last loads (staged tensors) and the current stream's work (targets: nothing queued before this chunk on
-        the engine's stream still reads or writes them); the current stream waits for the group."""
-        metas = layout.metas
-        tg: list[torch.Tensor | None] = targets if targets is not None else [None] * len(metas)
-        for i, m in enumerate(metas):
-            if tg[i] is not None and not self._accepts(tg[i], m):
-                tg[i] = None
-        staged = any(t is None and m.nbytes for t, m in zip(tg, metas, strict=True))
-        slot = seq % self.SLOTS
-        buf = (self._buffer(slot, layout.nbytes) if staged
-               else torch.empty(0, dtype=torch.uint8, device=self.device))
-        recvs = [byte_view(t) if t is not None else buf[m.offset: m.offset + m.nbytes]
-                 for t, m in zip(tg, metas, strict=True) if m.nbytes]
-        writes = any(t is not None for t in tg)
-        if writes and before_write is not None:
-            before_write()
-        self._seq += 1
-        if not streamed:
-            if self._queued:  # the host protocol right after device-ordered chunks: their work is done first
-                self._drain()
-            try:
-                broadcast_all(self._pg, recvs)
-            except RuntimeError as e:
-                raise TransportError(f"broadcast of chunk {seq} failed: {e}") from e
-            try:
-                yield buf
-            finally:
-                if buf.is_cuda:  # the loader's copies out of the buffer finish before the ack
-                    torch.cuda.current_stream(buf.device).synchronize()
-            return
-        if self._recv_stream is None:
-            self._recv_stream = torch.cuda.Stream(self.device)
-        self._queued = True
-        load = torch.cuda.current_stream(self.device)
-        after: list[torch.cuda.Event | None] = [self._free[slot] if staged else None]
-        if writes:
-            engine = torch.cuda.Event()
-            engine.record(load)
-            after.append(engine)
-        try:
-            got = launch_broadcasts(self._pg, recvs, self._recv_stream, after)
-        except RuntimeError as e:
-            raise TransportError(f"broadcast of chunk {seq} failed: {e}") from e
-        self._load_streams.add(load)
-        load.wait_event(got)
-        try:
-            yield buf
-        finally:
-            if staged:  # the ack: the next broadcast into this slot waits for the loader's copies
-                ev = self._free[slot] = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(self.device))
-
     def views(self, buf: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
         """The chunk's views, made once per (receive buffer, layout): a steady push unpacks nothing."""
         key = (buf.data_ptr(), layout)
         views = self._views.get(key)
         if views is None:
-            if len(self._views) > 256:
-                self._views.clear()
             views = self._views[key] = list(unpack(buf, layout))
         return views
 
@@ -306,7 +202,7 @@ class CollectiveReceiver(Receiver):
 
     def close(self) -> None:
         """Abort the group (bounded: returns within `close_timeout` whatever the sender does)."""
-        pg, store = self._pg, getattr(self, "_store", None)
+        pg, store = self._pg, self._store
         self._pg = self._store = None
         if pg is not None or store is not None:
             dispose(pg, store).join(self.close_timeout)

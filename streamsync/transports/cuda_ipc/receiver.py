@@ -5,19 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import torch
 
+from ...cache import BoundedCache
 from ...errors import TransportError, ValidationError
 from ...pack import Layout, TensorMeta, unpack
 from ..base import Receiver
-from ..refs import MappedStorage, RefReceiver
+from ..refs import ReferenceViews
 from . import driver as cuda_driver
 from .handle import UUID_RE, IpcHandle, live_tokens, local_index, parse_handle
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass
@@ -29,7 +27,8 @@ class _Mapped:
     release: torch.cuda.Event | None
     ready: torch.cuda.Event | None
     raw: dict[str, Any]
-    views: dict[Layout, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)
+    # per layout: the chunk's views, made once (a chunking that keeps changing starts them over)
+    views: BoundedCache[Layout, list[tuple[str, torch.Tensor]]] = field(default_factory=lambda: BoundedCache(64))
 
 
 def _warm_copies(device: torch.device) -> None:
@@ -46,8 +45,8 @@ def _warm_copies(device: torch.device) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-class CudaIpcReceiver(RefReceiver, Receiver):
-    name = "cuda_ipc"
+class CudaIpcReceiver(Receiver):
+    name: ClassVar[str] = "cuda_ipc"
 
     def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cuda") -> None:
         super().__init__(init_info, device)
@@ -56,14 +55,15 @@ class CudaIpcReceiver(RefReceiver, Receiver):
         _warm_copies(self.device)
         self._maps: dict[str, _Mapped] = {}
         self._open: _Mapped | None = None
-        self._storages: dict[str, MappedStorage] = {}  # token -> mapped trainer storage (references)
-        self._round: set[str] = set()  # storage tokens this round referenced
-        # reference set id -> (its views, the storage tokens they lie on); see CudaIpcTransport._refs
-        self._refsets: dict[str, tuple[list[tuple[TensorMeta, torch.Tensor]], frozenset[str]]] = {}
-        #: host seconds spent opening trainer storages (for benchmarks: part of the receiver's `refs` time)
-        self.timing = {"map_storages": 0.0}
+        self.refs = ReferenceViews(self.name, self._map_storage)
 
-    def _ref_map(self, token: str, raw: dict[str, Any]) -> torch.Tensor:
+    def ref_views(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]]:
+        return self.refs.views(update_info)
+
+    def stats(self) -> dict[str, float]:
+        return {"map_storages": self.refs.map_seconds}
+
+    def _map_storage(self, token: str, raw: dict[str, Any]) -> torch.Tensor:
         # No export event to wait on: the chunk's ready event, which every update waits for before its loads,
         # already orders these reads after the trainer's writes (it is recorded after the producer's stream).
         if raw.get("driver") == 1:
@@ -153,7 +153,7 @@ class CudaIpcReceiver(RefReceiver, Receiver):
             self._open = None
             if m.release is not None and self.device.index in (None, buf.device.index):
                 m.release.record(stream)
-            if m.release is None or raw.get("sync") is True or self.device.index not in (None, buf.device.index):
+            if m.release is None or self.device.index not in (None, buf.device.index):
                 self._synchronize()
 
     def views(self, buf: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
@@ -164,8 +164,6 @@ class CudaIpcReceiver(RefReceiver, Receiver):
             return list(unpack(buf, layout))
         views = m.views.get(layout)
         if views is None:
-            if len(m.views) > 64:  # the chunking changed many times: start over
-                m.views.clear()
             views = m.views[layout] = list(unpack(m.tensor, layout))
         return views
 
@@ -173,7 +171,7 @@ class CudaIpcReceiver(RefReceiver, Receiver):
         """Before a round's end is acknowledged, every queued copy into the parameters has finished. Trainer
         storages this round did not reference are unmapped (the sender frees or reuses them once we let go)."""
         self._synchronize()
-        self._end_round_refs()
+        self.refs.end_round()
 
     @property
     def mapped(self) -> int:
@@ -183,5 +181,4 @@ class CudaIpcReceiver(RefReceiver, Receiver):
     def close(self) -> None:
         self._synchronize()
         self._maps.clear()
-        self._storages.clear()
-        self._refsets.clear()
+        self.refs.clear()

@@ -3,26 +3,26 @@
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import anyio
 import torch
 
 from ...errors import TransportError, ValidationError
 from ...log import get_logger
+from ...message import ChunkHandle, Recipient, UpdateMessage
 from ...pack import ALIGN, Layout, batched, castable, coalesce, dtype_from_name, fits
 from ...plan.chunk import ChunkPlan
-from ...sources.base import own_addresses
 from ..base import SendBuffer, Transport
 from ..pool import BufferPool, PoolBuffer, captured
-from ..pool import remember as _remember
-from ..refs import Compact, Export, RefSender
+from ..refs import Export, References, deliver, handles_with_refs
 from . import driver as cuda_driver
 from .handle import export_handle, gpu_uuid
 
 if TYPE_CHECKING:
     from ...engines.base import Engine
+    from ...sources.base import Source
 
 
 def _segments_freed(device: torch.device) -> int:
@@ -56,35 +56,33 @@ def _flat_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
 
 
-class CudaIpcTransport(RefSender, Transport):
+class CudaIpcTransport(Transport):
     """device: where send buffers live (default: the current CUDA device when the first push starts; it
     should be the model's device). keep_pool: keep up to `max_inflight` buffers between pushes.
     graphs: replay a chunk's pack copies as one captured CUDA graph once the same chunk has been packed
     from the same source addresses into the same buffer before (see `pack`).
-    one_copy: send tensors that are plain views of the source's own storages by reference (module doc).
-    ref_bytes: referenced bytes per chunk (the chunk budget, `chunk_bytes`, bounds only the packed bytes).
-    Measured on one H200 (Qwen3-8B shape): 1 GiB of references per chunk 31.7 ms, 2 GiB 16.4 ms, 8 GiB
-    15.3 ms, 16 GiB 16.8 ms; each chunk costs an update call and its per-chunk work on both sides."""
+    one_copy: send tensors that are plain views of the source's own storages by reference (package doc).
+    ref_bytes: referenced bytes per chunk (the chunk budget, `chunk_bytes`, bounds only the packed bytes): each
+    chunk costs an update call and its per-chunk work on both sides, so chunks of references are few and large.
+    ipc: "driver" shares storages through the CUDA driver (`driver.py`), "torch" through PyTorch's IPC (also
+    the fallback where the driver refuses an allocation)."""
 
-    name = "cuda_ipc"
+    name: ClassVar[str] = "cuda_ipc"
+    reaches: ClassVar[Literal["cpu", "cuda", "remote"]] = "cuda"
 
-    def __init__(self, device: torch.device | str | None = None, keep_pool: bool = True,
-                 release: str = "event", graphs: bool = True, one_copy: bool = True,
-                 ref_bytes: int = 8 << 30, ipc: str = "driver") -> None:
-        if release not in ("event", "sync"):
-            raise ValidationError(f"release must be 'event' or 'sync', got {release!r}")
+    def __init__(self, device: torch.device | str | None = None, keep_pool: bool = True, graphs: bool = True,
+                 one_copy: bool = True, ref_bytes: int = 8 << 30, ipc: str = "driver") -> None:
+        super().__init__()
         if ipc not in ("driver", "torch"):
             raise ValidationError(f"ipc must be 'driver' or 'torch', got {ipc!r}")
         self.ipc = ipc
         self._device = torch.device(device) if device is not None else None
         self.keep_pool = keep_pool
-        self.release = release
         self.graphs = graphs
-        self._init_refs(one_copy, ref_bytes)
-        self._single_worker = True
+        self.refs = References(self, one_copy=one_copy, ref_bytes=ref_bytes)
         self._engines = 0
-        #: packs replayed from a captured graph, and graphs captured, since construction (for benchmarks)
-        self.graph_stats = {"replayed": 0, "captured": 0}
+        #: this push's counts: packs replayed from a captured graph, graphs captured
+        self.counts: Counter[str] = Counter()
         self._pool: BufferPool | None = None
         # Exported release events stay alive until close: a receiver may hold one open after its buffer
         # left the pool, and an exported event must outlive its importers' use.
@@ -92,6 +90,14 @@ class CudaIpcTransport(RefSender, Transport):
         self._driver_warned = False
         self._freed_seen = -1  # the allocator's count of segments freed, at the last push start
         self._segments_freed = True
+
+    @property
+    def one_copy(self) -> bool:
+        return self.refs.one_copy
+
+    @property
+    def ref_chunk_bytes(self) -> int | None:
+        return self.refs.chunk_bytes
 
     @property
     def pool(self) -> BufferPool:
@@ -105,33 +111,31 @@ class CudaIpcTransport(RefSender, Transport):
         return self._pool
 
     def init_info(self, index: int, engine: Engine) -> dict[str, Any]:
-        self._forget_engine(index)  # a (re)connected engine maps nothing yet: every storage is exported afresh
+        self.refs.forget_engine(index)  # a (re)connected engine maps nothing yet: every storage is exported afresh
         return super().init_info(index, engine)
 
-    def note_source(self, source: Any, engines: Sequence[Engine]) -> None:
-        """Before a push: which storages may go by reference (the source's own tensors on this device)."""
-        self._single_worker = all(int(getattr(e, "workers", 1)) == 1 for e in engines)
-        self._engines = len(engines)
-        self._persistent = set()
-        if not self.one_copy or not self._single_worker:
-            return
-        self._persistent = own_addresses(source, self.pool.device)
-
-    def begin_push(self, plans: Sequence[ChunkPlan], push_id: str) -> None:
+    def begin_push(self, plans: Sequence[ChunkPlan], source: Source, engines: Sequence[Engine], *,
+                   by_reference: bool = True) -> None:
+        """Note which storages may go by reference (the source's own tensors on this device; none where an
+        engine has several workers: the exact IPC reference count assumes one receiver per export), and size
+        the pool."""
         torch.cuda.ipc_collect()  # free buffers dropped earlier whose receivers have let go since
+        self._engines = len(engines)
+        self.counts = Counter()
+        referenced = self.one_copy and by_reference and all(e.workers == 1 for e in engines)
+        self.refs.begin_push(source.local_addresses(self.pool.device) if referenced else set())
         # Segments the caching allocator gave back to the driver since the last push: only then can an address a
-        # driver export names hold a new allocation (`_export_alive` then compares allocation ids).
+        # driver export names hold a new allocation (`alive` then compares allocation ids).
         freed = _segments_freed(self.pool.device)
         self._segments_freed = freed != self._freed_seen
         self._freed_seen = freed
-        self._push_serial += 1
-        self._push_ok = False
         # With references a chunk's buffer holds only its packed part: buffers grow to what chunks need
         # (pool.take) instead of every buffer taking the largest chunk's size.
-        self.pool.begin(self.pool.size if self._persistent else max(p.nbytes for p in plans))
+        self.pool.begin(self.pool.size if self.refs.persistent else max(p.nbytes for p in plans))
 
-    def _ref_export(self, t: torch.Tensor) -> tuple[dict[str, Any], Any]:
-        """Through the driver (`cuda_driver`: no per-share event or counter file; the storage is held while the
+    # StorageExporter (refs.References)
+    def export(self, t: torch.Tensor) -> tuple[dict[str, Any], Any]:
+        """Through the driver (`driver.py`: no per-share event or counter file; the storage is held while the
         export lives), else PyTorch's sharing (its caching allocator keeps an exported block from reuse)."""
         if self.ipc == "driver" and cuda_driver.available():
             try:
@@ -143,96 +147,84 @@ class CudaIpcTransport(RefSender, Transport):
                                          "sharing", error=str(e))
         return export_handle(_flat_storage(t)), None
 
-    def _export_alive(self, ex: Export, addr: int) -> bool:
+    def alive(self, export: Export, addr: int) -> bool:
         """A driver export holds its storage: it is stale once that storage no longer lies at `addr` (resized or
         freed in place, FSDP-style), since another storage may since have been allocated there; or, after the
         allocator gave segments back to the driver since the last push, once the allocation at `addr` is another
         (resized to nothing, the cache emptied, resized back: same storage, same address, new memory). PyTorch's
         sharing kept such blocks in limbo instead."""
-        held = ex.keep
+        held = export.keep
         if not isinstance(held, cuda_driver.Held):
             return True
         if held.storage.data_ptr() != addr:
             return False
         return not self._segments_freed or cuda_driver.buffer_id(addr) == held.buffer
 
-    def allocate(self, chunk: ChunkPlan, push_id: str) -> SendBuffer:
-        pb = self.pool.take(chunk.nbytes)
-        return SendBuffer(chunk.index, pb.size, pb.tensor[: chunk.nbytes], {"token": pb.token}, {"pb": pb})
-
-    def allocate_for(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor], push_id: str) -> SendBuffer:
-        """The chunk's buffer once its tensors are known: sized for the tensors that are packed; those that
-        are plain views of the source's own storages go by reference (module doc)."""
-        if not self._persistent:
-            return self.allocate(chunk, push_id)
-        compact = self._ref_compact(chunk, tensors, self.pool.device)
-        if compact is None:
-            return self.allocate(chunk, push_id)
-        need = max(compact.layout.nbytes if compact.packed else 0, ALIGN)
+    def allocate(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor]) -> SendBuffer:
+        """The chunk's buffer: sized for the tensors that are packed; those that are plain views of the source's
+        own storages go by reference (package doc)."""
+        cr = self.refs.chunk(chunk, tensors, self.pool.device)
+        need = chunk.nbytes if cr is None else max(cr.compact.layout.nbytes if cr.compact.packed else 0, ALIGN)
         pb = self.pool.take(need)
-        return SendBuffer(chunk.index, pb.size, pb.tensor[:need], {"token": pb.token},
-                          {"pb": pb, "compact": compact, "plan": chunk, "tensors": tensors})
+        return SendBuffer(chunk.index, pb.size, pb.tensor[:need], {"token": pb.token}, pooled=pb, refs=cr)
 
     async def pack(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
         """Queue the chunk's copies (`_pack_copies`), then make its references per engine: a first push's
-        exports (~40 us a storage) run here, while the engines load the chunk before, not in `send`, and in
-        slices, so that the engines' replies to that chunk are taken as they come (`_export_ahead`)."""
-        await self._pack_copies(buf, layout, tensors)
-        if buf.state.get("compact") is not None:
-            await self._export_ahead(buf, self._engines)
-            buf.state["refs_ready"] = {i: self._refs(buf, i) for i in range(self._engines)}
+        exports (hundreds of storages) run here, while the engines load the chunk before, not in `send`, and
+        in slices, so that the engines' replies to that chunk are taken as they come (`export_ahead`)."""
+        self._pack_copies(buf, layout, tensors)
+        if buf.refs is not None:
+            await self.refs.export_ahead(buf.refs, self._engines)
+            self.refs.prepare(buf.refs, self._engines)
 
-    async def _pack_copies(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
-        """Queue the chunk's copies into its buffer on a side stream; with release events, return at once.
+    def _pack_copies(self, buf: SendBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+        """Queue the chunk's copies into its buffer on a side stream, and return: receivers wait for the
+        buffer's ready event on the device, and the next pack into it for their release events.
 
         The copies are launched from the event loop's own thread. A worker thread looks cheaper but is not:
         every torch op releases and retakes the GIL, and while the loop thread holds it (convert, send) the
         worker waits for its turn after each of a chunk's tens of launches; that wait was most of a push.
-        Launching a dense chunk's copies still costs the loop ~15 us per tensor, so a chunk packed a second
+        Launching a dense chunk's copies still costs the loop a Python call per tensor, so a chunk packed a second
         time from the same source addresses (shape, strides, dtype) into the same buffer is captured as a
         CUDA graph, and every later pack of it is one graph launch. The graph copies from addresses, so
         it stays right whatever those addresses hold then; sources at new addresses (a gathered temporary
         the allocator placed elsewhere) are packed by plain copies. Destination views are made once per
         (buffer, layout); small tensors go in one batched copy.
         """
-        pb: PoolBuffer = buf.state["pb"]
-        compact: Compact | None = buf.state.get("compact")
-        if compact is not None:  # only the chunk's packed part goes into the buffer
-            layout = compact.layout
-            tensors = [tensors[i] for i in compact.packed]
+        pb = buf.pooled
+        assert pb is not None
+        if buf.refs is not None:  # only the chunk's packed part goes into the buffer
+            layout = buf.refs.compact.layout
+            tensors = [tensors[i] for i in buf.refs.compact.packed]
         # The same tensor list as this buffer's last pack of this layout (a source that caches its views):
         # its destination views and graph key are the same too, without a pass over hundreds of tensors.
-        fast = pb.extra.get(("fast", layout))
+        fast = pb.cache.get(("fast", layout))
         if fast is not None and fast[0] is tensors:
             dsts, key = fast[1], fast[2]
         else:
             dsts = self._dst_views(pb, layout, tensors)
             key = ("graph", layout, tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors))
-            _remember(pb, ("fast", layout), (tensors, dsts, key))
+            pb.cache[("fast", layout)] = (tensors, dsts, key)
         device = pb.tensor.device
-        stream = self._side_stream(device)
+        stream = self.side_stream(device)
         ready = self._ready_event(pb)
         producer = torch.cuda.current_stream(device)
         with torch.cuda.device(device):
             graph = self._graph(pb, key, dsts, tensors, stream) if self.graphs and tensors else None
             stream.wait_stream(producer)  # the producer's writes (convert) first
-            for ev in pb.extra.get("release_events", ()):  # every receiver's copies out of the previous chunk
+            for ev in pb.release_events:  # every receiver's copies out of the previous chunk
                 stream.wait_event(ev)
             with torch.cuda.stream(stream):
                 if graph is not None:
                     graph.replay()
-                    self.graph_stats["replayed"] += 1
+                    self.counts["pack_graphs_replayed"] += 1
                 else:
                     _copy_all(dsts, tensors)
                 ready.record(stream)  # receivers wait for this on the device
-                if self.release == "event":  # nobody waits on the host
-                    for t in tensors:  # conversion temporaries may be freed before these copies ran
-                        if t.is_cuda:
-                            t.record_stream(stream)
-                    return
-                done = torch.cuda.Event()
-                done.record(stream)
-        await anyio.to_thread.run_sync(done.synchronize)
+                for t in tensors:  # conversion temporaries may be freed before these copies ran
+                    if t.is_cuda:
+                        t.record_stream(stream)
+        buf.ready = ready
 
     def _graph(self, pb: PoolBuffer, key: tuple, dsts: list[torch.Tensor], tensors: Sequence[torch.Tensor],
                stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph | None:
@@ -244,14 +236,14 @@ class CudaIpcTransport(RefSender, Transport):
             get_logger().warning("cuda_ipc: pack capture failed; packing with plain copies", error=str(e))
             self.graphs = False
             return None
-        self.graph_stats["captured"] += fresh
+        self.counts["pack_graphs_captured"] += fresh
         return graph
 
     def _dst_views(self, pb: PoolBuffer, layout: Layout, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The chunk's destination views in `pb`, shaped like `tensors` (a blocked source, e.g. q as a view
         of a fused QKV, is written in its row-major order). Cached per (buffer, layout, source shapes)."""
         key = ("views", layout, tuple((t.dtype, t.shape) for t in tensors))
-        dsts = pb.extra.get(key)
+        dsts = pb.cache.get(key)
         if dsts is not None:
             return dsts
         if len(tensors) != len(layout.metas):
@@ -263,77 +255,63 @@ class CudaIpcTransport(RefSender, Transport):
                 raise ValidationError(f"tensor {m.name!r} is {t.dtype}{tuple(t.shape)}, its layout slot is "
                                       f"{d.dtype}{tuple(d.shape)}")
             dsts.append(d if d.shape == t.shape else d.view(t.shape))
-        _remember(pb, key, dsts)
+        pb.cache[key] = dsts
         return dsts
 
     def _ready_event(self, pb: PoolBuffer) -> torch.cuda.Event:
-        ev = pb.extra.get("ready")
-        if ev is None:
+        if pb.ready is None:
             with torch.cuda.device(pb.tensor.device):
                 ev = torch.cuda.Event(interprocess=True)
                 ev.ipc_handle()  # creates the event on the buffer's device
             self._events.append(ev)
-            pb.extra["ready"] = ev
-        return ev
+            pb.ready = ev
+        return pb.ready
 
     def _wait_packs(self) -> None:
         """Every queued pack has finished (before buffers are dropped, and before a push returns: the trainer
         may change its weights right after)."""
-        streams = self.__dict__.get("_streams", {})
-        for stream in streams.values():
+        for stream in self._streams.values():
             stream.synchronize()
 
     def _handle(self, pb: PoolBuffer, engine: int, nbytes: int, live: list[str]) -> dict[str, Any]:
         # One export per (buffer, engine): torch counts one release per export, so each receiver gets its own.
-        ipc = pb.extra.get(engine)
+        ipc = pb.exports.get(engine)
         if ipc is None:
             ipc = export_handle(pb.tensor)
-            # Both events go with every export, whatever `release` is now: it may change between pushes.
             with torch.cuda.device(pb.tensor.device):
                 ev = torch.cuda.Event(interprocess=True)
                 ipc["release_event"] = base64.b64encode(ev.ipc_handle()).decode()
                 ipc["ready_event"] = base64.b64encode(self._ready_event(pb).ipc_handle()).decode()
             self._events.append(ev)
-            pb.extra.setdefault("release_events", []).append(ev)
-            pb.extra[engine] = ipc
-        handle = {"token": pb.token, "nbytes": nbytes, "ipc": ipc, "live": live}
-        if self.release == "sync":  # the receiver waits for its copies before it acknowledges
-            handle["sync"] = True
-        return handle
+            pb.release_events.append(ev)
+            pb.exports[engine] = ipc
+        return {"token": pb.token, "nbytes": nbytes, "ipc": ipc, "live": live}
 
-    def _info(self, buf: SendBuffer, update_info: dict[str, Any], engine: int, live: list[str]) -> dict[str, Any]:
-        pb: PoolBuffer = buf.state["pb"]
-        # The packed part's own layout replaces the plan's (whose other tensors go by reference).
-        return self._ref_info(buf, update_info, self._handle(pb, engine, buf.tensor.numel(), live), engine)
-
-    async def send(self, buf: SendBuffer, update_info: dict[str, Any], engines: Sequence[Engine]) -> None:
+    def handles(self, buf: SendBuffer, engines: int) -> Sequence[ChunkHandle]:
+        pb = buf.pooled
+        assert pb is not None
         live = self.pool.live_tokens
-        if len(engines) == 1:  # the common colocated case: no task group to set up per chunk
-            await engines[0].update(self._info(buf, update_info, 0, live))
-            self._sent(buf, 0)
-            return
+        bases = [self._handle(pb, i, buf.tensor.numel(), live) for i in range(engines)]
+        return handles_with_refs(self.refs, buf.refs, bases)
 
-        async def one(i: int, e: Engine) -> None:
-            await e.update(self._info(buf, update_info, i, live))
-            self._sent(buf, i)
-
-        async with anyio.create_task_group() as tg:
-            for i, e in enumerate(engines):
-                tg.start_soon(one, i, e)
+    async def send(self, buf: SendBuffer, messages: Sequence[UpdateMessage], recipients: Sequence[Recipient]) -> None:
+        await deliver(self.refs, buf.refs, messages, recipients)
 
     def free(self, buf: SendBuffer) -> None:
-        pb = buf.state.pop("pb", None)
-        buf.state.pop("tensors", None)
+        pb, buf.pooled, buf.refs = buf.pooled, None, None
         if pb is not None:
             buf.tensor = torch.empty(0, dtype=torch.uint8)
             self.pool.give(pb)
 
-    def end_push(self) -> None:
+    def push_counts(self) -> Mapping[str, float]:
+        return {**self.counts, **{f"refs.{k}": v for k, v in self.refs.counts.items()}}
+
+    def end_push(self, ok: bool) -> None:
         self._wait_packs()
         self.pool.end()
         # Receivers drop the storages a round did not reference (CudaIpcReceiver.end_round); so does the
         # sender, after a success. After a failure it cannot tell what each receiver mapped: export afresh.
-        self._end_push_refs()
+        self.refs.end_push(ok)
 
     def release_pool(self) -> None:
         """Drop every pooled buffer. Memory comes back once receivers dropped their mappings (they do when
@@ -348,4 +326,4 @@ class CudaIpcTransport(RefSender, Transport):
             self._pool.end()
             self._pool.release()
         self._events.clear()
-        self._drop_all_exports()
+        self.refs.drop_all()

@@ -1,8 +1,8 @@
 """Colocated CPU transport: shared-memory segments (memfd) mapped by sender and receivers.
 
 Why memfd and a pool rather than a fresh named /dev/shm segment per chunk: creating and faulting in a new
-tmpfs segment costs ~7x a memcpy of the same size (35 ms vs 5 ms for 64 MiB on the CI machine), so a push
-would spend most of its time in the kernel. Segments are therefore reused: the release stage gives a
+tmpfs segment costs several times a memcpy of the same size, so a push would spend most of its time in the
+kernel. Segments are therefore reused: the release stage gives a
 segment back to a pool (never more segments than the credit window), and `keep_pool=True` keeps them
 between pushes. A memfd has no name in /dev/shm and lives exactly as long as some process holds it, so
 no segment can be left behind by a push, a failed push, a crashed receiver or a crashed trainer.

@@ -9,18 +9,15 @@ import stat
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import torch
 
 from ...errors import TransportError, ValidationError
 from ...pack import TensorMeta
 from ..base import Receiver
-from ..refs import MappedStorage, RefReceiver
+from ..refs import ReferenceViews
 from .segments import MAP_FLAGS, MAX_INT, MEMFD_PREFIX, TORCH_SHM_LINK, close_map
-
-if TYPE_CHECKING:
-    pass
 
 
 def _field(raw: dict[str, Any], key: str, low: int) -> int:
@@ -30,21 +27,22 @@ def _field(raw: dict[str, Any], key: str, low: int) -> int:
     return v
 
 
-class ShmReceiver(RefReceiver, Receiver):
-    name = "shm"
+class ShmReceiver(Receiver):
+    name: ClassVar[str] = "shm"
 
     def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cpu") -> None:
         super().__init__(init_info, device)
         self._maps: dict[tuple[int, int, str], mmap.mmap] = {}
         self._used: set[tuple[int, int, str]] = set()
-        self._storages: dict[str, MappedStorage] = {}  # token -> mapped trainer storage (references)
-        self._round: set[str] = set()  # storage tokens this round referenced
-        # reference set id -> (its views, the storage tokens they lie on); see refs.RefSender._refs
-        self._refsets: dict[str, tuple[list[tuple[TensorMeta, torch.Tensor]], frozenset[str]]] = {}
-        #: host seconds spent mapping trainer storages (part of the receiver's `refs` time)
-        self.timing = {"map_storages": 0.0}
+        self.refs = ReferenceViews(self.name, self._map_storage)
 
-    def _ref_map(self, token: str, raw: dict[str, Any]) -> torch.Tensor:
+    def ref_views(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]]:
+        return self.refs.views(update_info)
+
+    def stats(self) -> dict[str, float]:
+        return {"map_storages": self.refs.map_seconds}
+
+    def _map_storage(self, token: str, raw: dict[str, Any]) -> torch.Tensor:
         """Map a trainer storage read-only, after checking the export names one of torch's shared-memory
         files and that `/proc/<pid>/fd/<fd>` is exactly that file (before and after opening it)."""
         if not isinstance(raw, dict):
@@ -108,19 +106,20 @@ class ShmReceiver(RefReceiver, Receiver):
 
     @contextmanager
     def open(self, update_info: dict[str, Any], nbytes: int | None = None) -> Iterator[torch.Tensor]:
+        """The chunk's segment (the whole segment: `nbytes`, the layout's size, is checked by the caller)."""
         h = update_info.get("handle")
         try:
             key = (int(h["pid"]), int(h["fd"]), str(h["token"]))  # type: ignore[index]
-            nbytes = int(h["nbytes"])  # type: ignore[index]
-            if nbytes <= 0 or key[0] <= 0 or key[1] < 0 or not key[2].isalnum():
+            size = int(h["nbytes"])  # type: ignore[index]
+            if size <= 0 or key[0] <= 0 or key[1] < 0 or not key[2].isalnum():
                 raise ValueError
         except (TypeError, KeyError, ValueError):
             raise ValidationError(f"shm handle must be {{pid, fd, token, nbytes}}, got {h!r:.200}") from None
         mm = self._maps.get(key)
-        if mm is None or len(mm) < nbytes:
-            mm = self._maps[key] = self._map(key[0], key[1], key[2], nbytes)
+        if mm is None or len(mm) < size:
+            mm = self._maps[key] = self._map(key[0], key[1], key[2], size)
         self._used.add(key)
-        yield torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+        yield torch.frombuffer(mm, dtype=torch.uint8, count=size)
 
     def end_round(self) -> None:
         """Keep mappings this round used (the sender's pool reuses them next round); drop the rest. Trainer
@@ -128,11 +127,10 @@ class ShmReceiver(RefReceiver, Receiver):
         for key in [k for k in self._maps if k not in self._used]:
             close_map(self._maps.pop(key))
         self._used.clear()
-        self._end_round_refs()
+        self.refs.end_round()
 
     def close(self) -> None:
         for mm in self._maps.values():
             close_map(mm)
         self._maps.clear()
-        self._storages.clear()
-        self._refsets.clear()
+        self.refs.clear()

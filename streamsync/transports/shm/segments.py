@@ -6,16 +6,12 @@ import mmap
 import os
 import re
 import secrets
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from ...errors import TransportError
 from ..pool import PoolBuffer
-
-if TYPE_CHECKING:
-    pass
-
 
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
@@ -35,6 +31,15 @@ def close_map(mm: mmap.mmap) -> None:
         pass  # a view is still referenced; the mapping goes when it is collected
 
 
+@dataclass(frozen=True)
+class Segment:
+    """What a pooled segment keeps alive with its memory: the memfd (the number receivers open through
+    /proc/<pid>/fd) and the sender's mapping."""
+
+    fd: int
+    mm: mmap.mmap
+
+
 def create_segment(size: int) -> PoolBuffer:
     token = secrets.token_hex(8)
     try:
@@ -43,9 +48,10 @@ def create_segment(size: int) -> PoolBuffer:
         mm = mmap.mmap(fd, size, flags=MAP_FLAGS)
     except OSError as e:
         raise TransportError(f"cannot create a shared-memory segment of {size} bytes: {e}") from e
-    return PoolBuffer(torch.frombuffer(mm, dtype=torch.uint8, count=size), size, token, {"fd": fd, "mm": mm})
+    return PoolBuffer(torch.frombuffer(mm, dtype=torch.uint8, count=size), size, token, backing=Segment(fd, mm))
 
 
 def destroy_segment(buf: PoolBuffer) -> None:
-    close_map(buf.extra["mm"])  # the caller dropped the tensor view first
-    os.close(buf.extra["fd"])
+    seg: Segment = buf.backing
+    close_map(seg.mm)  # the caller dropped the tensor view first
+    os.close(seg.fd)

@@ -1,0 +1,123 @@
+"""`EngineGroup`: one call on every engine at once, each under its timeout, failures named by engine; and the
+rounds a push opens, finishes or aborts on them.
+
+Every call an engine does not answer within `timeout` fails as a PushError naming it; its effect is then
+unknown (`maybe`). Ending failed rounds is shielded from cancellation and bounded by `abort_timeout` per
+engine, so a failed push raises within its timeout plus that, never hangs on a dead engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from .engines.base import Engine
+from .errors import PushError
+from .log import get_logger
+from .pipeline.stages import first_push_error
+
+
+@dataclass
+class Rounds:
+    """Which engines a push opened a round on (or may have: a start cut short), and finished."""
+
+    opened: set[str] = field(default_factory=set)
+    finished: set[str] = field(default_factory=set)
+
+
+class EngineGroup:
+    def __init__(self, engines: Sequence[Engine], timeout: float, abort_timeout: float) -> None:
+        self.engines = list(engines)
+        self.timeout = timeout
+        self.abort_timeout = abort_timeout
+
+    async def each(self, what: str, call: Callable[[Engine], Awaitable[object]], *, stage: str,
+                   engines: Sequence[Engine] | None = None, done: set[str] | None = None,
+                   maybe: set[str] | None = None) -> None:
+        """`call(engine)` on every engine concurrently. `done` collects the engines whose call returned; `maybe`
+        those whose call timed out or was cut short (its effect is unknown)."""
+        async def one(e: Engine) -> None:
+            try:
+                with anyio.fail_after(self.timeout):
+                    await call(e)
+            except TimeoutError:
+                if maybe is not None:
+                    maybe.add(e.name)
+                raise PushError(f"{what}: no reply in {self.timeout:.1f} s", stage=stage, receiver=e.name) from None
+            except Exception as err:
+                raise PushError(f"{what}: {err}", stage=stage, receiver=e.name) from err
+            except BaseException:
+                if maybe is not None:
+                    maybe.add(e.name)
+                raise
+            if done is not None:
+                done.add(e.name)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for e in self.engines if engines is None else engines:
+                    tg.start_soon(one, e)
+        except BaseExceptionGroup as eg:
+            raise first_push_error(eg) from None
+
+    async def start(self, rounds: Rounds) -> None:
+        """Open a round on every engine. Shielded: a pipeline failure or a cancellation must not cut an
+        engine's start in half (the abort that follows would meet a half-opened round)."""
+        with anyio.CancelScope(shield=True):
+            await self.each("start_update", lambda e: e.start_update(), stage="start", done=rounds.opened,
+                            maybe=rounds.opened)
+
+    async def finish(self, version: int, rounds: Rounds) -> None:
+        await self.each("finish_update", lambda e: e.finish_update(version), stage="finish", done=rounds.finished)
+
+    async def abort(self, engines: Sequence[Engine], version: int) -> set[str]:
+        """End a failed round on `engines` (shielded, `abort_timeout` each); the names whose round ended."""
+        ended: set[str] = set()
+        log = get_logger()
+
+        async def one(e: Engine) -> None:
+            try:
+                with anyio.fail_after(self.abort_timeout):
+                    await e.abort_update(version)
+                ended.add(e.name)
+            except TimeoutError:
+                log.warning("abort failed", engine=e.name, error=f"no reply in {self.abort_timeout:.1f} s")
+            except Exception as err:  # the push already failed; report, don't mask its error
+                log.warning("abort failed", engine=e.name, error=str(err))
+
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for e in engines:
+                    tg.start_soon(one, e)
+        return ended
+
+    async def reset_caches(self) -> dict[str, bool]:
+        """Reset every engine's prefix cache after a finished round. The new version is already in place, so a
+        failure here does not fail the push: it is reported (the result, a warning)."""
+        done: dict[str, bool] = {}
+        log = get_logger()
+
+        async def one(e: Engine) -> None:
+            try:
+                with anyio.fail_after(self.timeout):
+                    done[e.name] = await e.reset_cache()
+            except Exception as err:
+                log.warning("prefix cache reset failed", engine=e.name, error=str(err))
+                done[e.name] = False
+            if not done[e.name]:
+                log.warning("prefix cache not reset: requests kept across the push still hold cache blocks; "
+                            "cached prefixes may be served from KV of the old weights until the next reset "
+                            "(use paused(clear_cache=True) or sync.reset_caches())", engine=e.name)
+
+        async with anyio.create_task_group() as tg:
+            for e in self.engines:
+                tg.start_soon(one, e)
+        return done
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        await self.each("pause", lambda e: e.pause(mode, clear_cache), stage="pause")
+
+    async def resume(self, engines: Sequence[Engine] | None = None) -> None:
+        await self.each("resume", lambda e: e.resume(), stage="resume", engines=engines)
