@@ -56,10 +56,10 @@ class BoundedCache(MutableMapping[K, V]):
 
     # Iterating is not a use: these read the entries without reordering them (which would also break the
     # iteration itself).
-    def items(self) -> ItemsView[K, V]:  # type: ignore[override]
+    def items(self) -> ItemsView[K, V]:
         return self._data.items()
 
-    def values(self) -> ValuesView[V]:  # type: ignore[override]
+    def values(self) -> ValuesView[V]:
         return self._data.values()
 
     def __len__(self) -> int:

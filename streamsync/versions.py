@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .engines.base import EngineState
 from .errors import ValidationError
@@ -41,7 +42,7 @@ class VersionBook:
         if state.mixed:
             self.mixed[engine] = state.failed_version if state.failed_version is not None else self.version
 
-    def next(self, version: object) -> int:
+    def next(self, version: Any) -> int:
         """The version a push will claim: `version` checked, or the next one."""
         if version is None:
             return self.retry if self.retry is not None else self.version + 1

@@ -35,7 +35,7 @@ class ReceiverEngine(Engine):
         self.timeout = timeout
         self.device = device
         self._stream: anyio.abc.ByteStream | None = None
-        self._buffered: anyio.streams.buffered.BufferedByteReceiveStream | None = None
+        self._buffered: BufferedByteReceiveStream | None = None
         self._lock = anyio.Lock()
         # layout keys this connection's receiver has parsed (it keeps as many: `WeightReceiver`)
         self._known: BoundedCache[str, bool] = BoundedCache(4096)

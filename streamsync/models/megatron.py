@@ -37,7 +37,8 @@ def load_hf_weights(model: object, hf_state: Mapping[str, torch.Tensor], *, arch
     coords, groups = topology(first)
     n = 0
     with torch.no_grad():
-        for name, p, expert in global_parameters(chunks):
+        for name, param, expert in global_parameters(chunks):
+            p: Any = param  # megatron's partition_dim / partition_stride are attributes of its own
             size, rank = (groups.etp_size, coords.etp) if expert else (groups.tp_size, coords.tp)
             layout = None
             if size > 1 and getattr(p, "tensor_model_parallel", False):
@@ -214,7 +215,7 @@ def build_model(tiny: TinyModel, *, divisible_by: int = 8, **config: Any) -> lis
         # Tied embeddings over PP: megatron copies the embedding to the last stage with an all-reduce that
         # moves it to CUDA first. On CPU skip that; load_hf_weights fills both copies anyway.
         orig = LanguageModule._is_in_embd_group
-        LanguageModule._is_in_embd_group = lambda self: False  # type: ignore[method-assign]
+        LanguageModule._is_in_embd_group = lambda self: False
         try:
             chunks.append(GPTModel(cfg, spec, vocab_size=tiny.padded_vocab(cfg.tensor_model_parallel_size,
                                                                             divisible_by),
@@ -222,7 +223,7 @@ def build_model(tiny: TinyModel, *, divisible_by: int = 8, **config: Any) -> lis
                                    share_embeddings_and_output_weights=tiny.tie, position_embedding_type="rope",
                                    vp_stage=stage))
         finally:
-            LanguageModule._is_in_embd_group = orig  # type: ignore[method-assign]
+            LanguageModule._is_in_embd_group = orig
     return chunks
 
 

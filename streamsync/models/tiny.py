@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 TINY_QWEN3 = dict(
     vocab_size=1000,  # not a multiple of 64: vLLM pads embedding and lm_head, a path the tests must cover
@@ -92,7 +93,7 @@ def default_cache() -> Path:
 
 def make_tiny_qwen3(cache: str | os.PathLike | None = None, seed: int = 0, **overrides: object) -> Path:
     """Build (or reuse) a tiny Qwen3 checkpoint directory that vLLM and transformers both load."""
-    cfg = {**TINY_QWEN3, **overrides}
+    cfg: dict[str, Any] = {**TINY_QWEN3, **overrides}
     key = hashlib.sha1(json.dumps([cfg, seed], sort_keys=True).encode()).hexdigest()[:10]
     out = Path(cache or default_cache()) / f"tiny-qwen3-{key}"
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
@@ -104,8 +105,10 @@ def make_tiny_qwen3(cache: str | os.PathLike | None = None, seed: int = 0, **ove
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = Qwen3Config(**cfg, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    config = Qwen3Config(**{**cfg, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+                            "pad_token_id": 0})
+    model: Any = Qwen3ForCausalLM(config)
+    model = model.to(torch.bfloat16)
     with torch.no_grad():  # larger init than HF's default, so greedy decoding has clear winners
         for name, p in model.named_parameters():
             if p.dim() == 2:

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..engines.base import Engine
 from ..errors import EngineError, PushError, ValidationError
@@ -139,7 +140,7 @@ class _Busy:
         self.start = time.perf_counter()
         self.push.busy[self.stage] = (self.chunk, self.start)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.push.busy.pop(self.stage, None)
         self.range.__exit__()
         if exc[0] is not None:
@@ -176,7 +177,7 @@ async def _gather_only(push: Push) -> None:
             raise _wrap(push, "gather", plan.index, e) from None
 
 
-async def _gather(push: Push, credits: anyio.Semaphore, out: ObjectSendStream[Work]) -> None:
+async def _gather(push: Push, credits: anyio.Semaphore, out: MemoryObjectSendStream[Work]) -> None:
     async with out:
         for plan in push.plans:
             # No timeout here: a credit comes back when the oldest chunk is released, and every stage in between
@@ -194,7 +195,7 @@ async def _gather_one(push: Push, w: Work) -> None:
     w.gathered = await push.source.gather(w.plan)
 
 
-async def _convert_loop(push: Push, inbox: ObjectReceiveStream[Work], out: ObjectSendStream[Work]) -> None:
+async def _convert_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out: MemoryObjectSendStream[Work]) -> None:
     async with inbox, out:
         async for w in inbox:
             await _work(push, "convert", w, _convert)
@@ -218,7 +219,7 @@ async def _convert(push: Push, w: Work) -> None:
     w.tensors = tensors
 
 
-async def _pack_loop(push: Push, inbox: ObjectReceiveStream[Work], out: ObjectSendStream[Work]) -> None:
+async def _pack_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out: MemoryObjectSendStream[Work]) -> None:
     async with inbox, out:
         async for w in inbox:
             await _work(push, "pack", w, _pack)
@@ -248,7 +249,7 @@ async def _pack(push: Push, w: Work) -> None:
     w.tensors = None
 
 
-async def _send_loop(push: Push, inbox: ObjectReceiveStream[Work], out: ObjectSendStream[Work]) -> None:
+async def _send_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out: MemoryObjectSendStream[Work]) -> None:
     async with inbox, out:
         while True:
             push.send_idle = True
@@ -299,7 +300,7 @@ class SendLane:
             self.trace.add_span("send", self.plan.index, start, self.trace.now(), self.plan.nbytes, self.engine.name)
 
 
-async def _release(push: Push, credits: anyio.Semaphore, inbox: ObjectReceiveStream[Work],
+async def _release(push: Push, credits: anyio.Semaphore, inbox: MemoryObjectReceiveStream[Work],
                    done: anyio.CancelScope) -> None:
     async with inbox:
         async for w in inbox:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from ..errors import ValidationError
 from ..pack import dtype_name
@@ -35,7 +38,7 @@ def nonfinite(tensors: Sequence[tuple[str, Any]]) -> list[str]:
         try:
             if torch.finfo(dtype).bits < 16:
                 raise TypeError("no foreach kernels for 8-bit floats")
-            out = torch._foreach_norm(ts, 1)
+            out: Sequence[torch.Tensor] = torch._foreach_norm(ts, 1)
         except (RuntimeError, TypeError):
             out = [t.float().abs().sum() for t in ts]
         for i, n in zip(idx, out, strict=True):

@@ -111,7 +111,7 @@ def runs(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, int, int]] | N
     length = cols * item
     if length % ALIGN:
         return None
-    out = []
+    out: list[tuple[int, int, int]] = []
     for k in range(n):
         e = k * cols  # the run's first element, in row-major order
         d = dst.data_ptr() + ((e // rd[1]) * rd[2] + e % rd[1]) * item
@@ -142,9 +142,11 @@ class SegmentCopy:
             ok = (d.device.type == "cuda" or _INTERPRET) and s.device == d.device and device in (None, d.device)
             r = runs(d, s) if ok else None
             if r is not None and bases is None:
-                bases = (_base(s), _base(d))
-                if bases[0] is None or bases[1] is None:
-                    r = bases = None
+                sb, db = _base(s), _base(d)
+                if sb is None or db is None:
+                    r = None
+                else:
+                    bases = (sb, db)
             if r is None:
                 self.rest.append((d, s))
                 continue
@@ -158,7 +160,7 @@ class SegmentCopy:
         self.bytes = sum(n for _, _, n in merged)
         self.device = device
         self._launch: tuple[Any, ...] | None = None
-        if merged and device is not None:
+        if merged and device is not None and bases is not None:
             self._plan(merged, bases, device, programs)
 
     def _plan(self, merged: list[list[int]], bases: tuple[torch.Tensor, torch.Tensor], device: torch.device,
@@ -182,6 +184,7 @@ class SegmentCopy:
 
     def __call__(self) -> None:
         if self._launch is not None:
+            assert self.device is not None
             grid, (src_base, dst_base), table, n_tiles = self._launch
             with torch.cuda.device(self.device) if self.device.type == "cuda" else _nothing():
                 _kernel()[(grid,)](src_base, dst_base, table[0], table[1], table[2], n_tiles, grid,

@@ -114,7 +114,9 @@ class ReceiverProcess:
 
     def _wait_port(self, timeout: float) -> int:
         result: list[str] = []
-        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
+        out = self.proc.stdout
+        assert out is not None
+        reader = threading.Thread(target=lambda: result.append(out.readline()), daemon=True)
         reader.start()
         reader.join(timeout)
         line = result[0] if result else ""

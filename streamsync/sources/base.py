@@ -14,7 +14,7 @@ def addresses(tensors: Iterable[torch.Tensor], device: torch.device) -> set[int]
     """The storage addresses of `tensors` on `device` that hold elements (no tensor objects made: an MoE model
     has thousands of parameters, and this runs every push)."""
     want = -1 if device.type == "cpu" else (device.index if device.index is not None else torch.cuda.current_device())
-    return {t.data_ptr() - t.storage_offset() * t.element_size() for t in tensors
+    return {int(t.data_ptr() - t.storage_offset() * t.element_size()) for t in tensors
             if t.get_device() == want and t.numel()}
 
 

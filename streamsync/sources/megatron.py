@@ -65,12 +65,13 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 # ------------------------------------------------------------------------------------------ model walking
 
 
-def unwrap_chunks(model: object) -> list[torch.nn.Module]:
-    """The model chunks (one per virtual pipeline stage), with DDP / Float16Module wrappers removed."""
-    chunks = list(model) if isinstance(model, list | tuple) else [model]
+def unwrap_chunks(model: object) -> list[Any]:
+    """The model chunks (one per virtual pipeline stage), with DDP / Float16Module wrappers removed. Typed as
+    Any: megatron-core's modules carry their structure (`decoder`, `config`) as dynamic attributes."""
+    chunks: list[Any] = list(model) if isinstance(model, list | tuple) else [model]
     if not chunks:
         raise ValidationError("empty list of model chunks")
-    out = []
+    out: list[Any] = []
     for m in chunks:
         while not hasattr(m, "decoder") and hasattr(m, "module"):
             m = m.module
@@ -80,7 +81,7 @@ def unwrap_chunks(model: object) -> list[torch.nn.Module]:
     return out
 
 
-def global_parameters(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter, bool]]:
+def global_parameters(chunks: Sequence[Any]) -> Iterator[tuple[str, torch.nn.Parameter, bool]]:
     """(global name, parameter, is_expert) for every parameter on this rank.
 
     megatron-core numbers `decoder.layers.i` per pipeline stage (and per virtual stage) and local experts
@@ -88,7 +89,7 @@ def global_parameters(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str, 
     `local_expert_indices`, so every rank names a tensor the same way.
     """
     for chunk in chunks:
-        layers = chunk.decoder.layers
+        layers: Any = chunk.decoder.layers
         for name, p in chunk.named_parameters():
             expert = False
             m = _LAYER.match(name)
@@ -465,7 +466,7 @@ class MegatronSource(Source):
         return ((n, p.detach()) for n, (p, _) in self._local.items())
 
     def local_addresses(self, device: torch.device) -> set[int]:
-        params = [p for p, _ in self._local.values()]
+        params: list[torch.Tensor] = [p for p, _ in self._local.values()]
         return self._addresses.get(params, device)
 
     def begin_push(self) -> None:
@@ -487,7 +488,8 @@ class MegatronSource(Source):
         chunk keeps its address, size and contiguity (checked each push; a parameter the trainer replaced, resized
         or transposed gets a fresh one), so `convert` can reuse its views: an MoE chunk has thousands of tensors,
         and making new tensor objects for them was most of the sender's host time."""
-        params = [self._local[k][0] for k in chunk.keys]  # type: ignore[index]
+        keys: list[str] = [k for k in chunk.keys if isinstance(k, str)]
+        params = [self._local[k][0] for k in keys]
         # Plain ints, no tuples per parameter: nothing the garbage collector tracks (thousands of small tuples a
         # push set off collections). A new storage moves the address, a resize the size, a transpose the order.
         T = torch.Tensor
@@ -495,7 +497,7 @@ class MegatronSource(Source):
         hit = self._own.get(chunk.index)
         if hit is not None and hit[1] == key and hit[0] == chunk.keys:
             return hit[2]
-        own = {k: p.detach() for k, p in zip(chunk.keys, params, strict=True)}  # type: ignore[misc]
+        own = {k: p.detach() for k, p in zip(keys, params, strict=True)}
         self._own[chunk.index] = (chunk.keys, key, own)
         return own
 

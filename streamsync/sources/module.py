@@ -92,8 +92,14 @@ class ModuleSource(Source):
 
     async def gather(self, chunk: ChunkPlan) -> list[torch.Tensor]:
         # A part is a view of its rows: contiguous for a contiguous tensor, no copy.
-        return [self._tensors[k].detach() if isinstance(k, str) else self._tensors[k[0]].detach()[k[1]:k[2]]
-                for k in chunk.keys]  # type: ignore[index]
+        out = []
+        for k in chunk.keys:
+            if isinstance(k, str):
+                out.append(self._tensors[k].detach())
+            else:  # (name, first row, end row)
+                assert isinstance(k, tuple)
+                out.append(self._tensors[k[0]].detach()[k[1]:k[2]])
+        return out
 
     async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Sequence[torch.Tensor]:
         tensors: list[torch.Tensor] = gathered  # type: ignore[assignment]

@@ -28,7 +28,7 @@ import math
 import re
 import secrets
 import time
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -48,7 +48,7 @@ _MAX_INT = 1 << 50
 
 def storage_address(t: torch.Tensor) -> int:
     """The address of `t`'s storage (cheaper than `t.untyped_storage().data_ptr()`: no storage object)."""
-    return t.data_ptr() - t.storage_offset() * t.element_size()
+    return int(t.data_ptr() - t.storage_offset() * t.element_size())
 
 
 # ------------------------------------------------------------------------------------------------ sender
@@ -131,7 +131,7 @@ class References:
         self.one_copy = one_copy
         self.ref_bytes = int(ref_bytes) if ref_bytes is not None else None
         #: this push's counts: tensors referenced and packed, exports made, their milliseconds
-        self.counts: Counter[str] = Counter()
+        self.counts: defaultdict[str, float] = defaultdict(float)
         self.persistent: set[int] = set()  # storage addresses of the source's own tensors (this push)
         self._exports: dict[tuple[int, int], Export] = {}  # (engine, storage address) -> export
         self._serial = 0
@@ -157,7 +157,7 @@ class References:
     def begin_push(self, addresses: set[int]) -> None:
         self._serial += 1
         self.persistent = addresses
-        self.counts = Counter()
+        self.counts = defaultdict(float)
 
     def end_push(self, ok: bool) -> None:
         """Receivers drop the storages a round did not reference (`ReferenceViews.end_round`); so does the
@@ -187,9 +187,9 @@ class References:
         self._gen += 1
         for k in gone:
             del self._exports[k]
-        for k in [k for k, v in self._refsets.items() if any(self._exports.get((k[0], a)) is not ex
-                                                             for a, ex in v.exports)]:
-            del self._refsets[k]
+        for key in [key for key, v in self._refsets.items() if any(self._exports.get((key[0], a)) is not ex
+                                                                   for a, ex in v.exports)]:
+            del self._refsets[key]
 
     def drop_all(self) -> None:
         self._gen += 1

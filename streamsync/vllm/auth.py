@@ -35,7 +35,7 @@ class RequireApiKey(AuthenticationMiddleware):
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.api_tokens: list[bytes] | None = None
+        self.api_tokens: list[bytes] | None = None  # type: ignore[assignment]  # read at the first request
 
     def _tokens(self, scope: Scope) -> list[bytes]:
         from vllm import envs

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from . import register
 register()
 
 
-def _probe_linear(mod: torch.nn.Module) -> torch.Tensor | None:
+def _probe_linear(mod: Any) -> torch.Tensor | None:
     n_in = getattr(mod, "input_size_per_partition", None) or getattr(mod, "input_size", None)
     dtype = getattr(mod, "params_dtype", None)
     if not n_in or dtype is None or not hasattr(mod, "quant_method"):
@@ -32,7 +33,7 @@ def _probe_linear(mod: torch.nn.Module) -> torch.Tensor | None:
     return mod.quant_method.apply(mod, eye, bias=None).t().contiguous()
 
 
-def _probe_head(mod: torch.nn.Module) -> torch.Tensor | None:
+def _probe_head(mod: Any) -> torch.Tensor | None:
     """The output layer's matmul as the sampler runs it (`quant_method.apply`), not its Parameter: a tied
     head shares the embedding's Parameter but on CPU multiplies by a packed copy of it."""
     if type(mod).__name__ != "ParallelLMHead" or not hasattr(mod, "quant_method"):

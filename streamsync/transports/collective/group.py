@@ -33,7 +33,7 @@ async def in_thread(fn: Callable[..., T], *args: object) -> T:
     try:
         return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
     except TypeError:  # anyio < 4.1 spells it `cancellable`
-        return await anyio.to_thread.run_sync(fn, *args, cancellable=True)  # type: ignore[call-arg]
+        return await anyio.to_thread.run_sync(fn, *args, cancellable=True)
 
 
 def _is_loopback(host: str) -> bool:
@@ -99,7 +99,7 @@ def _new_backend(backend: str, store: Any, rank: int, world_size: int, timeout: 
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
         if _is_loopback(host):  # everyone is on this host: talk over loopback, whatever the hostname says
-            opts = ProcessGroupGloo._Options()
+            opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = timeout
             opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             return ProcessGroupGloo(store, rank, world_size, opts)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -61,7 +61,7 @@ class CollectiveTransport(Transport):
             raise ValidationError(f"collective backend must be one of {(*BACKENDS, 'auto')}, got {backend!r}")
         self.graphs = graphs
         #: this push's counts: packs replayed from a captured graph, graphs captured
-        self.counts: Counter[str] = Counter()
+        self.counts: defaultdict[str, float] = defaultdict(float)
         self.backend = backend
         self.master_addr = master_addr
         self.master_port = master_port
@@ -177,7 +177,7 @@ class CollectiveTransport(Transport):
 
     def begin_push(self, plans: Sequence[ChunkPlan], source: Source, engines: Sequence[Engine], *,
                    by_reference: bool = True) -> None:
-        self.counts = Counter()
+        self.counts = defaultdict(float)
         self.pool.begin(max(p.nbytes for p in plans))
         self._last_chunk = max(p.index for p in plans)
         self._prev_sent = None

@@ -136,10 +136,10 @@ def parse_handle(h: object) -> IpcHandle:
     event_sync = ipc.get("event_sync")
     if not isinstance(event_sync, bool):
         raise ValidationError("cuda_ipc handle event_sync must be a bool")
-    events = {}
+    events: dict[str, bytes | None] = {}
     for key in ("release_event", "ready_event"):
-        events[key] = _b64(ipc, key, 512) if key in ipc else None
-        if events[key] is not None and len(events[key]) != 64:  # sizeof(cudaIpcEventHandle_t)
+        ev = events[key] = _b64(ipc, key, 512) if key in ipc else None
+        if ev is not None and len(ev) != 64:  # sizeof(cudaIpcEventHandle_t)
             raise ValidationError(f"cuda_ipc handle {key} must be a 64-byte CUDA IPC event handle")
     out = IpcHandle(
         token=token, nbytes=_int(h, "nbytes"), live=live, gpu=gpu, size=_int(ipc, "size"),

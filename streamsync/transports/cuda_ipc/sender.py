@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import base64
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -82,7 +82,7 @@ class CudaIpcTransport(Transport):
         self.refs = References(self, one_copy=one_copy, ref_bytes=ref_bytes)
         self._engines = 0
         #: this push's counts: packs replayed from a captured graph, graphs captured
-        self.counts: Counter[str] = Counter()
+        self.counts: defaultdict[str, float] = defaultdict(float)
         self._pool: BufferPool | None = None
         # Exported release events stay alive until close: a receiver may hold one open after its buffer
         # left the pool, and an exported event must outlive its importers' use.
@@ -121,7 +121,7 @@ class CudaIpcTransport(Transport):
         the pool."""
         torch.cuda.ipc_collect()  # free buffers dropped earlier whose receivers have let go since
         self._engines = len(engines)
-        self.counts = Counter()
+        self.counts = defaultdict(float)
         referenced = self.one_copy and by_reference and all(e.workers == 1 for e in engines)
         self.refs.begin_push(source.local_addresses(self.pool.device) if referenced else set())
         # Segments the caching allocator gave back to the driver since the last push: only then can an address a
