@@ -24,9 +24,9 @@ from typing import Any
 import anyio
 import torch
 
-from benchmarks.report import write_json
+from benchmarks.report import ref_counts, write_json
 from streamsync.models.synthetic import StateModule, perturb_, qwen3_specs, save_specs
-from streamsync.report import MiB
+from streamsync.report import MiB, PushReport
 from streamsync.sync import WeightSync
 from streamsync.testing.receiver import ReceiverProcess
 
@@ -39,9 +39,9 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 async def _measure(rp: ReceiverProcess, model: torch.nn.Module, args: argparse.Namespace,
-                   transport: Any = "auto", label: str = "") -> tuple[dict[int, list[float]], int, bool, float]:
-    """(push seconds per window, chunks, receiver bit-exact, first push seconds) of `--repeat` pushes per window
-    after `--warmup`, the model perturbed in place before each repeat."""
+                   transport: Any = "auto", label: str = "") -> tuple[dict[int, list[float]], int, bool, PushReport]:
+    """(push seconds per window, chunks, receiver bit-exact, the first push's report) of `--repeat` pushes per
+    window after a first push and `--warmup`, the model perturbed in place before each repeat."""
     from streamsync.checksum import digests
 
     times: dict[int, list[float]] = {1: [], 4: []}
@@ -49,7 +49,7 @@ async def _measure(rp: ReceiverProcess, model: torch.nn.Module, args: argparse.N
     engine = rp.engine(timeout=300)
     sync = WeightSync([engine], chunk_bytes=args.chunk_mib * MiB, timeout=300, transport=transport)
     await sync.connect()
-    first = (await sync.push(model, max_inflight=4)).seconds
+    first = await sync.push(model, max_inflight=4)
     for _ in range(args.warmup):
         for w in (1, 4):
             await sync.push(model, max_inflight=w)
@@ -117,7 +117,7 @@ async def _bench_one_copy(rp: ReceiverProcess, model: torch.nn.Module, nbytes: i
         runs[mode] = {
             "push_s_window1": statistics.median(times[1]), "push_s_window4": statistics.median(times[4]),
             "push_s_window1_all": times[1], "push_s_window4_all": times[4], "chunks": chunks,
-            "bit_exact": exact, "first_push_s": first, "ref_stats": dict(transport.ref_stats),
+            "bit_exact": exact, "first_push_s": first.seconds, "ref_stats": ref_counts(first),
             "moved_bytes": transport.moved_bytes,
         }
     floor, floors, floor_threads = _copy_floor(model, repeat=max(args.repeat, 5))
