@@ -38,7 +38,7 @@ from typing import Any
 import anyio
 import torch
 
-from benchmarks.report import write_json
+from benchmarks.report import ref_counts, write_json
 from streamsync.checksum import device_digests
 from streamsync.pack import dtype_name
 from streamsync.report import GiB, MiB
@@ -90,12 +90,15 @@ def _free_cached() -> None:
         torch.cuda.empty_cache()
 
 
-def _transport(one_copy: bool = True, ipc: str = "driver") -> Any:
+def _transport(one_copy: bool = True, ipc: str = "driver", ref_bytes: int | None = None) -> Any:
+    """A fresh transport for one path: CUDA IPC, or shared memory in a CPU smoke run (the same paths).
+    `ref_bytes`: referenced bytes per chunk (None: the transport's default)."""
+    refs = {} if ref_bytes is None else {"ref_bytes": ref_bytes}
     if _cuda():
-        return CudaIpcTransport(one_copy=one_copy, ipc=ipc)
+        return CudaIpcTransport(one_copy=one_copy, ipc=ipc, **refs)
     from streamsync.transports.shm import ShmTransport
 
-    return ShmTransport(one_copy=one_copy)  # a CPU smoke run: the same paths over shared memory
+    return ShmTransport(one_copy=one_copy, **refs)
 
 
 def log(msg: str) -> None:
@@ -320,8 +323,11 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
     check_finite_s = statistics.median(scans[1:])
     log(f"  check_finite scan (on by default, off in the pushes below): {check_finite_s * 1e3:.2f} ms")
 
-    # The trainer alone: the pipeline with no engine (gather, convert, pack; nothing is sent).
-    alone = WeightSync([], transport=_transport(), chunk_bytes=chunk, check_finite=False)
+    # The trainer alone: the pipeline with no engine (gather, convert, pack; nothing is sent), on the default
+    # (first) path's transport.
+    paths = [p for p in args.paths if _cuda() or not p.startswith("one_copy")]  # one copy: CUDA IPC only
+    alone = WeightSync([], transport=_transport(one_copy=paths[0].split(":")[0] == "one_copy"), chunk_bytes=chunk,
+                       check_finite=False)
     alone_times = []
     for _ in range(1 + 3):
         alone_times.append((await alone.push(model, max_inflight=4)).seconds)
@@ -339,7 +345,6 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         os.environ["STREAMSYNC_RECEIVER_PROFILE"] = str(rx_profile)
     with ReceiverProcess(str(specs_path), device=_DEV.type, fused=True, start_timeout=600, name=f"rx-{key}") as rp:
         engine = rp.engine(timeout=600)
-        paths = [p for p in args.paths if _cuda() or not p.startswith("one_copy")]  # one copy: CUDA IPC only
         version = 0
 
         def next_version() -> int:
@@ -400,7 +405,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             cold[path] = {"connect_ms": (t1 - t0) * 1e3, "first_push_ms": r1.seconds * 1e3,
                           "first_push_wall_ms": (t2 - t1) * 1e3, "second_push_ms": r2.seconds * 1e3,
                           "first_push_stage_busy_ms": {k: v * 1e3 for k, v in r1.stage_seconds.items()},
-                          "exports": dict(getattr(t_cold, "ref_stats", {})),
+                          "exports": ref_counts(r1),
                           "connect_and_first_push_receiver_busy_ms": first_rx,
                           "first_push_sender_rpc_ms": rpc, "runs": runs}
             if len(runs) > 1:  # the reported values: medians over fresh syncs (the first also met a fresh receiver)
@@ -419,11 +424,6 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             del s_cold, t_cold
             _free_cached()
 
-        transport = _transport()
-        sync = WeightSync([engine], transport=transport, chunk_bytes=chunk, timeout=600, check_finite=False,
-                          reuse_plan=os.environ.get("STREAMSYNC_REUSE_PLAN", "1") == "1")
-        await sync.connect()
-        sync.version = version
         probe_us = await latency_probe(engine)
         log(f"  latencies (us): {', '.join(f'{k} {v:.0f}' for k, v in probe_us.items())}")
         _free_cached()
@@ -431,58 +431,62 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         # the pool counts, and buffers of an earlier sync that a receiver still maps (freed once it lets go).
         base = model_base
 
-        async def push(window: int, ack: str = "event") -> tuple[float, int, Any]:
-            if _cuda():
-                transport.release = ack
+        def new_sync(path: str, chunk_bytes: int = chunk, ref_bytes: int | None = None) -> WeightSync:
+            """A sync of its own for `path` (its transport and engine layout are set when it is made)."""
+            s = WeightSync([engine], transport=_transport(one_copy=path_of(path) == "one_copy", ref_bytes=ref_bytes),
+                           chunk_bytes=chunk_bytes, timeout=600, check_finite=False,
+                           engine_layout=path_of(path) != "packed",
+                           reuse_plan=os.environ.get("STREAMSYNC_REUSE_PLAN", "1") == "1")
+            s.version = version
+            return s
+
+        sync: WeightSync
+
+        async def push(window: int) -> tuple[float, int, Any]:
             _reset_peak()
             report = await sync.push(model, max_inflight=window, version=next_version())
             return report.seconds, _peak() - base, report
 
-        async def bit_exact(step: int, *pushes: tuple[int, str]) -> tuple[bool, list[str], Any]:
-            """Every weight changes, then a push of each config; the receiver's checksums match the export."""
+        async def bit_exact(step: int, *windows: int) -> tuple[bool, list[str], Any]:
+            """Every weight changes, then a push at each window; the receiver's checksums match the export."""
             mismatched: list[str] = []
             n, report = 0, None
-            for i, (w, ack) in enumerate(pushes):
+            for i, w in enumerate(windows):
                 _perturb(model, step + i)
-                _, _, report = await push(w, ack)
+                _, _, report = await push(w)
                 got = await engine.checksums(device=True)
                 want = await _trainer_digests(sync, model)
                 n = len(want)
                 mismatched += sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
             return not mismatched and n == len(specs), mismatched, report
 
-        # Four configurations, interleaved so that drifts of the machine hit all alike. "serial": window 1
-        # with the plain protocol, where every chunk is packed, copied out and acknowledged (each side
-        # waiting for its copies on the host) before the next one starts. Paths (one copy, packed) run in
-        # blocks: switching drops the other's pool and mappings, which no steady push pays.
-        configs = {"w4": (4, "event"), "w1": (1, "event"), "serial": (1, "sync"), "w4 sync": (4, "sync")}
-        if not _cuda():
-            configs = {"w4": (4, "event"), "w1": (1, "event")}
+        # Two windows, interleaved so that drifts of the machine hit both alike. Paths (one copy, packed) run
+        # in blocks, each with a sync and transport of its own: switching drops the other's pool and
+        # mappings, which no steady push pays.
+        configs = {"w4": 4, "w1": 1}
         by_path: dict[str, dict[str, Any]] = {}
         for pi, path in enumerate(paths):
-            if _cuda():
-                transport.one_copy = path_of(path) == "one_copy"
-            sync.engine_layout = path_of(path) != "packed"
+            sync = new_sync(path)
+            await sync.connect()
             await receiver_graphs(path)
-            getattr(transport, "release_pool", lambda: None)()
             # First pushes: the pool grows to the window (1, then 4); their peaks are the memory figures.
             _, peak1, _ = await push(1)
             _, peak4_first, _ = await push(4)
             log(f"  [{path}] first pushes done; peak extra: window 1 {peak1 / 1e9:.2f} GB, "
                 f"window 4 {peak4_first / 1e9:.2f} GB")
             for _ in range(args.warmup):
-                for w, ack in configs.values():
-                    await push(w, ack)
+                for w in configs.values():
+                    await push(w)
             times: dict[str, list[float]] = {k: [] for k in configs}
             peaks4: list[int] = []  # steady pushes (the first ones may still see an earlier pool in limbo)
             reports: dict[str, list[Any]] = {k: [] for k in configs}
             names = list(configs)
             for r in range(args.repeat):
                 for k in names[r % len(names):] + names[:r % len(names)]:  # rotate which goes first
-                    s, peak, report = await push(*configs[k])
+                    s, peak, report = await push(configs[k])
                     times[k].append(s)
                     reports[k].append(report)
-                    if configs[k][0] == 4:
+                    if configs[k] == 4:
                         peaks4.append(peak)
             if args.profile and pi == 0:  # where the sender's host time goes, in window-4 pushes
                 import cProfile
@@ -508,23 +512,23 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
             _timeline(f"[{path}] one window-4 push", split[-1][2])
             if trace_dir:  # one traced push of each configuration, for the record
                 sync.trace_dir = Path(trace_dir) / path
-                for w, ack in configs.values():
-                    await push(w, ack)
+                for w in configs.values():
+                    await push(w)
                 sync.trace_dir = None
             med = {k: statistics.median(v) for k, v in times.items()}
             log(f"  [{path}] window 4: {med['w4'] * 1e3:.2f} ms, window 1: {med['w1'] * 1e3:.2f} ms, " + "".join(
                 f"{k}: {v * 1e3:.2f} ms, " for k, v in med.items() if k not in ("w1", "w4"))
                 + f"floor {floor_s * 1e3:.2f} ms")
             # Bit-exactness: every weight changes, one more push, compare checksums on the device; and once
-            # more through the plain protocol.
-            exact, mismatched, final = await bit_exact(99 + 10 * pi, (4, "event"),
-                                                       *([configs["serial"]] if "serial" in configs else []))
+            # more at window 1.
+            exact, mismatched, final = await bit_exact(99 + 10 * pi, 4, 1)
             log(f"  [{path}] bit-exact: {exact} ({len(specs)} tensors compared)")
             by_path[path] = {"med": med, "times": times, "reports": reports, "peak4": max(peaks4), "peak1": peak1,
                              "exact": exact, "mismatched": mismatched, "final": final,
-                             "ref_stats": dict(getattr(transport, "ref_stats", {})),
+                             "ref_stats": ref_counts(split[-1][2]),
                              "receiver_graphs": (await engine.call("status")).get("graphs"),
                              "tx_busy": tx_busy, "rx_busy": rx_split}
+            await sync.close()
 
         # Chunk-size sweep at window 4 (fresh pool per size): the packed path's chunk budget, and the one-copy
         # path's budget of referenced bytes per chunk (its packed budget stays `chunk`).
@@ -533,14 +537,12 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         sweeps = [(p, "chunk_bytes", m) for m in args.sweep_mib for p in packed]
         sweeps += [(paths[0], "ref_bytes", m) for m in args.ref_sweep_mib if path_of(paths[0]) == "one_copy"]
         for path, knob, mib in sweeps:
-            transport.one_copy = path_of(path) == "one_copy"
-            sync.engine_layout = path_of(path) != "packed"
             await receiver_graphs(path)
             if knob == "chunk_bytes":
-                sync.chunk_bytes = int(mib * MiB)
+                sync = new_sync(path, chunk_bytes=int(mib * MiB))
             else:
-                transport.ref_bytes = int(mib * MiB)
-            getattr(transport, "release_pool", lambda: None)()
+                sync = new_sync(path, ref_bytes=int(mib * MiB))
+            await sync.connect()
             await push(4)
             await push(4)
             ts = [(await push(4))[0] for _ in range(3)]
@@ -548,10 +550,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
                           "push_ms_window4": statistics.median(ts) * 1e3, "chunks": len(sync.plan(model)[1])})
             log(f"  sweep ({path}): {knob} {mib:g} MiB -> {sweep[-1]['push_ms_window4']:.2f} ms "
                 f"({sweep[-1]['chunks']} chunks)")
-            sync.chunk_bytes = chunk
-            if _cuda():
-                transport.ref_bytes = CudaIpcTransport().ref_bytes
-        await sync.close()
+            await sync.close()
 
     os.environ.pop("STREAMSYNC_RECEIVER_PROFILE", None)
     if args.profile and rx_profile.exists():
@@ -565,14 +564,12 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
     med, times, reports = main["med"], main["times"], main["reports"]
     t1, t4 = med["w1"], med["w4"]
     med4 = reports["w4"][sorted(range(len(times["w4"])), key=lambda i: times["w4"][i])[len(times["w4"]) // 2]]
-    serial = med.get("serial")
     exact = all(b["exact"] for b in by_path.values())
     rows = []
     for path, b in by_path.items():
         rows.append({"model": shape["label"], "path": path, "bytes": nbytes, "chunk_bytes": chunk,
                      "floor_ms": floor_s * 1e3, "push_ms_window4": b["med"]["w4"] * 1e3,
                      "push_ms_window1": b["med"]["w1"] * 1e3,
-                     "push_ms_serial": b["med"]["serial"] * 1e3 if "serial" in b["med"] else None,
                      "window4_over_floor": b["med"]["w4"] / floor_s, "peak_extra_bytes": b["peak4"],
                      "bit_exact": b["exact"], "connect_ms": cold.get(path, {}).get("connect_ms"),
                      "first_push_ms": cold.get(path, {}).get("first_push_ms"),
@@ -602,12 +599,9 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         "trainer_alone_ms_window4": statistics.median(alone_times[1:]) * 1e3,
         "push_ms_window1": t1 * 1e3,
         "push_ms_window4": t4 * 1e3,
-        "push_ms_serial": serial * 1e3 if serial else None,
-        "push_ms_window4_sync": med["w4 sync"] * 1e3 if "w4 sync" in med else None,
         "push_ms_all": {p: {k: [x * 1e3 for x in v] for k, v in b["times"].items()} for p, b in by_path.items()},
         "window4_over_floor": t4 / floor_s,
         "speedup_window4_vs_1": t1 / t4,
-        "speedup_window4_vs_serial": serial / t4 if serial else None,
         "stage_busy_ms_window4": {k: v * 1e3 for k, v in med4.stage_seconds.items()},
         "peak_extra_bytes": main["peak4"],
         "peak_extra_bytes_window1": main["peak1"],
@@ -616,7 +610,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
         "mismatched": [m for b in by_path.values() for m in b["mismatched"]][:10],
         "final_push_ms": main["final"].seconds * 1e3,
         "sweep_window4": sweep,
-        "configs": {k: {"window": w, "ack": ack} for k, (w, ack) in configs.items()},
+        "configs": {k: {"window": w} for k, w in configs.items()},
         "latency_us": probe_us,
         "repeat": args.repeat,
         "warmup": args.warmup,
@@ -624,7 +618,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
     result["checks"] = {
         "window4_within_1.5x_floor": result["window4_over_floor"] <= 1.5,
         "window4_at_or_below_floor": result["window4_over_floor"] <= 1.0,
-        "window4_at_least_1.6x_faster_than_serial": bool(serial) and serial / t4 >= 1.6,
+        "window4_at_least_1.6x_faster_than_window1": t1 / t4 >= 1.6,
         "peak_within_window_x_chunk_plus_10pct": result["peak_extra_bytes"] <= result["peak_bound_bytes"],
         "bit_exact": exact,
     }
@@ -635,7 +629,7 @@ async def _bench_model(entry: str, args: argparse.Namespace, rate: float, work: 
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    rows = [("model", "path", "GB", "chunk MiB", "floor ms", "serial ms", "w1 ms", "w4 ms", "w4/floor",
+    rows = [("model", "path", "GB", "chunk MiB", "floor ms", "w1 ms", "w4 ms", "w4/floor",
              "peak GB", "connect ms", "1st push ms", "2nd push ms", "exact")]
 
     def ms(v: float | None) -> str:
@@ -644,7 +638,7 @@ def _table(results: list[dict[str, Any]]) -> str:
     for r in results:
         for row in r["rows"]:
             rows.append((r["model"][:32], row["path"], f"{row['bytes'] / 1e9:.2f}", f"{row['chunk_bytes'] / MiB:g}",
-                         ms(row["floor_ms"]), ms(row["push_ms_serial"]), ms(row["push_ms_window1"]),
+                         ms(row["floor_ms"]), ms(row["push_ms_window1"]),
                          ms(row["push_ms_window4"]), f"{row['window4_over_floor']:.2f}x",
                          f"{row['peak_extra_bytes'] / 1e9:.2f}", ms(row["connect_ms"]), ms(row["first_push_ms"]),
                          ms(row["second_push_ms"]), str(row["bit_exact"])))
