@@ -1,14 +1,24 @@
-"""`python -m benchmarks`: the same model pushed with window 1 and window 4 in one run, ratio printed.
+"""CPU: the same model pushed at window 1 and at window 4 in one run, and the ratio.
 
-CPU (default): a ~1 GB Qwen3-shaped bf16 model made locally, pushed over shared memory into a receiver
-process. Sender and receiver each get one intra-op thread, so on a 2-core machine the pipeline's
-overlap (pack of chunk i+1 while the receiver loads chunk i) is what the ratio measures.
-`--one-copy` (CPU): the same pushes over the packed shared-memory path (the default `ShmTransport()`) and over
-one copy (`ShmTransport(one_copy=True)`: the receiver copies the trainer's own storages, mapped by reference;
-and with 1 GiB of references per chunk), in blocks into one receiver, printed with their ratios.
-`--device cuda` runs the GPU benchmark: with two GPUs visible the two-GPU cases (benchmarks.two_gpu:
-NCCL push against a raw broadcast, TP=2 trainers), else the one-GPU colocated benchmark (benchmarks.cuda);
-`--gpus 1|2` picks one explicitly.
+A Qwen3-shaped bf16 model made locally (`--layers`, 32: about 1 GB) is pushed over shared memory into a
+receiver process. Sender and receiver get one intra-op thread each, so on a machine with two cores the ratio
+measures the pipeline's overlap (the pack of chunk i+1 while the receiver loads chunk i). Reported per window:
+the median of `--repeat` pushes (after a first push and `--warmup` rounds; the model changes in place before
+each repeat), against the copy floor (a pack and an unpack copy of every byte, warm), and whether the receiver
+holds the trainer's weights bit for bit.
+
+`--one-copy`: the same pushes over the packed path (`ShmTransport()`, the default), over one copy
+(`ShmTransport(one_copy=True)`: the receiver copies straight out of the trainer's own storages, mapped by
+reference) and over one copy with 1 GiB of references per chunk, in blocks into one receiver: their push
+times and ratios, each block's first push and its one-copy counts (`ref_stats`: tensors referenced and packed,
+storages exported). One copy moves the trainer's parameters into shared memory on its first push.
+
+`--device cuda` runs a GPU benchmark instead: the two-GPU cases (benchmarks.two_gpu) where two GPUs are
+visible, else the one-GPU benchmark (benchmarks.cuda); `--gpus 1|2` picks one.
+
+    python -m benchmarks [--layers 32] [--chunk-mib 64] [--repeat 3] [--json OUT.json]
+    python -m benchmarks --one-copy [--repeat 5] [--json OUT.json]
+    python -m benchmarks --device cuda [--gpus 1|2] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -151,11 +161,10 @@ async def _bench_one_copy(rp: ReceiverProcess, model: torch.nn.Module, nbytes: i
 def _copy_floor(model: torch.nn.Module, repeat: int = 5, warmup: int = 1) -> tuple[float, list[float], int]:
     """Two copies of every byte (pack into a buffer, unpack out of it): a push can't beat it.
 
-    Measured warm, as the pushes are: a first pass faults in the fresh buffers' pages (2148 ms against ~120 ms
-    warm on the CI machine), so `warmup` passes are dropped and the median of `repeat` counts. Measured with
-    one thread and with every core, the faster counting: on a loaded machine two OpenMP threads fighting for
-    two cores copied 3x slower than one (1.30 s against 0.45 s for 0.34 GB, load average 8.8 on 2 cores).
-    Returns (floor, that setting's timed passes, its thread count)."""
+    Measured warm, as the pushes are: a first pass faults in the fresh buffers' pages, which costs many times a
+    warm pass, so `warmup` passes are dropped and the median of `repeat` counts. Measured with one thread and
+    with every core, the faster counting: on a loaded machine threads fighting for the cores copy slower than
+    one thread. Returns (floor, that setting's timed passes, its thread count)."""
     srcs = [t.reshape(-1).view(torch.uint8) for t in model.state_dict().values()]
     buf = torch.empty(sum(t.numel() for t in srcs), dtype=torch.uint8)
     outs = [torch.empty_like(t) for t in srcs]

@@ -1,25 +1,43 @@
-"""`python -m benchmarks --device cuda`: a colocated GPU push measured against the copy floor, in one run.
+"""One GPU: a colocated push measured against the copy floor, in one run.
 
-Trainer: a megatron-core GPTModel (TP=1, bf16) with Qwen3-8B shapes, pushed with `WeightSync.push(model)`
-(MegatronSource: Megatron -> HF conversion). Receiver: another process on the same GPU holding vLLM-style
-fused parameters (`streamsync.testing.fused.FusedModel`: qkv_proj, gate_up_proj, stacked experts), loading through
+Trainer: a megatron-core GPTModel (TP=1, bf16, local layer spec) on the GPU, with Qwen3-8B shapes (`--models
+8b`) or a Qwen3-MoE shape (`moe`: Qwen3-30B-A3B's layer shapes, 12 of its 48 layers), pushed with
+`WeightSync.push(model)` (MegatronSource: Megatron -> HF conversion). `NAME+ddp` wraps it in Megatron's
+DistributedDataParallel with the distributed optimizer (its parameters are views of a few flat buffers);
+`NAME:MIB` sets the entry's chunk size. Receiver: another process on the same GPU holding vLLM-style fused
+parameters (`streamsync.testing.fused.FusedModel`: qkv_proj, gate_up_proj, stacked experts), loading through
 `WeightReceiver` + `load_weights`, the code path of the vLLM backend. Transport: CUDA IPC.
 
-Measured, for each model:
+Data paths (`--paths`, the first is the default; see --help): one_copy, packed, engine_layout, and variants of
+how the receiver loads (`:plain`, `:copies`) and how storages are shared (`:torchipc`). Each path's steady
+pushes run in a block, on a WeightSync and transport of its own, into the one receiver.
+
+Measured, for each model and path:
   floor      one pack copy plus one unpack copy of the model's bytes at the device-to-device copy rate
              measured in this run (bytes read + written): 2 x 2 x bytes / rate
-  push       `PushReport.seconds` (start_update .. finish_update): median of `--repeat` pushes after
-             `--warmup` of each configuration, the configurations interleaved: window 4 and window 1 with
-             release events (the default), and "serial": window 1 with the plain protocol, where each chunk
-             is packed, copied out and acknowledged, both sides waiting for their copies on the host, before
-             the next chunk starts (also window 4 with the plain protocol)
-  peak       the trainer's peak extra device memory in a push (max allocated minus allocated before the
-             first push: the send-buffer pool and conversion temporaries)
-  bit_exact  after changing every weight and pushing, the receiver's tensors (HF views of its fused
-             parameters) checksum equal to the trainer's HF export, on the device
-Also a Qwen3-MoE shape (Qwen3-30B-A3B's layer shapes, 12 of its 48 layers: ~16 GB).
+  push       `PushReport.seconds` (start_update .. finish_update): median of `--repeat` pushes at window 4 and
+             at window 1, interleaved, after `--warmup` rounds of both
+  peak       the trainer's peak extra device memory in a push (max allocated minus what it held before any
+             sync existed: the send-buffer pool and conversion temporaries)
+  bit_exact  after changing every weight and pushing (at window 4, then at window 1), the receiver's tensors
+             (HF views of its fused parameters) checksum equal to the trainer's HF export, on the device
+  cold       a fresh sync's connect(), first push and second push; the default path and its `:copies` /
+             `:torchipc` variants over `--cold-repeat` fresh syncs (medians), the others once
+  busy       where a steady window-4 push spends its time: the sender's stage busy times, the receiver's host
+             time per op and per part of an update, the push's one-copy counts (from its trace)
+  sweeps     window 4 over chunk budgets (`--sweep-mib`, the first packed path) and over referenced bytes per
+             chunk (`--ref-sweep-mib`, a one-copy default path), a fresh sync per point
+Also: the latencies of one chunk's control path (an RPC, a thread hop, an event wait, a copy launch), the
+NaN/inf scan a default push adds (the pushes here run without it), and the trainer alone (the pipeline with no
+engine). `--trace-dir` keeps traces of the first model's first pushes and of one push per configuration.
 
-    python -m benchmarks.cuda --json OUT.json [--models 8b,moe] [--repeat 7] [--trace-dir DIR]
+`--smoke` runs the script on CPU (shared memory instead of CUDA IPC, the one-copy paths left out; use the tiny
+shapes), to check its code paths where no GPU is. `python -m benchmarks --device cuda` runs it with its
+defaults where one GPU is visible.
+
+    python -m benchmarks.cuda --json OUT.json [--models 8b,moe] [--paths one_copy,packed:plain] [--repeat 7]
+        [--trace-dir DIR]
+    python -m benchmarks.cuda --smoke --models tiny,tiny-moe --repeat 2 --json OUT.json
 """
 
 from __future__ import annotations
@@ -853,7 +871,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cuda", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     args = ap.parse_args(argv)
     os.environ.setdefault("STREAMSYNC_LOG", "warning")

@@ -37,7 +37,8 @@ def references(n: int) -> list[list[Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ref_view_cost", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--refs", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--json", type=Path)

@@ -658,7 +658,8 @@ def merge(paths: list[Path]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.two_gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="write the rows here (as each case ends)")
     ap.add_argument("--merge", type=Path, nargs="+", help="instead of running: merge these result files into --json "
                     "and print the table")
