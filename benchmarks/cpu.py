@@ -86,7 +86,7 @@ async def _bench_cpu(args: argparse.Namespace) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     print(f"model: {nbytes / 1e9:.2f} GB, {len(specs)} tensors; starting receiver process ...", flush=True)
     with ReceiverProcess(str(save_specs(specs, work / "model.json")), threads=1) as rp:
-        if getattr(args, "one_copy", False):
+        if args.one_copy:
             return await _bench_one_copy(rp, model, nbytes, args)
         times, chunks, exact, _ = await _measure(rp, model, args)
     floor, floors, floor_threads = _copy_floor(model, repeat=max(args.repeat, 5))
@@ -208,7 +208,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    gpus = getattr(args, "gpus", "auto")
+    gpus = args.gpus
     if args.device == "cuda" and (gpus == "2" or (gpus == "auto" and torch.cuda.device_count() >= 2)):
         from benchmarks.two_gpu import run_defaults
 

@@ -267,7 +267,7 @@ async def _trainer_digests(sync: WeightSync, model: torch.nn.Module) -> dict[str
 # --------------------------------------------------------------------------------------------- latencies
 
 
-async def latency_probe(engine: Any) -> dict[str, float]:
+async def latency_probe(engine: ReceiverEngine) -> dict[str, float]:
     """What one chunk's control path costs on this machine, in microseconds (medians)."""
 
     async def med(fn: Any, n: int) -> float:

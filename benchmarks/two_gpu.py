@@ -614,7 +614,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"case": case, "error": f"{type(e).__name__}: {e}"})
         if not setup.smoke:  # the case's memory back before the next one starts processes on these GPUs
             torch.cuda.empty_cache()
-        if getattr(args, "json", None):  # write as we go: a later case that hangs and is killed keeps the earlier rows
+        if args.json:  # write as we go: a later case that hangs and is killed keeps the earlier rows
             _write(args.json, rows, env, t0)
     print()
     print(table(rows), flush=True)
