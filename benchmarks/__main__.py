@@ -1,14 +1,16 @@
-"""`python -m benchmarks`: the same model pushed with window 1 and window 4 in one run, ratio printed."""
+"""`python -m benchmarks`: the CPU benchmark, or with `--device cuda` the GPU one (benchmarks/cpu.py)."""
 
 from __future__ import annotations
 
 import argparse
 
+from . import cpu
 from .cpu import add_arguments, run
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=cpu.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     run(ap.parse_args(argv))
 

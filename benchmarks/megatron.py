@@ -1,18 +1,18 @@
-"""Coalesced vs per-parameter gathers for megatron-core models with TP=2 on gloo (CPU), in one run.
+"""CPU: coalesced against per-parameter gathers for megatron-core models with TP=2 on gloo, in one run.
 
 Two processes hold a bf16 GPTModel split over TP=2 (weights loaded from a seeded HF state); rank 0 pushes
-into a receiver process, rank 1 takes part in the gathers. Each repeat pushes the same model once per mode,
-in rotating order:
+into a receiver process, rank 1 takes part in the gathers. After `--warmup` rounds, each of `--repeat` rounds
+pushes the same model once per mode, in rotating order:
 
-  coalesced      one all-gather per (group, dtype) per chunk (the default)
+  coalesced      one all-gather per (group, dtype) per chunk (MegatronSource's default)
   bucketed       coalesced, but at most --bucket-mib per all-gather, all in flight together
-  per_parameter  one all-gather per tensor-parallel parameter
+  per_parameter  one all-gather per tensor-parallel parameter (bucket_bytes=1)
 
-Two workloads: a dense Qwen3-shaped model (few large tensors: bandwidth-bound) and a Qwen3-MoE-shaped
-model (many small expert tensors, split over expert TP: latency-bound). Reported: median push time, the
-gather stage's busy time, collectives per push, and the receiver's bit-exactness.
+Two workloads (`--workloads`): a dense Qwen3-shaped model (few large tensors: bandwidth-bound) and a
+Qwen3-MoE-shaped model (many small expert tensors, split over expert TP: latency-bound). Reported per mode:
+the median push time, the gather stage's busy time, collectives per push, and the receiver's bit-exactness.
 
-    python -m benchmarks.megatron --json bench.json
+    python -m benchmarks.megatron [--workloads dense moe] [--repeat 5] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.megatron", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--chunk-mib", type=int, default=32)

@@ -1,10 +1,16 @@
-"""Writing a benchmark's result: the JSON every benchmark command leaves behind."""
+"""What every benchmark command leaves behind (its JSON), and the counts a push's trace carries."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+from streamsync.report import PushReport
+
+#: a push's one-copy counts (`refs.*` in its trace): tensors sent by reference, tensors packed, storages
+#: exported, milliseconds spent exporting them
+REF_COUNTS = ("referenced", "packed", "exports", "export_ms")
 
 
 def write_json(path: Path | None, result: dict[str, Any]) -> None:
@@ -14,3 +20,15 @@ def write_json(path: Path | None, result: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {path}")
+
+
+def ref_counts(report: PushReport) -> dict[str, int]:
+    """One push's one-copy counts, read from its trace (zeros where nothing went by reference)."""
+    counts = report.trace.counts if report.trace is not None else {}
+    return {k: counts.get(f"refs.{k}", 0) for k in REF_COUNTS}
+
+
+def pack_graphs(report: PushReport) -> dict[str, int]:
+    """One push's captured packs on the sender, read from its trace: graphs captured, packs replayed from one."""
+    counts = report.trace.counts if report.trace is not None else {}
+    return {k: counts.get(f"pack_graphs_{k}", 0) for k in ("captured", "replayed")}

@@ -1,29 +1,34 @@
-"""`python -m benchmarks --device cuda` on two GPUs: NCCL pushes against a raw NCCL broadcast, and TP=2 trainers.
+"""Two GPUs: NCCL pushes against a raw NCCL broadcast, and TP=2 megatron trainers.
 
-Cases (each guarded: one failing does not stop the others; its row then carries `error`):
+Cases (`--cases`; each guarded: one failing does not stop the others, its row then carries `error`):
 
-  remote-tp1     megatron-core GPTModel, Qwen3-8B shape, TP=1 on GPU 0, pushed with CollectiveTransport("nccl")
-                 into a receiver process on GPU 1 holding vLLM-style fused parameters. Both protocols (one row
-                 each): "direct" (one broadcast per tensor, one NCCL group per chunk, from the trainer's tensors
-                 into the receiver's fused slices: no pack or unpack copy) and "chunk" (packed chunk, one
-                 broadcast, the receiver copies out). Window 4 and window 1 (interleaved), a chunk-size sweep
-                 (window 4, both protocols), bit-exactness on the device, one trace (direct). Against
-                 `raw_broadcast_ms`: plain torch.distributed NCCL broadcasts of the same byte count between two
-                 other processes (GPU 0 -> GPU 1, buffers of the chunk size, two alternating, async), this run.
-  tp2-dense      megatron-core trainer with TP=2 over both GPUs (one process per GPU, NCCL default group),
-  tp2-moe        Qwen3-8B widths (12 layers) / Qwen3-30B-A3B widths (6 layers, 128 experts, EP=2, expert TP 1):
-                 * gathers: coalesced vs per-parameter all-gathers (push time, gather busy time, collectives),
-                   pushing remotely as below;
-                 * remote: rank 0 broadcasts over NCCL to a receiver on GPU 1, rank 1 takes part in the gathers;
-                 * colocated: every rank sends by CUDA IPC to a receiver on its own GPU after one set of
-                   gathers (MegatronSource(every_rank_sends=True)); bit-exact on both receivers.
-                 Weights: a seeded HF state made on rank 0's GPU and broadcast to rank 1, loaded into the shards
-                 with load_hf_weights; receivers are checked against that state's device checksums.
+  remote-tp1   A megatron-core GPTModel with Qwen3-8B shapes, TP=1 on GPU 0, pushed with
+               CollectiveTransport("nccl") into a receiver process on GPU 1 that holds vLLM-style fused
+               parameters (each chunk is packed, broadcast once, and copied out by the receiver). Timed,
+               interleaved: window 4, window 1, and window 4 packing with plain copies instead of the captured
+               CUDA graph. Also the receiver's host time per push, bit-exactness on the device after each
+               configuration, one traced window-4 push (`--trace`), and window 4 at every `--sweep-mib` chunk
+               size. Against `raw_broadcast_ms`: plain torch.distributed NCCL broadcasts of the same byte count
+               between two other processes (GPU 0 -> GPU 1, in pieces of the chunk size, two buffers
+               alternating, async), measured in the same run.
+  tp2-dense    A megatron-core trainer with TP=2 over both GPUs (one process per GPU, NCCL default group),
+  tp2-moe      Qwen3-8B widths (12 layers) / Qwen3-30B-A3B widths (6 layers, 128 experts, EP=2, expert TP 1):
+               * gathers: coalesced against per-parameter all-gathers (push time, gather busy time,
+                 collectives), pushing remotely as below;
+               * remote: rank 0 broadcasts over NCCL to a receiver on GPU 1, rank 1 takes part in the gathers;
+               * colocated: every rank sends by CUDA IPC to a receiver on its own GPU after one set of gathers
+                 (MegatronSource(every_rank_sends=True)); bit-exact on both receivers.
+               Weights: a seeded HF state made on rank 0's GPU and broadcast to rank 1, loaded into the shards
+               with load_hf_weights; receivers are checked against that state's device checksums.
 
-`--smoke` runs every case on CPU (gloo instead of NCCL, shared memory instead of CUDA IPC, tiny shapes), so the
-script's code paths are checked where no GPU is.
+NVLink multicast stays off in every process started from here (NCCL_NVLS_ENABLE=0 and its kin). `--smoke`
+runs every case on CPU (gloo instead of NCCL, shared memory instead of CUDA IPC, tiny shapes), so the code
+paths can be checked where no GPU is. `python -m benchmarks --device cuda` runs the default cases where two
+GPUs are visible.
 
-    python -m benchmarks.two_gpu --json OUT.json [--cases remote-tp1,tp2-dense,tp2-moe] [--trace T.json]
+    python -m benchmarks.two_gpu --json OUT.json [--cases remote-tp1,tp2-dense,tp2-moe] [--trace TRACE.json]
+    python -m benchmarks.two_gpu --smoke --json OUT.json
+    python -m benchmarks.two_gpu --merge A.json B.json --json OUT.json     # the rows of several runs in one file
 """
 
 from __future__ import annotations
@@ -39,12 +44,12 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from benchmarks.report import write_json
-from streamsync.report import MiB
+from benchmarks.report import pack_graphs, write_json
+from streamsync.report import MiB, PushReport
 
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -145,172 +150,199 @@ def raw_broadcast_ms(setup: Setup, nbytes: int, chunks: list[int], repeat: int =
 # --------------------------------------------------------------------------------------------- remote, TP=1
 
 
-async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from benchmarks import cuda as one
-    from streamsync.pack import dtype_name
-    from streamsync.sync import WeightSync
-    from streamsync.testing.receiver import ReceiverProcess
-    from streamsync.trace import viewer
-    from streamsync.transports.collective import CollectiveTransport
+class RemoteBench:
+    """remote-tp1: a TP=1 megatron trainer on GPU 0 pushing over NCCL into a receiver process on GPU 1."""
 
-    one._DEV = torch.device(setup.dev[0])
-    shape = one.SHAPES["tiny" if setup.smoke else "8b"]
-    log(f"remote-tp1: building {shape['label']} (megatron-core, TP=1) on {setup.dev[0]} ...")
-    model = one.build_megatron(shape)
-    setup.sync()
-    chunk = int(args.chunk_mib * MiB)
-    probe = WeightSync([], chunk_bytes=chunk)
-    _, plans = probe.plan(model)
-    specs = [(s.name, dtype_name(s.dtype), list(s.shape)) for p in plans for s in p.specs]
-    nbytes = sum(s.nbytes for p in plans for s in p.specs)
-    sweep = sorted({int(m * MiB) for m in args.sweep_mib} | {chunk})
-    log(f"  {len(specs)} HF tensors, {nbytes / 1e9:.2f} GB; raw NCCL broadcast of the same bytes ...")
-    raw = raw_broadcast_ms(setup, nbytes, sweep)
-    log("  raw: " + ", ".join(f"{c // MiB} MiB {ms:.2f} ms" for c, ms in raw.items()))
+    #: the timed configurations: (window, captured pack), interleaved; "w4_uncaptured" packs with plain copies
+    #: each push (no captured CUDA graph): what the capture gains
+    CONFIGS: ClassVar[dict[str, tuple[int, bool]]] = {"w4": (4, True), "w1": (1, True), "w4_uncaptured": (4, False)}
 
-    work = Path(tempfile.mkdtemp(prefix="streamsync-2gpu-"))
-    (work / "specs.json").write_text(json.dumps(specs))
-    rows: list[dict[str, Any]] = []
-    with ReceiverProcess(str(work / "specs.json"), device=setup.rx_device[1], fused=True, start_timeout=600,
-                         name="rx-gpu1") as rp:
-        engine = rp.engine(timeout=600)
-        transport = CollectiveTransport(setup.backend, device=setup.dev[0], group_timeout=120)
-        sync = WeightSync([engine], transport=transport, chunk_bytes=chunk, timeout=600)
-        await sync.connect()
+    def __init__(self, setup: Setup, args: argparse.Namespace) -> None:
+        self.setup, self.args = setup, args
+        self.chunk = int(args.chunk_mib * MiB)
 
-        async def rx_busy() -> dict[str, list[float]]:
-            st = await engine.call("status")
+    def build(self) -> None:
+        """The trainer (megatron-core GPTModel, TP=1) on the first device, and what a push of it carries."""
+        from benchmarks import cuda as one
+        from streamsync.pack import dtype_name
+        from streamsync.sync import WeightSync
+
+        one._DEV = torch.device(self.setup.dev[0])
+        shape = one.SHAPES["tiny" if self.setup.smoke else "8b"]
+        self.label = f"{shape['label']} (megatron-core TP=1, GPU 0 -> GPU 1)"
+        log(f"remote-tp1: building {shape['label']} (megatron-core, TP=1) on {self.setup.dev[0]} ...")
+        self.model = one.build_megatron(shape)
+        self.setup.sync()
+        _, plans = WeightSync([], chunk_bytes=self.chunk).plan(self.model)
+        self.chunks = len(plans)
+        self.specs = [(s.name, dtype_name(s.dtype), list(s.shape)) for p in plans for s in p.specs]
+        self.nbytes = sum(s.nbytes for p in plans for s in p.specs)
+
+    async def run(self) -> list[dict[str, Any]]:
+        """Every measurement of the case, one row for the default chunk size and one per other sweep size."""
+        from streamsync.sync import WeightSync
+        from streamsync.testing.receiver import ReceiverProcess
+        from streamsync.transports.collective import CollectiveTransport
+
+        self.build()
+        sizes = sorted({int(m * MiB) for m in self.args.sweep_mib} | {self.chunk})
+        log(f"  {len(self.specs)} HF tensors, {self.nbytes / 1e9:.2f} GB; raw NCCL broadcast of the same bytes ...")
+        self.raw = raw_broadcast_ms(self.setup, self.nbytes, sizes)
+        log("  raw: " + ", ".join(f"{c // MiB} MiB {ms:.2f} ms" for c, ms in self.raw.items()))
+        work = Path(tempfile.mkdtemp(prefix="streamsync-2gpu-"))
+        (work / "specs.json").write_text(json.dumps(self.specs))
+        with ReceiverProcess(str(work / "specs.json"), device=self.setup.rx_device[1], fused=True, start_timeout=600,
+                             name="rx-gpu1") as rp:
+            self.engine = rp.engine(timeout=600)
+            self.transport = CollectiveTransport(self.setup.backend, device=self.setup.dev[0], group_timeout=120)
+            self.sync = WeightSync([self.engine], transport=self.transport, chunk_bytes=self.chunk, timeout=600)
+            await self.sync.connect()
+            for _ in range(self.args.warmup):
+                for window, graphs in self.CONFIGS.values():
+                    await self.push(window, graphs)
+            times, stages, lines, graph_counts = await self.timed()
+            rx = await self.receiver_busy()
+            trace_summary = await self.traced(work / "trace")
+            exact = await self.bit_exact()
+            rows = [self.row(times, stages, lines, graph_counts, rx, trace_summary, exact)]
+            rows += [await self.sweep_point(c) for c in sizes if c != self.chunk]
+            t0 = time.monotonic()
+            await self.sync.close()
+            log(f"  close: {time.monotonic() - t0:.2f} s")
+        return rows
+
+    async def push(self, window: int, graphs: bool = True) -> PushReport:
+        self.transport.graphs = graphs
+        return await self.sync.push(self.model, max_inflight=window)
+
+    async def timed(self) -> tuple[dict[str, list[float]], list[dict[str, float]], list[dict[str, float]],
+                                   list[dict[str, int]]]:
+        """`--repeat` rounds of every configuration, rotating which goes first; before each timed push one
+        untimed push of the same configuration (the first push after a change of window or of the captured
+        pack pays for the other's buffers and graphs). Returns the seconds per configuration and, of the
+        window-4 captured pushes, their stage busy times, timelines and pack-graph counts."""
+        names = list(self.CONFIGS)
+        times: dict[str, list[float]] = {k: [] for k in names}
+        stages: list[dict[str, float]] = []
+        lines: list[dict[str, float]] = []
+        graph_counts: list[dict[str, int]] = []
+        for r in range(self.args.repeat):
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                await self.push(*self.CONFIGS[k])
+                rep = await self.push(*self.CONFIGS[k])
+                times[k].append(rep.seconds)
+                if k == "w4":
+                    stages.append(rep.stage_seconds)
+                    lines.append(timeline(rep))
+                    graph_counts.append(pack_graphs(rep))
+        med = {k: _med(v) for k, v in times.items()}
+        raw = self.raw[self.chunk]
+        log(f"  chunk {self.chunk // MiB} MiB: window 4 {med['w4'] * 1e3:.2f} ms, window 1 {med['w1'] * 1e3:.2f} ms, "
+            f"raw {raw:.2f} ms -> {raw / (med['w4'] * 1e3):.0%} of raw")
+        t4u = med["w4_uncaptured"] * 1e3
+        log(f"  window 4 without the captured pack: {t4u:.2f} ms ({raw / t4u:.0%} of raw)")
+        return times, stages, lines, graph_counts
+
+    async def receiver_busy(self) -> dict[str, list[float]]:
+        """The receiver's host time per op per window-4 push (its status counters around three of them)."""
+        from benchmarks import cuda as one
+
+        async def counters() -> dict[str, list[float]]:
+            st = await self.engine.call("status")
             busy = st.get("busy_ms") or {}
             calls = busy.get("update", [0, 0.0])[0]
             return {**busy, **{f"update.{k}": [calls, ms] for k, ms in (st.get("update_split_ms") or {}).items()}}
 
-        async def push(window: int, ordering: str = "device", protocol: str = "direct",
-                       graphs: bool = True) -> Any:
-            transport.ordering = ordering
-            transport.protocol = protocol
-            transport.graphs = graphs
-            return await sync.push(model, max_inflight=window)
-
-        # Window 4 and 1 of both protocols device-ordered, and window 4 of the host-ordered chunk protocol (each
-        # side waits for every broadcast and copy: the first version's protocol), interleaved.
-        protocols = ("direct", "chunk")
-        configs = {f"{p}_w{w}": (w, "device", p) for p in protocols for w in (4, 1)}
-        configs["chunk_w4_host"] = (4, "host", "chunk")
-        # The chunk protocol packing with plain copies each push (no captured pack): what the capture gains.
-        configs["chunk_w4_uncaptured"] = (4, "device", "chunk", False)
-        for _ in range(args.warmup):
-            for cfg in configs.values():
-                await push(*cfg)
-        times: dict[str, list[float]] = {k: [] for k in configs}
-        stages: dict[str, list[dict[str, float]]] = {p: [] for p in protocols}
-        lines: dict[str, list[dict[str, float]]] = {p: [] for p in protocols}
-        names = list(configs)
-        for r in range(args.repeat):
-            for k in names[r % len(names):] + names[:r % len(names)]:
-                # The first push after a change of protocol or ordering pays for the switch (the receiver's
-                # buffers and caches): one untimed push of each config before its timed one.
-                await push(*configs[k])
-                rep = await push(*configs[k])
-                times[k].append(rep.seconds)
-                if k.endswith("_w4"):
-                    stages[configs[k][2]].append(rep.stage_seconds)
-                    lines[configs[k][2]].append(timeline(rep))
-        med = {k: _med(v) for k, v in times.items()}
-        for p in protocols:
-            t4, t1 = med[f"{p}_w4"], med[f"{p}_w1"]
-            log(f"  {p}, chunk {chunk // MiB} MiB: window 4 {t4 * 1e3:.2f} ms, window 1 {t1 * 1e3:.2f} ms, "
-                f"raw {raw[chunk]:.2f} ms -> {raw[chunk] / (t4 * 1e3):.0%} of raw")
-        t4h = med["chunk_w4_host"]
-        log(f"  chunk, host-ordered window 4 {t4h * 1e3:.2f} ms ({raw[chunk] / (t4h * 1e3):.0%} of raw)")
-        t4u = med["chunk_w4_uncaptured"] * 1e3
-        log(f"  chunk, window 4 without the captured pack: {t4u:.2f} ms ({raw[chunk] / t4u:.0%} of raw)")
-        # The receiver's host time per push (its status counters around pushes of the default chunk config).
-        await push(4, "device", "chunk")
-        b0 = await rx_busy()
+        await self.push(4)
+        b0 = await counters()
         for _ in range(3):
-            await push(4, "device", "chunk")
-        rx_chunk = one.busy_since(b0, await rx_busy(), 3)
-        log(f"  chunk window 4, receiver busy per push (ms): {one._busy_text(rx_chunk)}")
+            await self.push(4)
+        rx = one.busy_since(b0, await counters(), 3)
+        log(f"  window 4, receiver busy per push (ms): {one._busy_text(rx)}")
+        return rx
 
-        trace_summary = None
-        if args.trace:  # one traced window-4 push
-            tdir = work / "trace"
-            sync.trace_dir = tdir
-            rep = await push(4)
-            sync.trace_dir = None
-            if rep.trace_path:
-                Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(rep.trace_path, args.trace)
-                trace_summary = viewer.summary(Path(rep.trace_path))
-                log(f"  trace of a window-4 push ({rep.seconds * 1e3:.2f} ms) -> {args.trace}\n{trace_summary}")
+    async def traced(self, tdir: Path) -> str | None:
+        """With `--trace`: one traced window-4 push, its trace copied there; its summary."""
+        from streamsync.trace import viewer
 
-        # Bit-exact: every weight changes, push (each protocol and window), compare checksums on the device.
-        exact = {p: True for p in protocols}
-        for step, cfg in enumerate(configs.values(), start=101):
-            w, ordering, p = cfg[:3]
-            one._perturb(model, step)
-            await push(*cfg)
-            got = await engine.checksums(device=True)
-            want = await one._trainer_digests(sync, model)
-            bad = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
-            exact[p] = exact[p] and not bad and len(want) == len(specs)
-            if bad:
-                log(f"  {p} window {w} ({ordering}-ordered, {cfg[3:]}): {len(bad)} tensors differ, e.g. {bad[:3]}")
+        if not self.args.trace:
+            return None
+        self.sync.trace_dir = tdir
+        rep = await self.push(4)
+        self.sync.trace_dir = None
+        if not rep.trace_path:
+            return None
+        Path(self.args.trace).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(rep.trace_path, self.args.trace)
+        summary = viewer.summary(Path(rep.trace_path))
+        log(f"  trace of a window-4 push ({rep.seconds * 1e3:.2f} ms) -> {self.args.trace}\n{summary}")
+        return summary
+
+    async def bit_exact(self) -> bool:
+        """Every weight changes, then a push of each configuration; after each the receiver's checksums (on
+        the device) must match the trainer's HF export."""
+        exact = True
+        for step, (name, cfg) in enumerate(self.CONFIGS.items(), start=101):
+            exact = await self.exact_after(step, *cfg, what=name) and exact
         log(f"  bit-exact: {exact}")
-        label = f"{shape['label']} (megatron-core TP=1, GPU 0 -> GPU 1)"
-        for p in protocols:
-            stage_ms = {k: _med([s.get(k, 0.0) for s in stages[p]]) * 1e3 for k in (stages[p][0] if stages[p] else {})}
-            line_ms = {k: _med([x[k] for x in lines[p] if k in x]) for k in (lines[p][0] if lines[p] else {})}
-            log(f"  {p} window 4, medians: stage busy {json.dumps({k: round(v, 2) for k, v in stage_ms.items()})}; "
-                f"timeline {json.dumps({k: round(v, 2) for k, v in line_ms.items()})}")
-            t4, t1 = med[f"{p}_w4"], med[f"{p}_w1"]
-            row = {
-                "case": "remote-tp1", "protocol": p, "model": label,
-                "bytes": nbytes, "chunk_bytes": chunk, "chunks": len(plans),
-                "push_ms_window4": t4 * 1e3, "push_ms_window1": t1 * 1e3, "raw_broadcast_ms": raw[chunk],
-                "fraction_of_raw_window4": raw[chunk] / (t4 * 1e3), "window4_over_raw": t4 * 1e3 / raw[chunk],
-                "fraction_of_raw_window1": raw[chunk] / (t1 * 1e3),
-                "bit_exact": exact[p], "stage_busy_ms_window4": stage_ms, "timeline_ms_window4": line_ms,
-            }
-            if p == "chunk":
-                row["push_ms_window4_host_ordered"] = t4h * 1e3
-                row["push_ms_window4_uncaptured_pack"] = t4u
-                row["receiver_busy_ms_per_push"] = rx_chunk
-            else:
-                row["push_ms_all"] = {k: [x * 1e3 for x in v] for k, v in times.items()}
-                row["trace_summary"] = trace_summary
-            rows.append(row)
+        return exact
 
-        for c in sweep:  # window 4 at every chunk size, both protocols (the pool starts over for each size)
-            if c == chunk:
-                continue
-            sync.chunk_bytes = c
-            transport.pool.release()
-            for p in protocols:
-                try:
-                    for _ in range(args.warmup):
-                        await push(4, "device", p)
-                    ts = [(await push(4, "device", p)).seconds for _ in range(args.repeat)]
-                    n_chunks = len(sync.plan(model)[1])
-                    one._perturb(model, 200 + c // MiB)
-                    await push(4, "device", p)
-                    got = await engine.checksums(device=True)
-                    ok = got == await one._trainer_digests(sync, model)
-                    rows.append({"case": "remote-tp1", "protocol": p, "model": label, "bytes": nbytes,
-                                 "chunk_bytes": c, "chunks": n_chunks, "push_ms_window4": _med(ts) * 1e3,
-                                 "push_ms_window1": None, "raw_broadcast_ms": raw[c],
-                                 "fraction_of_raw_window4": raw[c] / (_med(ts) * 1e3),
-                                 "window4_over_raw": _med(ts) * 1e3 / raw[c], "bit_exact": ok})
-                    log(f"  sweep {p} chunk {c // MiB} MiB ({n_chunks} chunks): window 4 {_med(ts) * 1e3:.2f} ms, "
-                        f"raw {raw[c]:.2f} ms -> {raw[c] / (_med(ts) * 1e3):.0%} of raw, bit-exact {ok}")
-                except Exception as e:  # one size failing keeps the rest
-                    log(f"  sweep {p} chunk {c // MiB} MiB failed:\n{traceback.format_exc()}")
-                    rows.append({"case": "remote-tp1", "protocol": p, "chunk_bytes": c,
-                                 "error": f"{type(e).__name__}: {e}"})
-        with_close = time.monotonic()
-        await sync.close()
-        log(f"  close: {time.monotonic() - with_close:.2f} s")
-    return rows
+    async def exact_after(self, step: int, window: int, graphs: bool = True, what: str = "") -> bool:
+        from benchmarks import cuda as one
+
+        one._perturb(self.model, step)
+        await self.push(window, graphs)
+        got = await self.engine.checksums(device=True)
+        want = await one._trainer_digests(self.sync, self.model)
+        bad = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
+        if bad:
+            log(f"  {what or f'window {window}'}: {len(bad)} tensors differ, e.g. {bad[:3]}")
+        return not bad and len(want) == len(self.specs)
+
+    def row(self, times: dict[str, list[float]], stages: list[dict[str, float]], lines: list[dict[str, float]],
+            graph_counts: list[dict[str, int]], rx: dict[str, list[float]], trace_summary: str | None,
+            exact: bool) -> dict[str, Any]:
+        """The row of the default chunk size."""
+        med = {k: _med(v) for k, v in times.items()}
+        stage_ms = {k: _med([s.get(k, 0.0) for s in stages]) * 1e3 for k in (stages[0] if stages else {})}
+        line_ms = {k: _med([x[k] for x in lines if k in x]) for k in (lines[0] if lines else {})}
+        log(f"  window 4, medians: stage busy {json.dumps({k: round(v, 2) for k, v in stage_ms.items()})}; "
+            f"timeline {json.dumps({k: round(v, 2) for k, v in line_ms.items()})}")
+        t4, t1, raw = med["w4"], med["w1"], self.raw[self.chunk]
+        return {
+            "case": "remote-tp1", "model": self.label, "bytes": self.nbytes, "chunk_bytes": self.chunk,
+            "chunks": self.chunks, "push_ms_window4": t4 * 1e3, "push_ms_window1": t1 * 1e3, "raw_broadcast_ms": raw,
+            "fraction_of_raw_window4": raw / (t4 * 1e3), "window4_over_raw": t4 * 1e3 / raw,
+            "fraction_of_raw_window1": raw / (t1 * 1e3), "bit_exact": exact, "stage_busy_ms_window4": stage_ms,
+            "timeline_ms_window4": line_ms, "push_ms_window4_uncaptured_pack": med["w4_uncaptured"] * 1e3,
+            "pack_graphs_window4": graph_counts[-1] if graph_counts else None, "receiver_busy_ms_per_push": rx,
+            "push_ms_all": {k: [x * 1e3 for x in v] for k, v in times.items()}, "trace_summary": trace_summary,
+        }
+
+    async def sweep_point(self, size: int) -> dict[str, Any]:
+        """Window 4 at another chunk size (the pool starts over), against the raw broadcast in pieces of that
+        size; bit-exact after one more push. A size that fails keeps the rest (its row carries `error`)."""
+        self.sync.chunk_bytes = size
+        self.transport.pool.release()
+        try:
+            for _ in range(self.args.warmup):
+                await self.push(4)
+            ts = [(await self.push(4)).seconds for _ in range(self.args.repeat)]
+            n_chunks = len(self.sync.plan(self.model)[1])
+            ok = await self.exact_after(200 + size // MiB, 4)
+        except Exception as e:
+            log(f"  sweep chunk {size // MiB} MiB failed:\n{traceback.format_exc()}")
+            return {"case": "remote-tp1", "chunk_bytes": size, "error": f"{type(e).__name__}: {e}"}
+        t4, raw = _med(ts) * 1e3, self.raw[size]
+        log(f"  sweep chunk {size // MiB} MiB ({n_chunks} chunks): window 4 {t4:.2f} ms, raw {raw:.2f} ms -> "
+            f"{raw / t4:.0%} of raw, bit-exact {ok}")
+        return {"case": "remote-tp1", "model": self.label, "bytes": self.nbytes, "chunk_bytes": size,
+                "chunks": n_chunks, "push_ms_window4": t4, "push_ms_window1": None, "raw_broadcast_ms": raw,
+                "fraction_of_raw_window4": raw / t4, "window4_over_raw": t4 / raw, "bit_exact": ok}
+
+
+async def remote_tp1(setup: Setup, args: argparse.Namespace) -> list[dict[str, Any]]:
+    return await RemoteBench(setup, args).run()
 
 
 # --------------------------------------------------------------------------------------------- TP=2 trainers
@@ -338,92 +370,116 @@ def _hf_state(tiny: Any, rank: int, device: str, smoke: bool) -> dict[str, torch
 
 def _tp2_worker(rank: int, world: int, key: str, shape: dict[str, Any], ports: dict[str, tuple[int, str]],
                 args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of a TP=2 case: build and load its shards, then the remote pushes and the colocated ones."""
     import anyio
 
+    from streamsync.models.megatron import TinyModel
+
+    setup = Setup(args.smoke)
+    tiny = TinyModel(**shape)
+    t0 = time.perf_counter()
+    model, want = _tp2_build(rank, setup, tiny)
+    out: dict[str, Any] = {"rank": rank, "build_s": time.perf_counter() - t0}
+
+    async def main() -> None:
+        out["remote"] = await _tp2_remote(rank, setup, model, tiny, want, ports, args)
+        out["colocated"] = await _tp2_colocated(rank, setup, model, tiny, want, ports, args)
+
+    anyio.run(main)
+    return out
+
+
+def _tp2_build(rank: int, setup: Setup, tiny: Any) -> tuple[list[torch.nn.Module], dict[str, str]]:
+    """This rank's shards of a megatron-core model (TP=2; EP=2 and expert TP 1 for an MoE) on its device,
+    loaded from the seeded HF state; and that state's device checksums (what receivers must hold)."""
     from streamsync.checksum import device_digests
+    from streamsync.models.megatron import build_model, init_parallel, load_hf_weights
+
+    dev = setup.dev[rank]
+    moe = tiny.experts > 0
+    init_parallel(tp=2, ep=2 if moe else 1, etp=1 if moe else None)
+    if not setup.smoke:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+    # perform_initialization stays on: megatron marks TP parameters (partition_dim) only when it initializes.
+    model = build_model(tiny, use_cpu_initialization=setup.smoke)
+    if not setup.smoke:
+        model = [m.to(dev) for m in model]
+    hf = _hf_state(tiny, rank, dev, setup.smoke)
+    load_hf_weights(model, hf)
+    want = device_digests(hf.items())
+    del hf
+    if not setup.smoke:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return model, want
+
+
+async def _tp2_remote(rank: int, setup: Setup, model: list[torch.nn.Module], tiny: Any, want: dict[str, str],
+                      ports: dict[str, tuple[int, str]], args: argparse.Namespace) -> dict[str, Any]:
+    """Rank 0 pushes to the receiver on GPU 1 over NCCL, rank 1 only gathers: coalesced against per-parameter
+    all-gathers (`bucket_bytes=1`) at window 4, in alternating order, and the coalesced push at window 1."""
     from streamsync.engines.receiver import ReceiverEngine
-    from streamsync.models.megatron import TinyModel, build_model, init_parallel, load_hf_weights
     from streamsync.sources.megatron import MegatronSource
     from streamsync.sync import WeightSync
     from streamsync.transports.collective import CollectiveTransport
 
-    smoke = args.smoke
-    setup = Setup(smoke)
-    dev = setup.dev[rank]
-    tiny = TinyModel(**shape)
-    moe = tiny.experts > 0
-    init_parallel(tp=2, ep=2 if moe else 1, etp=1 if moe else None)
-    if not smoke:
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(1234)
-    t0 = time.perf_counter()
-    # perform_initialization stays on: megatron marks TP parameters (partition_dim) only when it initializes.
-    model = build_model(tiny, use_cpu_initialization=smoke)
-    if not smoke:
-        model = [m.to(dev) for m in model]
-    hf = _hf_state(tiny, rank, dev, smoke)
-    load_hf_weights(model, hf)
-    want = device_digests(hf.items())
-    del hf
-    if not smoke:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    out: dict[str, Any] = {"rank": rank, "build_s": time.perf_counter() - t0}
-    chunk = int(args.chunk_mib * MiB)
+    engines = [ReceiverEngine("127.0.0.1", ports["remote"][0], secret=ports["remote"][1], timeout=600,
+                              name="rx-remote", device=setup.rx_device[1])] if rank == 0 else []
+    transport = CollectiveTransport(setup.backend, device=setup.dev[0], group_timeout=120) if rank == 0 else None
+    sync = WeightSync(engines, transport=transport, chunk_bytes=int(args.chunk_mib * MiB), timeout=600)
+    await sync.connect()
     options = {"hf_config": tiny.hf_config()}
+    sources = {m: MegatronSource(model, bucket_bytes=None if m == "coalesced" else 1, **options)
+               for m in ("coalesced", "per_parameter")}
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in sources}
+    exact = True
 
-    async def main() -> None:
-        # -- remote: rank 0 -> receiver on GPU 1 over NCCL; rank 1 only gathers. Coalesced vs per-parameter.
-        engines = [ReceiverEngine("127.0.0.1", ports["remote"][0], secret=ports["remote"][1], timeout=600,
-                                  name="rx-remote", device=setup.rx_device[1])] if rank == 0 else []
-        transport = CollectiveTransport(setup.backend, device=setup.dev[0], group_timeout=120) if rank == 0 else None
-        sync = WeightSync(engines, transport=transport, chunk_bytes=chunk, timeout=600)
-        await sync.connect()
-        sources = {m: MegatronSource(model, bucket_bytes=None if m == "coalesced" else 1, **options)
-                   for m in ("coalesced", "per_parameter")}
-        runs: dict[str, list[dict[str, float]]] = {m: [] for m in sources}
-        exact = True
+    async def push(mode: str, window: int) -> dict[str, float]:
+        rep = await sync.push(sources[mode], max_inflight=window)
+        return {"s": rep.seconds, "gather_s": rep.stage_seconds.get("gather", 0.0),
+                "collectives": rep.collectives, "chunks": rep.chunks, "bytes": rep.bytes}
 
-        async def push(mode: str, window: int) -> dict[str, float]:
-            rep = await sync.push(sources[mode], max_inflight=window)
-            return {"s": rep.seconds, "gather_s": rep.stage_seconds.get("gather", 0.0),
-                    "collectives": rep.collectives, "chunks": rep.chunks, "bytes": rep.bytes}
+    for mode in sources:
+        await push(mode, 4)
+        if engines:
+            exact = exact and await engines[0].checksums(device=True) == want
+    w1: list[float] = []
+    for r in range(args.repeat):
+        order = list(sources) if r % 2 == 0 else list(reversed(sources))
+        for mode in order:
+            runs[mode].append(await push(mode, 4))
+        w1.append((await push("coalesced", 1))["s"])
+    await sync.close()
+    return {"runs": runs, "window1_s": w1, "exact": exact if engines else None}
 
-        for mode in sources:
-            await push(mode, 4)
-            if engines:
-                exact = exact and await engines[0].checksums(device=True) == want
-        w1: list[float] = []
-        for r in range(args.repeat):
-            order = list(sources) if r % 2 == 0 else list(reversed(sources))
-            for mode in order:
-                runs[mode].append(await push(mode, 4))
-            w1.append((await push("coalesced", 1))["s"])
-        out["remote"] = {"runs": runs, "window1_s": w1, "exact": exact if engines else None}
-        await sync.close()
 
-        # -- colocated: every rank -> receiver on its own GPU by CUDA IPC, after one set of gathers.
-        mine = ReceiverEngine("127.0.0.1", ports[f"colocated{rank}"][0], secret=ports[f"colocated{rank}"][1],
-                              timeout=600, name=f"rx-colocated{rank}",
-                              device=setup.rx_device[rank])
-        csync = WeightSync([mine], transport=setup.colocated_transport(dev), chunk_bytes=chunk, timeout=600)
-        source = MegatronSource(model, every_rank_sends=True, **options)
-        first = await csync.push(source)
-        cexact = await mine.checksums(device=True) == want
-        times: dict[int, list[float]] = {4: [], 1: []}
-        for _ in range(args.warmup):
-            await csync.push(source, max_inflight=4)
-        for r in range(args.repeat):
-            for w in ((4, 1) if r % 2 == 0 else (1, 4)):
-                times[w].append((await csync.push(source, max_inflight=w)).seconds)
-        cexact = cexact and await mine.checksums(device=True) == want
-        out["colocated"] = {"times": {str(k): v for k, v in times.items()}, "exact": cexact,
-                            "collectives": first.collectives, "chunks": first.chunks, "bytes": first.bytes}
-        await csync.close()
+async def _tp2_colocated(rank: int, setup: Setup, model: list[torch.nn.Module], tiny: Any, want: dict[str, str],
+                         ports: dict[str, tuple[int, str]], args: argparse.Namespace) -> dict[str, Any]:
+    """Every rank pushes by CUDA IPC to the receiver on its own GPU, after one set of gathers
+    (`every_rank_sends=True`): window 4 and 1 alternating; bit-exact after the first push and the last."""
+    from streamsync.engines.receiver import ReceiverEngine
+    from streamsync.sources.megatron import MegatronSource
+    from streamsync.sync import WeightSync
 
-    anyio.run(main)
-    return out
+    mine = ReceiverEngine("127.0.0.1", ports[f"colocated{rank}"][0], secret=ports[f"colocated{rank}"][1],
+                          timeout=600, name=f"rx-colocated{rank}", device=setup.rx_device[rank])
+    sync = WeightSync([mine], transport=setup.colocated_transport(setup.dev[rank]),
+                      chunk_bytes=int(args.chunk_mib * MiB), timeout=600)
+    source = MegatronSource(model, every_rank_sends=True, hf_config=tiny.hf_config())
+    first = await sync.push(source)
+    exact = await mine.checksums(device=True) == want
+    times: dict[int, list[float]] = {4: [], 1: []}
+    for _ in range(args.warmup):
+        await sync.push(source, max_inflight=4)
+    for r in range(args.repeat):
+        for w in ((4, 1) if r % 2 == 0 else (1, 4)):
+            times[w].append((await sync.push(source, max_inflight=w)).seconds)
+    exact = exact and await mine.checksums(device=True) == want
+    await sync.close()
+    return {"times": {str(k): v for k, v in times.items()}, "exact": exact, "collectives": first.collectives,
+            "chunks": first.chunks, "bytes": first.bytes}
 
 
 def tp2(setup: Setup, key: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -504,9 +560,9 @@ def _fmt(v: Any, digits: int = 2) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    cols = [("case", "case"), ("protocol", "protocol"), ("GB", "bytes"), ("chunk MiB", "chunk_bytes"),
+    cols = [("case", "case"), ("GB", "bytes"), ("chunk MiB", "chunk_bytes"),
             ("w4 ms", "push_ms_window4"), ("w1 ms", "push_ms_window1"),
-            ("w4 host-ordered ms", "push_ms_window4_host_ordered"), ("raw ms", "raw_broadcast_ms"),
+            ("w4 uncaptured ms", "push_ms_window4_uncaptured_pack"), ("raw ms", "raw_broadcast_ms"),
             ("raw/w4", "fraction_of_raw_window4"), ("raw/w1", "fraction_of_raw_window1"),
             ("coalesced ms", "coalesced_ms"), ("per-param ms", "per_parameter_ms"),
             ("gather busy c/p ms", "gather_busy_ms"), ("collectives c/p", "collectives"), ("exact", "bit_exact")]
@@ -558,7 +614,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"case": case, "error": f"{type(e).__name__}: {e}"})
         if not setup.smoke:  # the case's memory back before the next one starts processes on these GPUs
             torch.cuda.empty_cache()
-        if getattr(args, "json", None):  # write as we go: a later case that hangs and is killed keeps the earlier rows
+        if args.json:  # write as we go: a later case that hangs and is killed keeps the earlier rows
             _write(args.json, rows, env, t0)
     print()
     print(table(rows), flush=True)
@@ -602,7 +658,8 @@ def merge(paths: list[Path]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.two_gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="write the rows here (as each case ends)")
     ap.add_argument("--merge", type=Path, nargs="+", help="instead of running: merge these result files into --json "
                     "and print the table")

@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
-# One call on a GPU machine (one H200 or two, see docs/gpu.md): install the carried wheels, run the GPU tests,
-# run the benchmarks; logs and results go under $OUT (at most 8 files come back from there).
+# The GPU machine's whole run in one command: install the wheels under .whl/, run the GPU tests, then the
+# benchmark of the machine (one GPU or two; docs/gpu.md). Logs and results go under $OUT.
 #
-#   run(command="bash scripts/gpu_run.sh", carry=[".whl"])        # wheels: see docs/gpu.md
+#   OUT=/tmp/out bash scripts/gpu_run.sh
+#   OUT=/tmp/out TESTS=0 BENCH_ARGS="--models 8b,moe --repeat 5 --sweep-mib=" bash scripts/gpu_run.sh
+#   OUT=/tmp/out TESTS_K="not nccl" BENCH2_ARGS="--cases remote-tp1" bash scripts/gpu_run.sh
 #
-# One GPU:  tests (gpu-tests.log), the colocated benchmark (h200.json, bench.log, trace/).
-# Two GPUs: tests, the two-GPU NCCL tests among them (gpu-tests.log), and the two-GPU cases
-#           (h200x2.json, bench-2gpu.log, trace-remote-w4.json).
-# Environment: TESTS=0 skips the tests, BENCH=0/1 the one-GPU benchmark, BENCH2=0/1 the two-GPU cases (each
-# defaults to what the machine has); TESTS_K is a pytest -k filter; BENCH_ARGS / BENCH2_ARGS add options
-# (e.g. BENCH2_ARGS="--cases remote-tp1"); TESTS_LIMIT / BENCH_LIMIT / BENCH2_LIMIT are seconds per step.
+# Needs .whl/ in the repository root: wheels of what the machine lacks (megatron-core, structlog,
+# pytest-asyncio; docs/gpu.md says how to download them). They are installed into /tmp/site, which goes first
+# on PYTHONPATH, with the repository after it.
+#
+# Writes under $OUT:
+#   env.txt           the wheel install, kernel, cores, GPUs and their topology, package versions
+#   gpu-tests.log     the GPU tests (pytest -m gpu over the test files that have any)
+#   one GPU:          bench.log, h200.json, trace/                      (python -m benchmarks.cuda)
+#   two GPUs:         bench-2gpu.log, h200x2.json, trace-remote-w4.json  (python -m benchmarks.two_gpu)
+#
+# Environment (all optional):
+#   OUT               where logs and results go (default /tmp/streamsync-out)
+#   TESTS=0           skip the GPU tests; TESTS_K: a pytest -k expression selecting among them
+#   BENCH=0|1         the one-GPU benchmark (default 1 when fewer than two GPUs are visible)
+#   BENCH2=0|1        the two-GPU cases (default 1 when two or more GPUs are visible)
+#   BENCH_ARGS        options added to python -m benchmarks.cuda (e.g. "--models 8b,moe --repeat 5")
+#   BENCH2_ARGS       options added to python -m benchmarks.two_gpu (e.g. "--cases remote-tp1")
+#   TESTS_LIMIT, BENCH_LIMIT, BENCH2_LIMIT   seconds each step may run (defaults 420, 360, 480)
+#   STREAMSYNC_LOG    the library's log level (default warning)
 # Each step runs in its own process group, killed whole at its limit (a receiver process left behind would
-# keep a pipe or a GPU busy), and logs to a file only.
+# keep a pipe or a GPU busy), and logs to its file only. The exit status is nonzero if any step failed.
 set -uo pipefail
 OUT=${OUT:-/tmp/streamsync-out}
 mkdir -p "$OUT"
@@ -78,22 +93,23 @@ run_step() {
 
 rc=0
 if [ "${TESTS:-1}" != 0 ]; then
+  # The test files holding GPU tests: marked `gpu` by `@pytest.mark.gpu` or by `@gpu` (streamsync.testing.gpu).
+  mapfile -t GPU_TESTS < <(grep -lE '^@(pytest\.mark\.)?gpu\b' tests/test_*.py)
   run_step "GPU tests" "${TESTS_LIMIT:-420}" "$OUT/gpu-tests.log" \
-    python3 -m pytest -p no:cacheprovider -q -rA --timeout 150 -m gpu ${TESTS_K:+-k "$TESTS_K"} tests/test_cuda_ipc.py tests/test_collective_gpu.py \
-      tests/test_kernels.py tests/test_engine_layout.py tests/test_megatron.py
+    python3 -m pytest -p no:cacheprovider -q -rA --timeout 150 -m gpu ${TESTS_K:+-k "$TESTS_K"} "${GPU_TESTS[@]}"
   rc=$((rc | $?))
 fi
 if [ "$BENCH" != 0 ]; then
   mkdir -p "$OUT/trace"
   # shellcheck disable=SC2086
   run_step "one-GPU benchmark" "${BENCH_LIMIT:-360}" "$OUT/bench.log" \
-    python -m benchmarks.cuda --json "$OUT/h200.json" --trace-dir "$OUT/trace" ${BENCH_ARGS:-}
+    python3 -m benchmarks.cuda --json "$OUT/h200.json" --trace-dir "$OUT/trace" ${BENCH_ARGS:-}
   rc=$((rc | $?))
 fi
 if [ "$BENCH2" != 0 ]; then
   # shellcheck disable=SC2086
   run_step "two-GPU benchmark" "${BENCH2_LIMIT:-480}" "$OUT/bench-2gpu.log" \
-    python -m benchmarks.two_gpu --json "$OUT/h200x2.json" --trace "$OUT/trace-remote-w4.json" ${BENCH2_ARGS:-}
+    python3 -m benchmarks.two_gpu --json "$OUT/h200x2.json" --trace "$OUT/trace-remote-w4.json" ${BENCH2_ARGS:-}
   rc=$((rc | $?))
   [ -f "$OUT/h200x2.json" ] && python3 -c "
 import json, sys
