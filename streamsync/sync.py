@@ -154,7 +154,7 @@ class WeightSync:
                     e.owner = self.owner
                 await self.transport.connect(self.engines, self.timeout)
                 fusions = [await self._learn(e) for e in self.engines]
-                self._messages = Messages(fusions if self.engine_layout else [None] * len(fusions))
+                self._messages = Messages(fusions)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._close_quietly()
@@ -367,6 +367,7 @@ class WeightSync:
             plans=plans, trace=trace, messages=self._messages, max_inflight=window, timeout=self.timeout,
             faults=self.faults, hold=self._hold(plans), owner=self.owner,
             on_chunk=self._chunk_hook(push_id, version, plans), checked=self._checked,
+            engine_layout=self.engine_layout,
         )
         group = EngineGroup(self.engines, self.timeout, self.abort_timeout)
         rounds = Rounds()

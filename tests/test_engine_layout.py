@@ -137,3 +137,29 @@ def test_fused_model_stacks_moe_experts():
     assert tuple(w13.shape) == (4, 64, 64)
     fused.load_weights(src.state_dict().items())
     assert digests(fused.hf_tensors()) == digests(src.state_dict().items())
+
+
+async def test_engine_layout_may_be_turned_off_between_pushes(tmp_path):
+    specs = MOE.hf_specs()
+    model = StateModule(specs, fill="random", seed=4)
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "moe.json")), threads=1, fused=True) as rp:
+        engine = rp.engine()
+        keys: list[str] = []
+        update = engine.update
+
+        async def recorded(message):
+            keys.append(message.layout_key)
+            await update(message)
+
+        engine.update = recorded
+        sync = WeightSync([engine], chunk_bytes=1 << 20)
+        plan_keys = {p.layout_key for p in sync.plan(model)[1]}
+        await sync.push(model)
+        fused = len(keys)
+        assert not set(keys) & plan_keys  # the engine's fused layout
+        sync.engine_layout = False
+        perturb_(model, 1)
+        await sync.push(model)
+        assert set(keys[fused:]) <= plan_keys  # HF names from now on
+        assert await engine.checksums() == digests(model.state_dict().items())
+        await sync.close()

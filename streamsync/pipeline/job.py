@@ -52,6 +52,7 @@ class Push:
     hold: dict[int, list[str]] = field(default_factory=dict)
     owner: str | None = None  # the WeightSync's id: every message carries it (receivers refuse others)
     on_chunk: Callable[[int, int], None] | None = None
+    engine_layout: bool = True  # engines get chunks in their own fused layout where they declared one
     live: dict[int, SendBuffer] = field(default_factory=dict)
     busy: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (chunk, since), for the watchdog
     cut: dict[str, int] = field(default_factory=dict)  # stage -> chunk it was on when an error or cancel hit

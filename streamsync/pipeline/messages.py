@@ -29,7 +29,8 @@ class Messages:
         self._fused: list[BoundedCache[str, _Fused | None]] = [BoundedCache(4096) for _ in self.fusions]
 
     def build(self, push_id: str, version: int, owner: str | None, plan: ChunkPlan, hold: Sequence[str],
-              handles: Sequence[ChunkHandle]) -> list[UpdateMessage]:
+              handles: Sequence[ChunkHandle], *, fuse: bool = True) -> list[UpdateMessage]:
+        """Each engine's message for the chunk; `fuse`: in the engine's fused layout where it has one."""
         if len(handles) != len(self.fusions):
             raise ValueError(f"{len(handles)} handles for {len(self.fusions)} engines")
         out = []
@@ -38,7 +39,7 @@ class Messages:
                 layout, js, key = h.layout, h.layout_json, h.layout_key
             else:
                 layout, js, key = plan.layout, plan.layout_json, plan.layout_key
-            fused = self._fuse(i, layout, key)
+            fused = self._fuse(i, layout, key) if fuse else None
             if fused is not None:
                 layout, js, key = fused
             out.append(UpdateMessage(push_id, version, plan.index, layout, js, key, h.data, owner, tuple(hold)))

@@ -73,7 +73,7 @@ async def run(push: Push) -> None:
             push.live.clear()
         transport.end_push(ok)
         for name, value in transport.push_counts().items():
-            push.trace.count(name, int(value))
+            push.trace.count(name, value)
 
 
 def first_push_error(eg: BaseException) -> BaseException:
@@ -274,7 +274,8 @@ async def _send(push: Push, w: Work) -> None:
     transport, buf, messages = push.transport, w.buf, push.messages
     assert transport is not None and buf is not None and messages is not None
     handles = transport.handles(buf, len(push.engines))
-    built = messages.build(push.push_id, push.version, push.owner, w.plan, push.hold.get(w.plan.index, ()), handles)
+    built = messages.build(push.push_id, push.version, push.owner, w.plan, push.hold.get(w.plan.index, ()), handles,
+                           fuse=push.engine_layout)
     push.sent_any = True
     await transport.send(buf, built, [SendLane(e, push.trace, w.plan) for e in push.engines])
 

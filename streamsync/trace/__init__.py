@@ -65,7 +65,7 @@ class Trace:
     pid: int = field(default_factory=os.getpid)
     spans: list[Span] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
     meta: dict[str, object] = field(default_factory=dict)
     wall: float | None = None  # seconds from begin() to end(): the report's `seconds`
     error: TraceError | None = None
@@ -110,7 +110,7 @@ class Trace:
         with self._lock:
             self.samples.append(Sample(name, self.now(), value))
 
-    def count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: float = 1) -> None:
         with self._lock:
             self.counts[name] = self.counts.get(name, 0) + n
 

@@ -1,0 +1,346 @@
+"""Sharded sending, planned: which trainer rank sends which slice of which HF tensor to which engine worker.
+
+Both sides declare what they hold as *boxes* of full HF tensors (`Box`: a start and a size per dimension):
+
+* a source, per trainer rank (`Have`): a Megatron TP shard is one box along its split dimension (a fused QKV
+  shard several: the q, k and v rows of each of its query groups); an FSDP2 shard the box of its DTensor's
+  local piece; a plain module one whole box per tensor on the rank that holds it. Ranks holding the same box
+  (data-parallel replicas, norms on every TP rank) are replicas: any one of them may send it.
+* an engine, per worker (`Need`): a vLLM TP worker holds column slices of q/k/v and gate/up, row slices of
+  o_proj and down_proj, its rows of the vocabulary, its experts, and all of every norm.
+
+`plan_transfers` maps one onto the other: every box an engine worker needs is cut into pieces, each the
+intersection with one source box, and each piece is sent once, from the least loaded of the ranks that hold
+it (bytes so far), so senders are balanced. Pieces are grouped into buckets in layer order (embeddings first,
+whole decoder layers, the head last), at most `bucket_bytes` of pieces per sender per bucket: a bucket is what
+one round of the pipeline moves, so every rank's extra memory stays within the window times that budget.
+
+A layout that does not fit is refused before any byte moves, naming the tensor and the worker: a box outside
+its tensor, a worker outside the engine or holding nothing, two workers claiming overlapping but different
+slices, a tensor an engine does not hold whole, a slice no trainer rank holds. The plan is a pure function
+of the declarations: every rank and every worker computes the same one, and its `digest` says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..errors import ValidationError
+from .chunking import order_key
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Box:
+    """A rectangular region of a tensor: `start[d]` and `size[d]` per dimension."""
+
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+
+    @staticmethod
+    def whole(shape: Sequence[int]) -> Box:
+        return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+
+    @staticmethod
+    def rows(shape: Sequence[int], row0: int, rows: int, dim: int = 0) -> Box:
+        """Rows `[row0, row0 + rows)` of dimension `dim`, all of the others."""
+        start = [0] * len(shape)
+        size = [int(s) for s in shape]
+        start[dim], size[dim] = int(row0), int(rows)
+        return Box(tuple(start), tuple(size))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.size)
+
+    @property
+    def end(self) -> tuple[int, ...]:
+        return tuple(s + n for s, n in zip(self.start, self.size, strict=True))
+
+    def within(self, shape: Sequence[int]) -> bool:
+        return (len(shape) == len(self.start) and all(n >= 0 for n in self.size)
+                and all(s >= 0 and s + n <= d for s, n, d in zip(self.start, self.size, shape, strict=True)))
+
+    def intersect(self, other: Box) -> Box | None:
+        start = tuple(max(a, b) for a, b in zip(self.start, other.start, strict=True))
+        end = tuple(min(a, b) for a, b in zip(self.end, other.end, strict=True))
+        if any(e <= s for s, e in zip(start, end, strict=True)):
+            return None
+        return Box(start, tuple(e - s for s, e in zip(start, end, strict=True)))
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box in the coordinates of `outer` (which contains it)."""
+        return Box(tuple(s - o for s, o in zip(self.start, outer.start, strict=True)), self.size)
+
+    def to_json(self) -> list[list[int]]:
+        return [list(self.start), list(self.size)]
+
+    @staticmethod
+    def from_json(obj: object) -> Box:
+        if (not isinstance(obj, list) or len(obj) != 2 or not all(isinstance(x, list) for x in obj)
+                or len(obj[0]) != len(obj[1]) or len(obj[0]) > 8
+                or not all(type(v) is int and 0 <= v < 1 << 50 for x in obj for v in x)):
+            raise ValidationError(f"a box must be [[start per dim], [size per dim]], got {obj!r:.120}")
+        return Box(tuple(obj[0]), tuple(obj[1]))
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{s}:{s + n}" for s, n in zip(self.start, self.size, strict=True)) + "]"
+
+
+@dataclass(frozen=True, slots=True)
+class Have:
+    """Trainer rank `rank` holds `box` of HF tensor `name`."""
+
+    rank: int
+    name: str
+    box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """Worker `worker` of engine `engine` holds `box` of HF tensor `name` (and must receive it each push)."""
+
+    engine: str
+    worker: int
+    name: str
+    box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One transfer: `box` of tensor `name`, from trainer rank `src` to `worker` of `engine`."""
+
+    name: str
+    box: Box
+    src: int
+    engine: str
+    worker: int
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * self.itemsize
+
+    def to_json(self) -> list[object]:
+        return [self.name, self.box.to_json(), self.src, self.engine, self.worker, self.itemsize]
+
+
+@dataclass(frozen=True)
+class Shards:
+    """A source's declaration for sharded sending: what every trainer rank holds (`haves`, the same list on
+    every rank), the HF tensors a push sends (name -> (dtype name, full shape), as the engines hold them), and
+    `local(piece)`: this rank's data for a piece it sends, as a tensor of `piece.box.size` (a view where it can
+    be; the pack stage casts it to the tensor's dtype)."""
+
+    rank: int
+    world: int
+    haves: tuple[Have, ...]
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]]
+    local: Callable[[Piece], torch.Tensor]
+
+
+@dataclass
+class ShardPlan:
+    """The pieces of a sharded push, in buckets (indices into `pieces`), and what each rank sends."""
+
+    pieces: list[Piece]
+    buckets: list[list[int]]
+    #: HF name -> (dtype name, full shape)
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    digest: str = ""
+    sent_bytes: dict[int, int] = field(default_factory=dict)
+    received_bytes: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def bucket_pieces(self, bucket: int) -> list[Piece]:
+        return [self.pieces[i] for i in self.buckets[bucket]]
+
+    def sends(self, bucket: int, rank: int) -> dict[tuple[str, int], list[Piece]]:
+        """(engine, worker) -> the pieces `rank` sends there in `bucket`, in plan order."""
+        out: dict[tuple[str, int], list[Piece]] = {}
+        for p in self.bucket_pieces(bucket):
+            if p.src == rank:
+                out.setdefault((p.engine, p.worker), []).append(p)
+        return out
+
+    def receives(self, bucket: int, engine: str, worker: int) -> dict[int, list[Piece]]:
+        """rank -> the pieces (`engine`, `worker`) receives from it in `bucket`, in plan order."""
+        out: dict[int, list[Piece]] = {}
+        for p in self.bucket_pieces(bucket):
+            if p.engine == engine and p.worker == worker:
+                out.setdefault(p.src, []).append(p)
+        return out
+
+    def bucket_bytes(self, bucket: int, rank: int) -> int:
+        return sum(p.nbytes for p in self.bucket_pieces(bucket) if p.src == rank)
+
+    def balance(self) -> float:
+        """max / mean bytes sent per sending rank (1.0: perfectly even)."""
+        vals = [v for v in self.sent_bytes.values()]
+        if not vals:
+            return 1.0
+        mean = sum(vals) / len(vals)
+        return max(vals) / mean if mean else 1.0
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """What an engine's workers hold: `workers` receiving processes, and per HF tensor the box each needs."""
+
+    engine: str
+    workers: int
+    needs: tuple[Need, ...]
+
+    @staticmethod
+    def whole(engine: str, workers: int, tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> EngineLayout:
+        """Every worker holds every tensor whole (an engine that declares no layout)."""
+        return EngineLayout(engine, workers, tuple(Need(engine, w, n, Box.whole(shape))
+                                                   for w in range(workers) for n, (_, shape) in tensors.items()))
+
+    def to_json(self) -> dict[str, object]:
+        return {"engine": self.engine, "workers": self.workers,
+                "needs": [[n.worker, n.name, n.box.to_json()] for n in self.needs]}
+
+    @staticmethod
+    def from_json(engine: str, obj: object) -> EngineLayout:
+        if not isinstance(obj, dict) or type(obj.get("workers")) is not int or not isinstance(obj.get("needs"), list):
+            raise ValidationError(f"engine {engine!r}: a layout must be {{workers, needs}}, got {obj!r:.120}")
+        needs = []
+        for item in obj["needs"]:
+            if not isinstance(item, list) or len(item) != 3 or type(item[0]) is not int or not isinstance(item[1], str):
+                raise ValidationError(f"engine {engine!r}: a need must be [worker, name, box], got {item!r:.120}")
+            needs.append(Need(engine, item[0], item[1], Box.from_json(item[2])))
+        return EngineLayout(engine, obj["workers"], tuple(needs))
+
+
+def check_layout(layout: EngineLayout, tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+    """Refuse a layout that does not fit the model (module doc), naming the tensor and the worker."""
+    e = layout.engine
+    if layout.workers < 1:
+        raise ValidationError(f"engine {e!r} declares {layout.workers} workers")
+    by_name: dict[str, list[Need]] = {}
+    holding: set[int] = set()
+    for n in layout.needs:
+        if not 0 <= n.worker < layout.workers:
+            raise ValidationError(f"engine {e!r}: worker {n.worker} holds {n.name!r} but the engine has "
+                                  f"{layout.workers} workers")
+        spec = tensors.get(n.name)
+        if spec is None:
+            raise ValidationError(f"engine {e!r} worker {n.worker} holds {n.name!r}, which the model does not have")
+        if not n.box.within(spec[1]):
+            raise ValidationError(f"engine {e!r} worker {n.worker}: slice {n.box} of {n.name!r} lies outside its "
+                                  f"shape {list(spec[1])}")
+        if n.box.numel:
+            holding.add(n.worker)
+        by_name.setdefault(n.name, []).append(n)
+    missing = sorted(set(range(layout.workers)) - holding)
+    if missing:
+        raise ValidationError(f"engine {e!r}: worker(s) {missing} hold nothing (a worker missing from the layout)")
+    for name, spec in tensors.items():
+        needs = by_name.get(name)
+        if not needs:
+            raise ValidationError(f"engine {e!r} holds no part of {name!r}")
+        boxes = sorted({n.box for n in needs})  # identical boxes on several workers are replicas
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                if a.intersect(b) is not None:
+                    wa = [n.worker for n in needs if n.box == a]
+                    wb = [n.worker for n in needs if n.box == b]
+                    raise ValidationError(f"engine {e!r}: workers {wa} and {wb} claim overlapping slices {a} and {b} "
+                                          f"of {name!r}")
+        if sum(b.numel for b in boxes) != math.prod(spec[1]):
+            raise ValidationError(f"engine {e!r} does not hold all of {name!r}: its workers' slices cover "
+                                  f"{sum(b.numel for b in boxes)} of {math.prod(spec[1])} elements")
+
+
+def plan_transfers(haves: Iterable[Have], layouts: Sequence[EngineLayout],
+                   tensors: Mapping[str, tuple[str, tuple[int, ...]]], *, bucket_bytes: int,
+                   itemsize: Mapping[str, int]) -> ShardPlan:
+    """The sharded push (module doc). `tensors`: HF name -> (dtype name, full shape) as sent; `itemsize`: bytes
+    per element of each tensor on the wire."""
+    if bucket_bytes <= 0:
+        raise ValidationError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    for layout in layouts:
+        check_layout(layout, tensors)
+    by_name: dict[str, dict[Box, list[int]]] = {}  # name -> box -> the ranks holding it (replicas)
+    for h in haves:
+        spec = tensors.get(h.name)
+        if spec is None:
+            raise ValidationError(f"trainer rank {h.rank} holds {h.name!r}, which no engine expects")
+        if not h.box.within(spec[1]):
+            raise ValidationError(f"trainer rank {h.rank}: slice {h.box} of {h.name!r} lies outside its shape "
+                                  f"{list(spec[1])}")
+        if h.box.numel:
+            by_name.setdefault(h.name, {}).setdefault(h.box, []).append(h.rank)
+    sent: dict[int, int] = {}
+    pieces: list[Piece] = []
+    for name in sorted(tensors, key=order_key):
+        held = by_name.get(name, {})
+        for layout in layouts:
+            for need in (n for n in layout.needs if n.name == name and n.box.numel):
+                covered = 0
+                for box, ranks in sorted(held.items()):
+                    cut = need.box.intersect(box)
+                    if cut is None:
+                        continue
+                    src = min(ranks, key=lambda r: (sent.get(r, 0), r))  # the least loaded replica
+                    p = Piece(name, cut, src, need.engine, need.worker, itemsize[name])
+                    sent[src] = sent.get(src, 0) + p.nbytes
+                    pieces.append(p)
+                    covered += cut.numel
+                if covered < need.box.numel:
+                    raise ValidationError(f"engine {need.engine!r} worker {need.worker} needs {need.box} of {name!r}: "
+                                          f"{need.box.numel - covered} of its elements are held by no trainer rank")
+                if covered > need.box.numel:
+                    raise ValidationError(f"trainer ranks hold overlapping but different slices of {name!r} (need "
+                                          f"{need.box} of engine {need.engine!r} worker {need.worker} is covered "
+                                          "twice): a source must declare its shards exactly")
+    buckets = _buckets(pieces, bucket_bytes)
+    plan = ShardPlan(pieces, buckets, dict(tensors), sent_bytes=sent)
+    for p in pieces:
+        plan.received_bytes[(p.engine, p.worker)] = plan.received_bytes.get((p.engine, p.worker), 0) + p.nbytes
+    plan.digest = hashlib.blake2b(json.dumps([[p.to_json() for p in pieces], buckets]).encode(),
+                                  digest_size=12).hexdigest()
+    return plan
+
+
+def _buckets(pieces: Sequence[Piece], budget: int) -> list[list[int]]:
+    """Consecutive pieces (layer order) grouped so that no rank sends more than `budget` bytes in one bucket;
+    a layer is not split across buckets unless its own pieces exceed the budget."""
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    per_rank: dict[int, int] = {}
+    layer_of = [order_key(p.name) for p in pieces]
+    i = 0
+    while i < len(pieces):
+        j = i  # the pieces of one layer (or one embedding/head group)
+        while j < len(pieces) and layer_of[j] == layer_of[i]:
+            j += 1
+        group: dict[int, int] = {}
+        for k in range(i, j):
+            group[pieces[k].src] = group.get(pieces[k].src, 0) + pieces[k].nbytes
+        if cur and any(per_rank.get(r, 0) + b > budget for r, b in group.items()):
+            buckets.append(cur)
+            cur, per_rank = [], {}
+        if any(b > budget for b in group.values()):  # a layer larger than the budget: split it by pieces
+            for k in range(i, j):
+                p = pieces[k]
+                if cur and per_rank.get(p.src, 0) + p.nbytes > budget:
+                    buckets.append(cur)
+                    cur, per_rank = [], {}
+                cur.append(k)
+                per_rank[p.src] = per_rank.get(p.src, 0) + p.nbytes
+        else:
+            cur.extend(range(i, j))
+            for r, b in group.items():
+                per_rank[r] = per_rank.get(r, 0) + b
+        i = j
+    if cur:
+        buckets.append(cur)
+    return buckets
