@@ -1,4 +1,4 @@
-"""`python -m benchmarks`: the same model pushed with window 1 and window 4 in one run, ratio printed."""
+"""`python -m benchmarks`: one model pushed with window 1 and window 4 in one run; says which is faster."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def mixed_specs_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen_specs():
-    # ~17 MB in bf16: big enough for many chunks, small enough to push in well under a second.
+    # 16 MB (15.5 MiB) in bf16: big enough for many chunks, small enough to push in well under a second.
     return qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
 
 

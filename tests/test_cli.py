@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ def test_bench_prints_both_windows_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     r = _cli("--layers", "4", "--repeat", "1", "--json", str(out), cwd=ROOT, module="benchmarks")
     assert r.returncode == 0, r.stderr
-    assert "window 4 vs 1" in r.stdout
+    assert re.search(r"window 4 is \d+\.\d\dx (faster|slower) than window 1", r.stdout), r.stdout
     data = json.loads(out.read_text())
     for key in ("push_s_window1", "push_s_window4", "bytes", "chunks"):
         assert key in data
@@ -51,6 +52,14 @@ def test_run_a_pipeline_spec(tmp_path):
     reports = json.loads((tmp_path / "reports.json").read_text())
     assert [rep["version"] for rep in reports] == [1, 2, 3]
     assert {rep["max_chunks_alive"] for rep in reports} == {1}
+
+
+def test_the_bench_says_which_run_is_faster_in_words():
+    from benchmarks.cpu import compare
+
+    assert compare("window 4", 0.5, "window 1", 0.59) == "window 4 is 1.18x faster than window 1"
+    # slower: the ratio is never printed as "faster"
+    assert compare("window 4", 0.59, "window 1", 0.5) == "window 4 is 1.18x slower than window 1 (0.85x its speed)"
 
 
 def test_streamsync_bench_says_where_the_benchmarks_are(tmp_path):
