@@ -85,12 +85,65 @@ BAD_SPECS = {
     "model.kind: unknown kind 'gpt'": "model.kind=gpt",
 }
 
+CHECKPOINT_SPEC = ROOT / "pipelines" / "checkpoint-to-server.toml"
+BAD_CHECKPOINT_SPECS = {
+    "model.updat: unknown key": "model.updat=train",
+    "model.update: input should be 'perturb', 'train' or 'none', got 'sgd'": "model.update=sgd",
+    "model.dtype: input should be 'bfloat16', 'float16' or 'float32', got 'bf16'": "model.dtype=bf16",
+    "engines[0].url: expected an http(s) URL such as 'http://127.0.0.1:8000', got '127.0.0.1:8000'":
+        'engines.0.url="127.0.0.1:8000"',
+    "engines[0].api_key_env: expected the name of an environment variable holding the key":
+        "engines.0.api_key_env=sk-123",
+    "engines[0].api_ky: unknown key": "engines.0.api_ky=x",
+}
+
 
 @pytest.mark.parametrize("error", list(BAD_SPECS))
 def test_a_bad_spec_is_refused_before_anything_starts_with_one_line_naming_the_key(error, capsys):
     code = main(["run", str(ROOT / "pipelines" / "cpu-receiver.toml"), "--set", BAD_SPECS[error]])
     err = capsys.readouterr().err
     assert code == 2 and error in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("error", list(BAD_CHECKPOINT_SPECS))
+def test_a_bad_checkpoint_spec_is_refused_with_one_line_naming_the_key(error, capsys):
+    code = main(["run", str(CHECKPOINT_SPEC), "--set", BAD_CHECKPOINT_SPECS[error]])
+    err = capsys.readouterr().err
+    assert code == 2 and error in err and err.count("\n") == 1, err
+
+
+def test_a_checkpoint_pushes_into_servers_only(tmp_path, capsys):
+    (tmp_path / "p.toml").write_text("[model]\nkind = 'hf-checkpoint'\npath = '.'\n[[engines]]\nkind = 'receiver'\n")
+    assert main(["run", str(tmp_path / "p.toml")]) == 2
+    assert "engines: model kind 'hf-checkpoint' pushes into engines of kind 'vllm-http'" in capsys.readouterr().err
+
+
+def test_a_missing_checkpoint_or_key_variable_is_one_line_before_anything_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("STREAMSYNC_TEST_NO_KEY", raising=False)
+    code = main(["run", str(CHECKPOINT_SPEC), "--set", f"model.path={tmp_path}",
+                 "--set", "engines.0.api_key_env=STREAMSYNC_TEST_NO_KEY"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"model.path: no Hugging Face checkpoint at '{tmp_path}' (no config.json there)" in err
+    assert "engines[0].api_key_env: environment variable STREAMSYNC_TEST_NO_KEY is not set" in err
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_run_pushes_a_checkpoint_directory_into_a_server_url(server, model_dir, tmp_path):
+    import tomllib
+
+    spec = tomllib.loads(CHECKPOINT_SPEC.read_text())
+    assert spec["model"]["kind"] == "hf-checkpoint" and spec["engines"][0]["kind"] == "vllm-http"
+    for update in ("perturb", "train"):
+        r = _cli("run", str(CHECKPOINT_SPEC), "--json", str(tmp_path / f"{update}.json"),
+                 "--set", f"model.path={model_dir}", "--set", f"model.update={update}",
+                 "--set", f"engines.0.url={server.url}", "--set", f'work_dir="{tmp_path}"', cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert f"engine {server.url}: weights equal the trainer's bit for bit: True" in r.stdout, r.stdout
+        reports = json.loads((tmp_path / f"{update}.json").read_text())
+        assert len(reports) == 2 and reports[1]["version"] == reports[0]["version"] + 1
+        assert all(rep["bytes"] > 0 for rep in reports)
 
 
 def test_tables_and_lists_must_be_what_the_schema_says(tmp_path, capsys):
