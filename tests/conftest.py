@@ -103,13 +103,13 @@ async def async_llm(model_dir):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from streamsync.engines.vllm import engine_kwargs
+    from streamsync.engines.vllm import engine_kwargs, shutdown
     from streamsync.testing.vllm import ENGINE_ARGS, cpu_env
 
     cpu_env()
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE_ARGS, **engine_kwargs()))
     yield engine
-    engine.shutdown()
+    shutdown(engine)  # and its __del__ at interpreter exit does nothing (it would raise there)
 
 
 @pytest.fixture(scope="session")

@@ -263,3 +263,22 @@ async def test_streamsync_serve_as_the_readme_writes_it_starts_on_vllm_cpu_and_t
     assert said.startswith("streamsync serve: CPU-only vLLM: added --enforce-eager --kv-cache-memory-bytes "), said
     assert "--max-model-len auto" in said
     assert "'enforce_eager': True" in text and "'max_model_len': -1" in text  # what vLLM was given
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize(("example", "shows"), [
+    ("partial_rollout.py", r"weight versions used: \[\('1', 0, (\d+)\), \('2', \1, 64\)\]"),
+    # the feature it exists for: samples sampled partly by the old weights and partly by the new ones
+    ("streaming_rl.py", r"sample +\d+ \(vllm-cpu\): v(\d+)\[0:\d+\], v\d+\[\d+:96\]  <- crosses an update"),
+])
+def test_the_vllm_examples_run_as_written_and_end_cleanly_and_quietly(example, shows):
+    pytest.importorskip("vllm")
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / example)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600,
+                       env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(shows, r.stdout), r.stdout[-3000:]
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-3000:]
+    assert not re.search(r"\) INFO ", r.stdout), "vLLM's info lines are shown"  # VLLM_LOGGING_LEVEL=WARNING
+    assert "Failed to load weights" not in r.stdout + r.stderr  # the worker's filter
