@@ -2,32 +2,41 @@
 weights are swapped, and the same request finishes on the new weights.
 
     .venv/bin/python examples/partial_rollout.py
+
+vLLM logs at warning level here (VLLM_LOGGING_LEVEL=WARNING unless set): its info lines bury the output.
 """
 
 from __future__ import annotations
 
-import os
+from typing import Any
 
 import anyio
 import torch
 
 from streamsync import WeightSync
-from streamsync.engines.vllm import AsyncVllmEngine, engine_kwargs
+from streamsync.engines.vllm import AsyncVllmEngine, engine_kwargs, shutdown
 from streamsync.models.tiny import make_tiny_qwen3
+from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, quiet_env
 
 
 async def main() -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    import vllm
+    cpu_env()
+    quiet_env()  # before vLLM is imported
     from transformers import AutoModelForCausalLM
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     model_dir = str(make_tiny_qwen3())
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=model_dir, dtype="bfloat16", max_model_len=512, enforce_eager=True,
-        gpu_memory_utilization=0.15, **engine_kwargs()))
-    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE_ARGS, **engine_kwargs()))
+    try:
+        await rollout(llm, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16))
+    finally:
+        shutdown(llm)  # before exit: left to the interpreter's teardown, vLLM's cleanup raises
+
+
+async def rollout(llm: Any, trainer: torch.nn.Module) -> None:
+    import vllm
+
     sync = WeightSync([AsyncVllmEngine(llm)])
     await sync.push(trainer, version=1)
 
@@ -35,14 +44,14 @@ async def main() -> None:
     first_tokens = anyio.Event()
     final = None
 
-    async def rollout() -> None:
+    async def generate() -> None:
         nonlocal final
         async for out in llm.generate("the model weight sync", params, request_id="rollout-0"):
             final = out
             first_tokens.set()
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(rollout)
+        tg.start_soon(generate)
         await first_tokens.wait()
         with torch.no_grad():  # a training step happened meanwhile
             for p in trainer.parameters():
@@ -53,7 +62,6 @@ async def main() -> None:
     spans = [(s.version, s.start, s.end) for s in final.outputs[0].weight_versions or []]
     print(f"request finished with {len(final.outputs[0].token_ids)} tokens; weight versions used: {spans}")
     await sync.close()
-    llm.shutdown()
 
 
 if __name__ == "__main__":

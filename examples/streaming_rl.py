@@ -7,22 +7,27 @@ samples, in a worker thread so generation streams on meanwhile, and pushes after
 `StreamingRollout.update` while the other requests stay in flight ("keep": frozen, continued on the new
 weights). Prints every sample's version spans, each update's generation stall, tokens/s.
 
+After the last update no new request starts and the ones in flight finish: each of those that had tokens
+before that update was sampled partly by the old weights and partly by the new ones, and is marked
+"<- crosses an update" (in "keep" and "abort" mode; "wait" drains requests before every push, so none does).
+vLLM logs at warning level here (VLLM_LOGGING_LEVEL=WARNING unless set): its info lines bury the output.
+
     .venv/bin/python examples/streaming_rl.py [--updates 3] [--batch 4] [--mode keep|abort|wait]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+from typing import Any
 
 import anyio
 import torch
 
 from streamsync import WeightSync
-from streamsync.engines.vllm import AsyncVllmEngine, engine_kwargs
+from streamsync.engines.vllm import AsyncVllmEngine, engine_kwargs, shutdown
 from streamsync.models.tiny import make_tiny_qwen3
 from streamsync.rollout import Sample, StreamingRollout
-from streamsync.testing.vllm import ENGINE_ARGS, cpu_env
+from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, quiet_env
 
 
 def policy_gradient_step(trainer: torch.nn.Module, opt: torch.optim.Optimizer, batch: list[Sample],
@@ -44,40 +49,51 @@ def policy_gradient_step(trainer: torch.nn.Module, opt: torch.optim.Optimizer, b
 
 async def main(updates: int, batch: int, mode: str) -> None:
     cpu_env()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    quiet_env()  # before vLLM is imported
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     model_dir = str(make_tiny_qwen3(tie_word_embeddings=True))
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE_ARGS, **engine_kwargs()))
+    try:
+        await train(llm, model_dir, updates, batch, mode)
+    finally:
+        shutdown(llm)  # before exit: left to the interpreter's teardown, vLLM's cleanup raises
+
+
+async def train(llm: Any, model_dir: str, updates: int, batch: int, mode: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from streamsync.models.tiny import WORDS
 
+    tok = AutoTokenizer.from_pretrained(model_dir)
     target = {tok.convert_tokens_to_ids(w) for w in WORDS}
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE_ARGS, **engine_kwargs()))
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     opt = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
     sync = WeightSync([AsyncVllmEngine(llm, name="vllm-cpu")], chunk_bytes=1 << 20)
     await sync.push(trainer, version=1)
+    done = False  # set after the last update: no new request starts, the ones in flight finish
 
     async def prompts():
         words = ["the", "model", "weight", "sync", "push", "chunk", "layer", "token", "engine", "one", "two", "three"]
-        for i in range(10_000):
+        i = 0
+        while not done:
             yield tok.encode(" ".join(words[j % len(words)] for j in range(i, i + 6)))
+            i += 1
 
     rollout = StreamingRollout(sync, prompts(), in_flight=2 * batch, max_tokens=96, pause_mode=mode,
                                sampling={"temperature": 1.0, "ignore_eos": True})
-    step = 0
+    step = crossing = 0
     pending: list[Sample] = []
-    drain = 0  # after the last update: print the requests that were in flight across it, then stop
     async with rollout:
-        async for sample in rollout:
+        async for sample in rollout:  # ends once the prompts stopped and every request finished
             spans = ", ".join(f"v{s.version}[{s.start}:{s.end}]" for s in sample.spans)
+            crosses = len({s.version for s in sample.spans}) > 1
+            crossing += crosses
             print(f"sample {sample.index:3d} ({sample.engine}): {spans}"
-                  + (f"  resubmitted x{sample.resubmits}" if sample.resubmits else ""))
+                  + (f"  resubmitted x{sample.resubmits}" if sample.resubmits else "")
+                  + ("  <- crosses an update" if crosses else ""))
             if step >= updates:
-                drain -= 1
-                if drain <= 0:
-                    break
                 continue
             pending.append(sample)
             if len(pending) < batch:
@@ -91,11 +107,11 @@ async def main(updates: int, batch: int, mode: str) -> None:
                   f"{up.push.seconds * 1e3:.0f} ms; "
                   f"generation stalled {up.stall_seconds * 1e3:.0f} ms with {up.in_flight} requests in flight "
                   f"(oldest versions {up.versions_in_flight})")
-            drain = up.in_flight
+            done = step >= updates
+    print(f"{crossing} of {rollout.stats.samples} samples were sampled by two weight versions "
+          f"(in flight across an update, mode {mode!r})")
     print("stats:", rollout.stats.as_dict())
     await sync.close()
-    llm.shutdown()
-    del llm
 
 
 if __name__ == "__main__":
@@ -104,5 +120,4 @@ if __name__ == "__main__":
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--mode", default="keep", choices=["keep", "abort", "wait"])
     a = ap.parse_args()
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     anyio.run(main, a.updates, a.batch, a.mode)

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import operator
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,15 +220,81 @@ def _client_for(engine: Engine) -> Any:
                           "StreamingRollout needs AsyncVllmEngine or VllmHttpEngine engines")
 
 
+# ---------------------------------------------------------------------------------------------- prompts
+
+_PROMPT_FORMS = ("a list of token ids, a (token ids, payload) pair, or a {'prompt_token_ids': [...]} dict "
+                 "(as vLLM's TokensPrompt)")
+
+
+def as_prompt(item: Any, index: int) -> tuple[list[int], Any]:
+    """(token ids, payload) of one prompt in any form StreamingRollout takes; ValidationError naming the
+    prompt's index and what is wrong otherwise."""
+    payload = None
+    if isinstance(item, tuple) and len(item) == 2 and not _is_token(item[0]):
+        item, payload = item
+    if isinstance(item, dict):
+        if "prompt_token_ids" not in item:
+            raise ValidationError(f"prompt {index}: a dict prompt needs 'prompt_token_ids', got keys {sorted(item)}")
+        item = item["prompt_token_ids"]
+    if isinstance(item, str | bytes):
+        raise ValidationError(f"prompt {index} is text ({item[:40]!r}): StreamingRollout takes token ids; "
+                              "tokenize it first (tokenizer.encode(text))")
+    if _is_token(item):
+        raise ValidationError(f"prompt {index} is one token id ({item!r}): prompts must be an iterable of "
+                              f"prompts, each {_PROMPT_FORMS}; for a single prompt pass [ids]")
+    try:
+        ids = [_token(t) for t in item]
+    except TypeError:
+        raise ValidationError(f"prompt {index}: expected {_PROMPT_FORMS}, got {type(item).__name__} "
+                              f"{item!r:.80}") from None
+    if not ids:
+        raise ValidationError(f"prompt {index} has no token ids")
+    if min(ids) < 0:
+        raise ValidationError(f"prompt {index}: token ids must be >= 0, got {min(ids)}")
+    return ids, payload
+
+
+def _is_token(x: Any) -> bool:
+    try:
+        _token(x)
+        return True
+    except TypeError:
+        return False
+
+
+def _token(x: Any) -> int:
+    if isinstance(x, bool):  # an int subclass, never a token id
+        raise TypeError("bool")
+    return operator.index(x)  # int, numpy and 0-d torch integers
+
+
+async def _aiter(prompts: AsyncIterable[Any] | Iterable[Any]) -> AsyncIterator[Any]:
+    if isinstance(prompts, AsyncIterable):
+        async for item in prompts:
+            yield item
+        return
+    for item in prompts:
+        yield item
+        await anyio.lowlevel.checkpoint()  # a long list does not starve the requests it started
+
+
 # ----------------------------------------------------------------------------------------------- the loop
 
 
 class StreamingRollout:
-    """Keeps `in_flight` requests running across `sync`'s engines, fed by `prompts` (an async iterable of
-    token-id lists, or of (token ids, payload) pairs), yields finished `Sample`s, and updates weights on
-    demand. Use as `async with rollout:` then `async for sample in rollout`, `await rollout.update(model)`."""
+    """Keeps `in_flight` requests running across `sync`'s engines, fed by `prompts`, yields finished `Sample`s,
+    and updates weights on demand. Use as `async with rollout:` then `async for sample in rollout`,
+    `await rollout.update(model)`.
 
-    def __init__(self, sync: WeightSync, prompts: AsyncIterable[Any], *, in_flight: int = 8,
+    `prompts` is a list (or any iterable, or async iterable) whose items are token-id lists, (token ids,
+    payload) pairs or {"prompt_token_ids": ids} dicts. A list is checked when the rollout is made, raising
+    ValidationError naming the bad prompt; items of other iterables are checked as they are taken. A bad item
+    or a failing prompt source stops the feed: the requests in flight finish, and once their samples were
+    taken, iterating the rollout (or `next`) raises that one ValidationError. A request an engine refuses or
+    fails ends the rollout at once (the other requests are cancelled) with one EngineError naming engine and
+    prompt. Neither comes wrapped in an ExceptionGroup."""
+
+    def __init__(self, sync: WeightSync, prompts: AsyncIterable[Any] | Iterable[Any], *, in_flight: int = 8,
                  max_tokens: int = 128, sampling: dict[str, Any] | None = None, pause_mode: str = "keep",
                  clear_cache: bool = False, max_staleness: int | None = None, stale: str = "drop",
                  buffer: int = 64) -> None:
@@ -239,6 +306,11 @@ class StreamingRollout:
             raise ValidationError(f"in_flight and max_tokens must be >= 1, got {in_flight}, {max_tokens}")
         if max_staleness is not None and max_staleness < 0:
             raise ValidationError(f"max_staleness must be >= 0 or None, got {max_staleness}")
+        if not isinstance(prompts, AsyncIterable | Iterable) or isinstance(prompts, str | bytes | dict):
+            raise ValidationError(f"prompts must be a list (or iterable, or async iterable) of prompts, each "
+                                  f"{_PROMPT_FORMS}; got {type(prompts).__name__}")
+        if isinstance(prompts, Sequence):  # checked up front: the error comes before anything starts
+            prompts = [as_prompt(item, i) for i, item in enumerate(prompts)]
         self.sync = sync
         self.prompts = prompts
         self.in_flight = in_flight
@@ -263,6 +335,8 @@ class StreamingRollout:
         self._cm: Any = None
         self._rr = itertools.count()
         self._update_lock = anyio.Lock()
+        self._failure: BaseException | None = None
+        self._feed_scope = anyio.CancelScope()  # the feed and every request: what a failure ends
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -270,6 +344,7 @@ class StreamingRollout:
         await self.sync.connect()
         self._label = self.sync.version or None
         self.stats = RolloutStats()
+        self._feed_scope = anyio.CancelScope()
         self._cm = anyio.create_task_group()
         self._tg = await self._cm.__aenter__()
         self._tg.start_soon(self._feed)
@@ -281,32 +356,77 @@ class StreamingRollout:
         await self._cm.__aexit__(None, None, None)
         self._send.close()
 
-    def __aiter__(self) -> AsyncIterator[Sample]:
-        return self._recv.__aiter__()
+    def __aiter__(self) -> StreamingRollout:
+        return self
+
+    async def __anext__(self) -> Sample:
+        try:
+            return await self.next()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
 
     async def next(self, timeout: float | None = None) -> Sample:
-        """The next finished sample (EndOfStream once the prompts ran out and every request finished)."""
+        """The next finished sample (EndOfStream once the prompts ran out and every request finished; the
+        rollout's error once it failed and the samples finished before were taken)."""
         with anyio.fail_after(timeout):
-            return await self._recv.receive()
+            try:
+                return await self._recv.receive()
+            except anyio.EndOfStream:
+                if self._failure is not None:
+                    raise self._failure from None
+                raise
+
+    def _fail(self, error: BaseException) -> None:
+        """End the rollout with `error` (the first one counts): no request is started or continued, and the
+        consumer gets it once it took the samples already finished. Tasks never raise it themselves: the
+        task groups would wrap it in nested ExceptionGroups."""
+        if self._failure is None:
+            self._failure = error
+            self.log.warning("rollout failed", error=str(error))
+        # Not the task group's scope: the body of `async with rollout` runs in it, and the consumer must live
+        # to take the error.
+        self._feed_scope.cancel()
+        self._send.close()
 
     # -- requests ------------------------------------------------------------------------------------
 
     async def _feed(self) -> None:
-        assert self._tg is not None
+        with self._feed_scope:
+            await self._feed_prompts()
+
+    async def _feed_prompts(self) -> None:
         index = 0
+        bad: Exception | None = None
         async with anyio.create_task_group() as requests:
-            async for item in self.prompts:
-                ids, payload = (item if isinstance(item, tuple) else (item, None))
-                await self._slots.acquire()
-                await self._resumed.wait()  # no new request starts in the middle of an update
-                sample = Sample(index, list(ids), payload)
-                index += 1
-                self._live[sample.index] = sample
-                self.stats.in_flight = len(self._live)
-                requests.start_soon(self._request, sample)
-        self._send.close()  # the prompts ran out and every request finished
+            try:
+                async for item in _aiter(self.prompts):
+                    ids, payload = as_prompt(item, index)
+                    await self._slots.acquire()
+                    await self._resumed.wait()  # no new request starts in the middle of an update
+                    sample = Sample(index, ids, payload)
+                    index += 1
+                    self._live[sample.index] = sample
+                    self.stats.in_flight = len(self._live)
+                    requests.start_soon(self._request, sample)
+            except Exception as e:  # caught inside the task group, which would wrap it in an ExceptionGroup
+                bad = e if isinstance(e, StreamSyncError) else ValidationError(
+                    f"the prompt source failed after {index} prompts: {type(e).__name__}: {e}")
+        # the prompts ran out (or went bad) and every request started finished
+        if bad is not None:
+            self._fail(bad)
+        self._send.close()
 
     async def _request(self, sample: Sample) -> None:
+        try:
+            await self._generate(sample)
+        except Exception as e:
+            # An engine refused or failed the request (a token id beyond its vocabulary, an engine gone).
+            self._fail(EngineError(sample.engine, f"the request for prompt {sample.index} failed: "
+                                                  f"{getattr(e, 'message', None) or f'{type(e).__name__}: {e}'}"))
+            return
+        await self._finish(sample)
+
+    async def _generate(self, sample: Sample) -> None:
         try:
             while True:
                 client = self.clients[next(self._rr) % len(self.clients)]
@@ -336,7 +456,6 @@ class StreamingRollout:
             self._live.pop(sample.index, None)
             self.stats.in_flight = len(self._live)
             self._slots.release()
-        await self._finish(sample)
 
     async def _finish(self, sample: Sample) -> None:
         newest = self.sync.version or None

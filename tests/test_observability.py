@@ -130,3 +130,76 @@ def test_the_quiet_logger_of_non_sender_ranks_keeps_warnings_only():
         quiet_logger().info("push start")
         quiet_logger().warning("abort failed")
     assert [e["event"] for e in logs] == ["abort failed"]
+
+
+# An application's own process: the logging set-up is process-wide, and pytest's log capture sits on the root
+# logger of this one.
+_APP = """
+import json, logging, sys
+import anyio
+from streamsync import WeightSync
+from streamsync.models.synthetic import StateModule, mixed_specs
+
+records = []
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record)
+
+
+async def main():
+    sync = WeightSync([], chunk_bytes=2048, metrics=None)  # its logger exists before logging is set up
+    if sys.argv[1] == "configured":
+        logging.basicConfig(level=logging.INFO, handlers=[Keep()])
+    report = await sync.push(StateModule(mixed_specs(), fill="random", seed=7))
+    await sync.close()
+    print(json.dumps({"chunks": report.chunks, "records": [
+        {"name": r.name, "level": r.levelname, "message": r.getMessage(), "fields": r.streamsync,
+         "where": f"{r.filename}:{r.funcName}"} for r in records]}))
+
+
+anyio.run(main)
+"""
+
+
+def _app(mode: str, **env: str) -> tuple[dict, str]:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _APP, mode], capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), **env})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout), r.stderr
+
+
+def test_an_applications_logging_handler_gets_push_done_as_a_record_on_the_streamsync_logger():
+    out, err = _app("configured")
+    done = [r for r in out["records"] if r["message"].startswith("push done ")]
+    assert len(done) == 1, out["records"]
+    (rec,) = done
+    assert rec["name"] == "streamsync" and rec["level"] == "INFO"
+    assert rec["fields"]["event"] == "push done" and rec["fields"]["chunks"] == out["chunks"]
+    assert f"chunks={out['chunks']}" in rec["message"]
+    assert rec["where"] == "sync.py:push"  # the line that logged, not structlog's frames
+    assert "push done" not in err  # nothing bypassed the application's handler
+
+
+def test_log_json_renders_the_records_message_as_json():
+    import json
+
+    out, _ = _app("configured", STREAMSYNC_LOG_JSON="1")
+    (rec,) = [r for r in out["records"] if '"push done"' in r["message"]]
+    assert json.loads(rec["message"])["chunks"] == out["chunks"]
+
+
+def test_without_logging_set_up_events_go_to_stderr_as_before_and_streamsync_log_filters_them():
+    out, err = _app("plain")
+    assert out["records"] == []
+    line = next(ln for ln in err.splitlines() if "push done" in ln)
+    assert re.match(r"\d{4}-\d\d-\d\dT[\d:.]+[+-]\d\d:\d\d \[info\s*\] push done ", line), line
+    _, quiet = _app("plain", STREAMSYNC_LOG="warning")
+    assert "push done" not in quiet

@@ -12,6 +12,7 @@ vllm = pytest.importorskip("vllm")
 
 from streamsync import PushError, WeightSync  # noqa: E402
 from streamsync.engines.vllm import AsyncVllmEngine, VllmHttpEngine  # noqa: E402
+from streamsync.errors import EngineError, ValidationError  # noqa: E402
 from streamsync.models.tiny import TINY_QWEN3  # noqa: E402
 from streamsync.rollout import Sample, StreamingRollout  # noqa: E402
 from streamsync.testing.vllm import LOGPROB_TOL, trainer_from  # noqa: E402
@@ -222,4 +223,66 @@ async def test_a_failed_update_surfaces_and_generation_goes_on_with_the_old_weig
         samples = await _collect(rollout, 2)
     assert all(len(s.tokens) == 80 and s.versions == [old] for s in samples)
     assert rollout.stats.failed_updates == 1 and rollout.stats.updates == 0
+    await sync.close()
+
+
+async def test_a_plain_list_of_prompts_in_every_form_runs_to_the_end(async_llm, model_dir):
+    sync = WeightSync([AsyncVllmEngine(async_llm, name="async")], chunk_bytes=1 << 20)
+    ids = [long_prompt(TINY_QWEN3["vocab_size"], 8, seed=300 + i) for i in range(4)]
+    prompts = [ids[0], (ids[1], {"id": "b"}), {"prompt_token_ids": ids[2]}, torch.tensor(ids[3])]
+    rollout = StreamingRollout(sync, prompts, in_flight=2, max_tokens=6, sampling=GREEDY)
+    async with rollout:
+        samples = sorted([s async for s in rollout], key=lambda s: s.index)  # ends once the list ran out
+    assert [s.index for s in samples] == [0, 1, 2, 3]
+    assert [s.prompt_ids for s in samples] == ids
+    assert [s.payload for s in samples] == [None, {"id": "b"}, None, None]
+    assert all(len(s.tokens) == 6 for s in samples)
+    await sync.close()
+
+
+@pytest.mark.parametrize(("prompts", "error"), [
+    (["the model weight sync"], "prompt 0 is text ('the model weight sync'): StreamingRollout takes token ids"),
+    ([[1, 2], [3, 4], 5], "prompt 2 is one token id (5)"),
+    ([[1, 2], []], "prompt 1 has no token ids"),
+    ([[1, -2]], "prompt 0: token ids must be >= 0, got -2"),
+    ([{"text": "x"}], "prompt 0: a dict prompt needs 'prompt_token_ids'"),
+    ([[1.5, 2]], "prompt 0: expected a list of token ids"),
+    (7, "prompts must be a list (or iterable, or async iterable) of prompts"),
+    ("the model", "prompts must be a list"),
+])
+async def test_a_bad_list_of_prompts_is_refused_when_the_rollout_is_made(prompts, error, async_llm):
+    sync = WeightSync([AsyncVllmEngine(async_llm, name="async")])
+    with pytest.raises(ValidationError) as e:
+        StreamingRollout(sync, prompts)
+    assert error in str(e.value)
+
+
+async def test_a_bad_prompt_from_a_generator_ends_the_rollout_with_that_one_error(async_llm, model_dir):
+    sync = WeightSync([AsyncVllmEngine(async_llm, name="async")], chunk_bytes=1 << 20)
+    good = long_prompt(TINY_QWEN3["vocab_size"], 8, seed=310)
+
+    def prompts():
+        yield good
+        yield "not tokenized"
+
+    rollout = StreamingRollout(sync, prompts(), in_flight=1, max_tokens=4, sampling=GREEDY)
+    got: list[Sample] = []
+    with pytest.raises(ValidationError, match=r"^prompt 1 is text \('not tokenized'\)"):  # not an ExceptionGroup
+        async with rollout:
+            async for s in rollout:
+                got.append(s)
+    assert [s.index for s in got] == [0]  # what finished before the bad prompt was delivered first
+    await sync.close()
+
+
+async def test_a_request_the_engine_refuses_ends_the_rollout_naming_engine_and_prompt(async_llm, model_dir):
+    sync = WeightSync([AsyncVllmEngine(async_llm, name="async")], chunk_bytes=1 << 20)
+    rollout = StreamingRollout(sync, [[1, 2, 3], [1, TINY_QWEN3["vocab_size"] + 5]], in_flight=1, max_tokens=4,
+                               sampling=GREEDY)
+    with pytest.raises(EngineError) as e:
+        async with rollout:
+            async for _ in rollout:
+                pass
+    assert e.value.engine == "async" and "the request for prompt 1 failed" in str(e.value)
+    assert "out of vocabulary" in str(e.value)
     await sync.close()

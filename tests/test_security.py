@@ -331,6 +331,27 @@ async def test_the_http_engine_with_the_key_pushes_and_without_it_is_refused(key
     await sync.close()
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_streamsync_run_reaches_a_keyed_server_through_the_variable_its_spec_names(keyed_server, model_dir,
+                                                                                     tmp_path):
+    from pathlib import Path
+
+    server, key = keyed_server
+    root = Path(__file__).resolve().parents[1]
+    spec = root / "pipelines" / "checkpoint-to-server.toml"
+    cmd = [sys.executable, "-m", "streamsync", "run", str(spec), "--set", f"model.path={model_dir}",
+           "--set", f"engines.0.url={server.url}", "--set", f'work_dir="{tmp_path}"', "--set", "sync.pushes=1"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), "STREAMSYNC_LOG": "warning"}
+    keyed = subprocess.run([*cmd, "--set", "engines.0.api_key_env=ROLLOUT_KEY"], env={**env, "ROLLOUT_KEY": key},
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert keyed.returncode == 0, keyed.stderr
+    assert "weights equal the trainer's bit for bit: True" in keyed.stdout
+    keyless = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert keyless.returncode == 2 and "HTTP 401" in keyless.stderr, keyless.stderr
+    assert keyless.stderr.count("\n") == 1, keyless.stderr  # one line, no traceback
+
+
 def test_the_middleware_takes_the_keys_vllm_was_started_with():
     # `--api-key` reaches middleware only through the app's parsed arguments: a real Starlette app holding them.
     pytest.importorskip("vllm")

@@ -1,6 +1,7 @@
 """The trace viewer, as a user sees it: real pushes into receiver processes, their trace files, and the page
 drawn by a real headless Chromium (installed by `ensure_chromium` where missing; skipped only where it
-cannot be). Screenshots of the page go to docs/img/, where the README shows them."""
+cannot be). Screenshots of the page go to a temporary directory; with STREAMSYNC_UPDATE_SCREENSHOTS=1 they
+replace docs/img/, where the README shows them (a plain run never touches tracked files)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,25 @@ from aiohttp import web
 
 from streamsync import PushError, WeightSync
 from streamsync.cli import main as cli
-from streamsync.testing.browser import Browser, ensure_chromium
+from streamsync.testing.browser import Browser, Page, ensure_chromium
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.trace import STAGES, Trace, load
 from streamsync.trace.summary import summarize
 from streamsync.trace.viewer import make_app
 
 CHUNK = 1 << 20
-IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
+DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
+
+
+@pytest.fixture(scope="module")
+def img(tmp_path_factory) -> Path:
+    """Where screenshots go: docs/img/ only when STREAMSYNC_UPDATE_SCREENSHOTS=1 asks to refresh them."""
+    return DOCS_IMG if os.environ.get("STREAMSYNC_UPDATE_SCREENSHOTS") == "1" else tmp_path_factory.mktemp("img")
+
+
+async def _screenshot(page: Page, path: Path) -> None:
+    shot = await page.screenshot(path)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{shot} is not a PNG"
 
 
 class Pushes:
@@ -252,7 +264,7 @@ async def test_zoom_and_pan_move_the_time_axis(pushes, site, browser):
     assert float(panned[0].split()[0]) > float(zoomed[0].split()[0])
 
 
-async def test_compare_draws_window_1_and_4_on_one_time_scale(pushes, site, browser):
+async def test_compare_draws_window_1_and_4_on_one_time_scale(pushes, site, browser, img):
     page = await browser.page()
     await page.goto(f"{site}/view?f={pushes.w1.name}&f={pushes.w4.name}")
     assert await page.eval("document.querySelectorAll('.trace').length") == 2
@@ -265,10 +277,10 @@ async def test_compare_draws_window_1_and_4_on_one_time_scale(pushes, site, brow
     last = [max(sp.end for sp in load(p).spans) for p in (pushes.w1, pushes.w4)]
     px_per_s = [(e - 150) / t for e, t in zip(ends, last, strict=True)]  # 150: the lane-name gutter
     assert px_per_s[0] == pytest.approx(px_per_s[1], rel=0.02)
-    await page.screenshot(IMG / "viewer-compare.png")
+    await _screenshot(page, img / "viewer-compare.png")
 
 
-async def test_index_lists_every_push_with_its_failures(pushes, site, browser):
+async def test_index_lists_every_push_with_its_failures(pushes, site, browser, img):
     page = await browser.page()
     await page.goto(f"{site}/")
     rows = await page.eval("[...document.querySelectorAll('#pushes tr')].slice(1).map(r => [r.className, "
@@ -277,10 +289,10 @@ async def test_index_lists_every_push_with_its_failures(pushes, site, browser):
     failed = [r for r in rows if r[0] == "failed"]
     assert [r[1] for r in failed] == [pushes.failed.name] and "failed in send" in failed[0][2]
     assert await page.eval("document.querySelectorAll('#history rect').length") == 3
-    await page.screenshot(IMG / "viewer-index.png")
+    await _screenshot(page, img / "viewer-index.png")
 
 
-async def test_a_failed_push_shows_a_red_banner_and_a_red_bar(pushes, site, browser):
+async def test_a_failed_push_shows_a_red_banner_and_a_red_bar(pushes, site, browser, img):
     page = await browser.page()
     await page.goto(f"{site}/view?f={pushes.failed.name}")
     banner = await page.eval("document.querySelector('.banner').textContent")
@@ -288,10 +300,10 @@ async def test_a_failed_push_shows_a_red_banner_and_a_red_bar(pushes, site, brow
     red = await page.eval("[...document.querySelectorAll('rect.err')].map(r => [r.dataset.lane, +r.dataset.chunk, "
                           "getComputedStyle(r).fill])")
     assert ["send", 2, "rgb(211, 47, 47)"] in red
-    await page.screenshot(IMG / "viewer-failed.png")
+    await _screenshot(page, img / "viewer-failed.png")
 
 
-async def test_live_page_follows_a_push_while_it_runs(browser, qwen_specs_path, qwen_model):
+async def test_live_page_follows_a_push_while_it_runs(browser, qwen_specs_path, qwen_model, img):
     with ReceiverProcess(str(qwen_specs_path), name="rx-live", threads=1, delay=0.1) as rx:
         sync = WeightSync([rx.engine()], chunk_bytes=CHUNK, trace_live="127.0.0.1:0")
         await sync.connect()
@@ -304,7 +316,7 @@ async def test_live_page_follows_a_push_while_it_runs(browser, qwen_specs_path, 
         # a third of the bars (each chunk has six): a few chunks sent, most still to go (100 ms each)
         mid = await page.wait_for(f"document.body.dataset.state === 'running' && {count} >= {2 * chunks} && {count}")
         assert not push.done()  # drawn while the push runs
-        await page.screenshot(IMG / "viewer-live.png")
+        await _screenshot(page, img / "viewer-live.png")
         report = await push
         await page.wait_for("document.body.dataset.state === 'done'")
         final = await page.eval(count)
@@ -321,7 +333,7 @@ async def test_live_page_follows_a_push_while_it_runs(browser, qwen_specs_path, 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-async def test_a_vllm_push_draws_the_engine_send_lane(llm, model_dir, browser, tmp_path):
+async def test_a_vllm_push_draws_the_engine_send_lane(llm, model_dir, browser, tmp_path, img):
     pytest.importorskip("vllm")
     from streamsync.engines.vllm import VllmEngine
     from streamsync.testing.vllm import trainer_from
@@ -338,7 +350,7 @@ async def test_a_vllm_push_draws_the_engine_send_lane(llm, model_dir, browser, t
                         f"{Path(report.trace_path).name}")
         assert await page.eval(_bars()) == {lane: report.chunks for lane in [*STAGES, "send → llm"]}
         assert float(await page.eval(_field("wall") + ".dataset.value")) == report.seconds * 1e3
-        await page.screenshot(IMG / "viewer-vllm.png")
+        await _screenshot(page, img / "viewer-vllm.png")
     finally:
         await runner.cleanup()
         await sync.close()

@@ -240,3 +240,53 @@ async def test_tensors_larger_than_a_chunk_are_split_by_rows_and_reassembled_bit
     assert report.peak_bytes_inflight <= 2 * (128 << 10)
     await _assert_bit_exact(engine, trainer)
     await sync.close()
+
+
+async def test_a_push_into_vllm_serve_logs_no_harmless_failed_to_load_warnings(tmp_path, monkeypatch):
+    """A tied model: every layer's rotary embedding and the tied head warned on every push before the worker's
+    filter (streamsync.vllm.backend.ExpectedReloadMisses)."""
+    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.models.tiny import make_tiny_qwen3
+    from streamsync.testing.vllm import cpu_env
+
+    cpu_env()
+    tied = str(make_tiny_qwen3(tmp_path / "cache", tie_word_embeddings=True))
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # the worker's info lines show its output reaches the log
+    log = tmp_path / "serve.log"
+    with VllmServer(tied, log=log) as server:
+        engine = VllmHttpEngine(server.url, name="serve-tied")
+        sync = WeightSync([engine], chunk_bytes=1 << 20)
+        for step in (1, 2):
+            report = await sync.push(trainer_from(tied, step=step))
+        assert await engine.get_version() == report.version
+        await _assert_bit_exact(engine, trainer_from(tied, step=2))
+        await sync.close()
+    text = log.read_text()
+    assert "(Worker" in text and "Loading weights took" in text, text[-2000:]  # the worker's lines are here
+    assert "Failed to load weights" not in text, [ln for ln in text.splitlines() if "Failed to load" in ln][:4]
+
+
+@pytest.mark.parametrize(("tied", "layer", "kept"), [
+    (True, "RotaryEmbedding", False), (True, "Llama3RotaryEmbedding", False), (True, "ParallelLMHead", False),
+    (False, "RotaryEmbedding", False), (False, "ParallelLMHead", True),  # an untied head's miss is real
+    (True, "QKVParallelLinear", True), (True, "VocabParallelEmbedding", True),
+])
+def test_the_reload_warning_filter_drops_exactly_the_harmless_misses(tied, layer, kept):
+    import logging
+
+    from streamsync.vllm.backend import RELOAD_LOGGER, ExpectedReloadMisses
+
+    logger = logging.getLogger(RELOAD_LOGGER)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: seen.append(r.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    filt = ExpectedReloadMisses(tied)
+    logger.addFilter(filt)
+    try:
+        logger.warning("%s: Failed to load weights", layer)  # vLLM's own call (reload/layerwise.py)
+        logger.warning("something else about %s", layer)  # other messages always pass
+    finally:
+        logger.removeFilter(filt)
+        logger.removeHandler(handler)
+    assert seen == ([f"{layer}: Failed to load weights"] if kept else []) + [f"something else about {layer}"]

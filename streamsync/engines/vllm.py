@@ -45,6 +45,18 @@ def engine_kwargs(**extra: Any) -> dict[str, Any]:
             "worker_extension_cls": "streamsync.vllm.extension.StreamSyncWorkerExtension", **extra}
 
 
+def shutdown(engine: Any, timeout: float | None = None) -> None:
+    """Shut an `AsyncLLM` down now (its engine core and worker processes), for good.
+
+    Call it before the program ends. vLLM's `AsyncLLM.__del__` shuts down again; an AsyncLLM still referenced
+    when the interpreter exits (a stored exception's traceback frames keep one alive easily) has that run
+    while the interpreter tears down, which raises `TypeError: 'NoneType' object is not callable`. After this
+    call that later shutdown does nothing."""
+    engine.shutdown(timeout=timeout)
+    # __del__ calls self.shutdown(): an instance attribute takes precedence over the method
+    engine.shutdown = lambda *args, **kwargs: None
+
+
 class _Guarded(Engine):
     timeout: float
     #: an update reached the engine since the round began: an abort must then mark it mixed

