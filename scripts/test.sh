@@ -11,5 +11,6 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
     || echo "chromium could not be installed: the viewer's browser tests will skip"
 fi
 .venv/bin/ruff check .
+.venv/bin/mypy  # the library's types ([tool.mypy] in pyproject.toml)
 export STREAMSYNC_LOG=${STREAMSYNC_LOG:-warning} VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 exec .venv/bin/python -m pytest -ra "$@"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from datetime import datetime
@@ -28,7 +28,7 @@ import structlog
 LOGGER_NAME = "streamsync"
 
 
-def _timestamp(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+def _timestamp(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     event["timestamp"] = datetime.now().astimezone().isoformat(timespec="milliseconds")
     return event
 
@@ -81,7 +81,7 @@ class _Output:
     def _key_values(self, fields: dict[str, Any]) -> str:
         # "push done ms=12.5 mib=5.0": the event as it reads, then its fields (KeyValueRenderer would quote it)
         rest = {k: v for k, v in fields.items() if k != "event"}
-        tail = self.message(None, "", rest) if rest else ""
+        tail = str(self.message(None, "", rest)) if rest else ""
         return f"{fields['event']} {tail}".rstrip()
 
     def __getattr__(self, method: str) -> Any:
@@ -90,7 +90,7 @@ class _Output:
         return lambda event: self._emit(method, event)
 
 
-def _pass_dict(_: Any, __: str, event: dict[str, Any]) -> tuple[tuple[dict[str, Any]], dict[str, Any]]:
+def _pass_dict(_: Any, __: str, event: MutableMapping[str, Any]) -> tuple[tuple[MutableMapping[str, Any]], dict]:
     """The last processor: hand the event dict itself to `_Output`, which renders it for where it goes."""
     return (event,), {}
 

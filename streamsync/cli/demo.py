@@ -26,7 +26,7 @@ def _say(step: str, msg: str) -> None:
     print(f"[{step}] {msg}", flush=True)
 
 
-def build_trainer(model_dir: Path, kind: str) -> tuple[torch.nn.Module, str]:
+def build_trainer(model_dir: Path, kind: str) -> tuple[torch.nn.Module | list[torch.nn.Module], str]:
     """The trainer model holding the checkpoint's weights: megatron-core when available, else transformers."""
     if kind in ("auto", "megatron"):
         try:
@@ -110,8 +110,10 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
     params = vllm.SamplingParams(temperature=0, max_tokens=mcfg.max_tokens, logprobs=1)
 
     def generate() -> tuple[list[int], list[float]]:
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-        return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+        out = llm.generate([vllm.TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]
+        assert out.logprobs is not None  # asked for: logprobs=1
+        steps: list[Any] = list(out.logprobs)  # one {token: Logprob} per generated token
+        return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, steps, strict=True)]
 
     _say("3/7", "greedy generation before the push (first one warms the engine up, ~20 s here)")
     before, _ = await anyio.to_thread.run_sync(generate)

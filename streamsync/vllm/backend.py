@@ -103,7 +103,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                 weights = list(weights)
                 self.received_digests.update((n, tensor_digest(t)) for n, t in weights)
             with disable_mtp_completeness_check():
-                self.model.load_weights(weights)
+                self.model.load_weights(weights)  # type: ignore[operator]  # nn.Module attribute
 
         self.rx.update(update_info.streamsync, load)
 
