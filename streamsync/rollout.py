@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -44,6 +44,9 @@ from .errors import EngineError, StreamSyncError, ValidationError
 from .log import get_logger
 from .report import PushReport
 from .sync import WeightSync
+
+if TYPE_CHECKING:
+    from .engines.vllm import VllmHttpEngine
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,7 @@ class _AsyncLLMClient:
 class _HttpClient:
     """Generation on `vllm serve` through /v1/completions (streamed, token ids in and out)."""
 
-    def __init__(self, engine: Any, name: str) -> None:
+    def __init__(self, engine: VllmHttpEngine, name: str) -> None:
         self.engine, self.name = engine, name
         self._model: str | None = None
 
@@ -184,14 +187,11 @@ class _HttpClient:
         import aiohttp
 
         if self._model is None:
-            self._model = (await self.engine._http("GET", "/v1/models"))["data"][0]["id"]
+            self._model = await self.engine.served_model()
         body = {"model": self._model, "prompt": prompt_ids, "stream": True, "logprobs": 1,
                 "return_tokens_as_token_ids": True, **params}
-        if self.engine._session is None:
-            self.engine._session = aiohttp.ClientSession()
-        async with self.engine._session.post(self.engine.url + "/v1/completions", json=body,
-                                             headers=getattr(self.engine, "_headers", None) or None,
-                                             timeout=aiohttp.ClientTimeout(total=None)) as r:
+        async with self.engine.session().post(self.engine.url + "/v1/completions", json=body,
+                                              timeout=aiohttp.ClientTimeout(total=None)) as r:
             if r.status >= 400:
                 raise EngineError(self.name, f"/v1/completions -> HTTP {r.status}: {(await r.text())[:300]}")
             async for raw in r.content:

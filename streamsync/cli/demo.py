@@ -50,7 +50,7 @@ def _named_parameters(trainer: Any) -> list[tuple[str, torch.nn.Parameter]]:
 def hf_twin(trainer: Any, model_dir: Path) -> torch.nn.Module:
     """The transformers model the training steps run on: the trainer itself, or for a megatron trainer a twin
     holding the same weights (a megatron-core forward needs CUDA). Kept across steps, so they accumulate."""
-    if hasattr(trainer, "generate"):
+    if isinstance(trainer, torch.nn.Module):
         return trainer
     from transformers import AutoModelForCausalLM
 
@@ -128,7 +128,7 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
     _say("4/7", f"trainer: {what}")
 
     config = json.loads((model_dir / "config.json").read_text())
-    options = {} if hasattr(trainer, "generate") else {"dtype": torch.bfloat16, "hf_config": config}
+    options = {} if isinstance(trainer, torch.nn.Module) else {"dtype": torch.bfloat16, "hf_config": config}
     sync = make_sync([engine], scfg, work, source_options=options)
     twin = hf_twin(trainer, model_dir)
     reports: list[PushReport] = []
@@ -171,7 +171,7 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
 
 async def _hf_state(trainer: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The trainer's HF export (for a megatron trainer, through the converter)."""
-    if hasattr(trainer, "generate"):
+    if isinstance(trainer, torch.nn.Module):
         return dict(trainer.state_dict())
     from ..models.megatron import export_hf_async
 

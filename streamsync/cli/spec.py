@@ -74,10 +74,12 @@ class HfCheckpoint(_Table):
 
 
 class _EngineTable(_Table):
+    name: str | None = None
+
     @property
     def label(self) -> str:
         """The engine's name in reports and errors."""
-        return getattr(self, "name", None) or ""
+        return self.name or ""
 
 
 class ReceiverEngineSpec(_EngineTable):

@@ -28,13 +28,16 @@ import asyncio
 import os
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ..errors import EngineError, ValidationError
 from ..message import UpdateMessage, wire
 from .base import Engine, EngineState
+
+if TYPE_CHECKING:
+    import torch
 
 #: the calls a sender may make on the actor's engine (nothing else is reachable through the mixin)
 CALLS = frozenset({
@@ -255,6 +258,11 @@ class RayVllmEngine(Engine):
 
     async def packed_modules(self) -> dict[str, list[str]]:
         return await self._call("packed_modules")
+
+    async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
+        from ..vllm.extension import expected_digests
+
+        return await self.weight_digests() == expected_digests(hf, await self.packed_modules(), tied=tied)
 
     async def received_digests(self) -> dict[str, str]:
         return await self._call("received_digests")

@@ -6,7 +6,7 @@ import json
 import secrets
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -17,6 +17,9 @@ from ..errors import EngineError
 from ..message import UpdateMessage, wire
 from ..receiver.protocol import HELLO_LINE, REPLY_LINE, proof, same_secret
 from .base import Engine, EngineState
+
+if TYPE_CHECKING:
+    import torch
 
 # --------------------------------------------------------------------------------------------- client
 
@@ -159,6 +162,11 @@ class ReceiverEngine(Engine):
     async def checksums(self, device: bool = False) -> dict[str, str]:
         """Per-tensor checksums of what the receiver holds (`device=True`: computed on its device)."""
         return await self.call("checksums", device=device)
+
+    async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
+        from ..checksum import digests
+
+        return await self.checksums() == digests(hf.items())
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         await self.call("pause")

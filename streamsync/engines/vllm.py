@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ..errors import EngineError
 from ..message import UpdateMessage, wire
 from .base import MIXED, Engine, EngineState, parse_version
+
+if TYPE_CHECKING:
+    import torch
 
 #: seconds a call runs before its engine's liveness is checked, then the interval between checks
 _LIVENESS_S = 1.0
@@ -164,6 +167,12 @@ class _Guarded(Engine):
     async def weight_digests(self) -> dict[str, str]:
         """What the engine computes with, per vLLM parameter (first worker)."""
         return (await self.rpc("streamsync_weight_digests"))[0]
+
+    async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
+        """Compares the worker's parameters (vLLM's fused names) with `hf` fused the same way."""
+        from ..vllm.extension import expected_digests
+
+        return await self.weight_digests() == expected_digests(hf, await self.packed_modules(), tied=tied)
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
         """HF name -> (dtype, shape) of the checkpoint the engine loaded (first worker), or None when the
@@ -339,22 +348,34 @@ class VllmHttpEngine(_Guarded):
     def __init__(self, url: str, *, name: str | None = None, timeout: float = 300.0, device: str = "cpu",
                  api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.name = name or self.url
         self.timeout = timeout
         self.device = device
         self._session: Any = None
 
-    async def _http(self, method: str, path: str, *, json: Any = None, params: dict | None = None) -> Any:
+    def session(self) -> Any:
+        """The aiohttp session of every request to the server (the api key in its headers, `timeout` per
+        request unless a request sets its own), made on first use."""
         import aiohttp
 
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                                  headers=self._headers)
+                                                  headers=self.headers)
+        return self._session
+
+    async def served_model(self) -> str:
+        """The model id the server serves (/v1/models), the `model` of completion requests."""
+        return (await self._http("GET", "/v1/models"))["data"][0]["id"]
+
+    async def _http(self, method: str, path: str, *, json: Any = None, params: dict | None = None) -> Any:
+        import aiohttp
+
+        session = self.session()
 
         async def go() -> Any:
             try:
-                async with self._session.request(method, self.url + path, json=json, params=params) as r:
+                async with session.request(method, self.url + path, json=json, params=params) as r:
                     body = await r.text()
                     if r.status >= 400:
                         raise EngineError(self.name, f"{method} {path} -> HTTP {r.status}: {body[:500]}")
