@@ -15,6 +15,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from ..cache import BoundedCache
 from ..errors import EngineError
 from ..message import UpdateMessage, wire
+from ..plan.shards import Box, EngineLayout, Need
 from ..receiver.protocol import HELLO_LINE, REPLY_LINE, proof, same_secret
 from .base import Engine, EngineState
 
@@ -154,6 +155,14 @@ class ReceiverEngine(Engine):
         """The receiver's fused tensors and their HF members ({name: [[members], shape]}), None if it takes
         HF names only."""
         return await self.call("fused_layout")
+
+    async def layout(self) -> EngineLayout | None:
+        """What the receiver's module holds, where it holds slices (the sliced stand-in); a receiver process
+        is one worker."""
+        held = await self.call("layout")
+        if held is None:
+            return None
+        return EngineLayout(self.name, 1, tuple(Need(self.name, 0, n, Box.from_json(b)) for n, b in held))
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         info = await self.call("weight_info")
