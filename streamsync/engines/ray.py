@@ -38,7 +38,7 @@ from .base import Engine, EngineState
 
 #: the calls a sender may make on the actor's engine (nothing else is reachable through the mixin)
 CALLS = frozenset({
-    "init_transfer", "start_update", "update", "finish_update", "abort_update", "get_version", "state",
+    "locate", "init_transfer", "start_update", "update", "finish_update", "abort_update", "get_version", "state",
     "expected_weights", "reset_cache", "pause", "resume", "weight_digests", "packed_modules",
     "received_digests", "clear_kv_cache", "greedy", "rpc",
 })
@@ -181,6 +181,7 @@ class RayVllmEngine(Engine):
         else:
             self.remote = self.placement == "remote"
         self.device = "cuda" if gpu else "cpu"
+        await self._call("locate")  # the actor's engine learns its vLLM (refused outside the supported range)
 
     # -- calls --------------------------------------------------------------------------------------------
 
@@ -265,8 +266,8 @@ class RayVllmEngine(Engine):
     async def greedy(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
         return await self._call("greedy", list(prompt_ids), max_tokens)
 
-    async def rpc(self, method: str) -> list[Any]:
-        return await self._call("rpc", method)
+    async def rpc(self, method: str, *args: str) -> list[Any]:
+        return await self._call("rpc", method, *args)
 
 
 def _first_line(e: BaseException) -> str:

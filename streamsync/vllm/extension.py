@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..checksum import tensor_digest
-from . import register
+from . import compat, register
 
 register()
 
@@ -159,6 +159,25 @@ class StreamSyncWorkerExtension:
     def streamsync_received_digests(self) -> dict[str, str]:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "received_digests", {}) or {})
+
+    def streamsync_capabilities(self) -> dict[str, Any]:
+        """This worker's vLLM version and what it offers weight sync (`compat.capabilities`): the sender picks
+        its path from this answer, once, at connect."""
+        return compat.capabilities()
+
+    def streamsync_weight_version(self) -> str | None:
+        """The weight version this worker keeps (where vLLM keeps none); None before the backend is built."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return None if engine is None else str(engine.weight_version)
+
+    def streamsync_set_weight_version(self, version: str) -> str:
+        """Set the worker's weight version now (collective_rpc passes it as a string, also over HTTP)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            raise RuntimeError("no streamsync weight-transfer backend in this worker: start the engine with "
+                               "weight_transfer_config={'backend': 'streamsync'}")
+        engine.set_weight_version(str(version))
+        return str(version)
 
     def streamsync_round(self) -> dict[str, object]:
         """The backend's round: open, its owner (claimed by its first chunk) and seconds since it was last
