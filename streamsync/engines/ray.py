@@ -251,8 +251,8 @@ class RayVllmEngine(Engine):
     async def resume(self) -> None:
         await self._call("resume")
 
-    async def weight_digests(self) -> dict[str, str]:
-        return await self._call("weight_digests")
+    async def weight_digests(self, device: bool = False) -> dict[str, str]:
+        return await self._call("weight_digests", device)
 
     async def packed_modules(self) -> dict[str, list[str]]:
         return await self._call("packed_modules")

@@ -228,9 +228,10 @@ class _Guarded(Engine):
     async def state(self) -> EngineState:
         return parse_version(await self._raw_version())
 
-    async def weight_digests(self) -> dict[str, str]:
-        """What the engine computes with, per vLLM parameter (first worker)."""
-        return (await self.rpc("streamsync_weight_digests"))[0]
+    async def weight_digests(self, device: bool = False) -> dict[str, str]:
+        """What the engine computes with, per vLLM parameter (first worker). `device`: digests computed where
+        each tensor lives (`checksum.device_digest`; compare with `expected_digests(..., digest=device_digest)`)."""
+        return (await self.rpc("streamsync_weight_digests", *(["1"] if device else [])))[0]
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
         """HF name -> (dtype, shape) of the checkpoint the engine loaded (first worker), or None when the
