@@ -331,10 +331,10 @@ def loaded_server(model_dir, tmp_path_factory):
 async def test_an_engine_pushed_version_n_generates_exactly_what_one_loaded_from_disk_generates(
         llm, loaded_server, model_dir):
     """Identical greedy tokens and logprobs within the engines' run-to-run spread, on a prompt asked before the
-    push (its prefix cached under the old weights) and two more; and the check decides: an engine holding other
+    push (its prefix cached under the old weights) and another; and the check decides: an engine holding other
     weights fails it."""
     pushed, loaded = VllmEngine(llm, name="llm"), VllmHttpEngine(loaded_server.url, name="loaded")
-    prompts = check_prompts(llm.llm_engine.model_config.hf_config.vocab_size, count=3)
+    prompts = check_prompts(llm.llm_engine.model_config.hf_config.vocab_size, count=2)
     await pushed.greedy(prompts[0], 4)  # cached under whatever the engine held before
     sync = WeightSync([pushed], chunk_bytes=1 << 20)
     await sync.push(trainer_from(model_dir, step=20), version=await _next_version(sync))
@@ -342,7 +342,7 @@ async def test_an_engine_pushed_version_n_generates_exactly_what_one_loaded_from
     assert check.ok, check
     assert check.tokens_equal and check.max_logprob_diff <= check.spread + check.atol and check.caches_reset
     await sync.push(trainer_from(model_dir, step=21))  # other weights: the same check must fail
-    other = await compare_engines(pushed, loaded, prompts)
+    other = await compare_engines(pushed, loaded, prompts[:1], max_tokens=8)
     assert not other.ok and other.first_difference is not None, other
     await sync.close()
     await loaded.close()

@@ -71,10 +71,16 @@ def _hf_trainer(model_dir: str) -> torch.nn.Module:
 
 
 def _megatron_trainer(model_dir: str) -> list[torch.nn.Module]:
+    """A megatron-core GPTModel holding the checkpoint's weights, on the GPU (a world of one, NCCL, as a trainer
+    on a GPU runs; megatron_from_hf keeps a group that exists)."""
+    import torch.distributed as dist
+
     from streamsync.models.megatron import megatron_from_hf
 
-    chunks = megatron_from_hf(model_dir)
-    return [c.cuda() for c in chunks]
+    if not dist.is_initialized():
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    return [c.cuda() for c in megatron_from_hf(model_dir)]
 
 
 async def _hf_export(trainer: Any, model_dir: str) -> dict[str, torch.Tensor]:
