@@ -155,8 +155,8 @@ class _Delta:
 class _AsyncLLMClient:
     """Generation on an in-process `vllm.AsyncLLM`; token versions from its `weight_versions`."""
 
-    def __init__(self, engine: Any, name: str) -> None:
-        self.engine, self.name = engine, name
+    def __init__(self, client: Any, name: str) -> None:
+        self.client, self.engine, self.name = client, client.engine, name
 
     async def stream(self, prompt_ids: list[int], params: dict[str, Any]) -> AsyncIterator[_Delta]:
         import vllm
@@ -171,7 +171,9 @@ class _AsyncLLMClient:
             lps = [c.logprobs[i][t].logprob for i, t in enumerate(new, start=seen)] if c.logprobs else [0.0] * len(new)
             seen = len(ids)
             spans = None
-            if out.finished and c.weight_versions:  # vLLM labels tokens in the final output only
+            # vLLM labels tokens in the final output only, and only where it keeps the version (0.32+); where
+            # the workers keep it (0.25), tokens are labelled by the version live when they arrived
+            if out.finished and self.client.native_versions and c.weight_versions:
                 spans = [(_int_version(w.version), w.start, w.end) for w in c.weight_versions]
             yield _Delta(new, lps, c.finish_reason if out.finished else None, spans)
 
@@ -213,7 +215,7 @@ def _client_for(engine: Engine) -> Any:
     from .engines.vllm import AsyncVllmEngine, VllmHttpEngine
 
     if isinstance(engine, AsyncVllmEngine):
-        return _AsyncLLMClient(engine.engine, engine.name)
+        return _AsyncLLMClient(engine, engine.name)
     if isinstance(engine, VllmHttpEngine):
         return _HttpClient(engine, engine.name)
     raise ValidationError(f"engine {engine.name!r} ({type(engine).__name__}) cannot stream generations: "

@@ -136,6 +136,8 @@ class SyncSpec(_Table):
 
 class CheckSpec(_Table):
     bit_exact: bool = True  # compare the engines' weights with the trainer's after the last push
+    # the embedded default: start a second engine on the pushed weights saved to disk and compare generations
+    loaded_engine: bool = True
 
 
 class Spec(_Table):

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 #: the calls a sender may make on the actor's engine (nothing else is reachable through the mixin)
 CALLS = frozenset({
-    "init_transfer", "start_update", "update", "finish_update", "abort_update", "get_version", "state",
+    "locate", "init_transfer", "start_update", "update", "finish_update", "abort_update", "get_version", "state",
     "expected_weights", "reset_cache", "pause", "resume", "weight_digests", "packed_modules",
     "received_digests", "clear_kv_cache", "greedy", "rpc",
 })
@@ -184,6 +184,7 @@ class RayVllmEngine(Engine):
         else:
             self.remote = self.placement == "remote"
         self.device = "cuda" if gpu else "cpu"
+        await self._call("locate")  # the actor's engine learns its vLLM (refused outside the supported range)
 
     # -- calls --------------------------------------------------------------------------------------------
 
@@ -253,8 +254,8 @@ class RayVllmEngine(Engine):
     async def resume(self) -> None:
         await self._call("resume")
 
-    async def weight_digests(self) -> dict[str, str]:
-        return await self._call("weight_digests")
+    async def weight_digests(self, device: bool = False) -> dict[str, str]:
+        return await self._call("weight_digests", device)
 
     async def packed_modules(self) -> dict[str, list[str]]:
         return await self._call("packed_modules")
@@ -273,8 +274,8 @@ class RayVllmEngine(Engine):
     async def greedy(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
         return await self._call("greedy", list(prompt_ids), max_tokens)
 
-    async def rpc(self, method: str) -> list[Any]:
-        return await self._call("rpc", method)
+    async def rpc(self, method: str, *args: str) -> list[Any]:
+        return await self._call("rpc", method, *args)
 
 
 def _first_line(e: BaseException) -> str:

@@ -99,8 +99,7 @@ def make_tiny_qwen3(cache: str | os.PathLike | None = None, seed: int = 0, **ove
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -114,20 +113,26 @@ def make_tiny_qwen3(cache: str | os.PathLike | None = None, seed: int = 0, **ove
             if p.dim() == 2:
                 p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
     model.save_pretrained(tmp, safe_serialization=True)
+    save_word_tokenizer(tmp, cfg["vocab_size"])
+    tmp.replace(out) if not out.exists() else None
+    return out
+
+
+def save_word_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:
+    """A word-level tokenizer of `vocab_size` ids (<pad> <s> </s> <unk>, `WORDS`, then w4, w5, ...) saved into
+    `folder`, as transformers and vLLM load one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     for w in WORDS:
         vocab.setdefault(w, len(vocab))
-    for i in range(len(vocab), cfg["vocab_size"]):
+    for i in range(len(vocab), vocab_size):
         vocab[f"w{i}"] = i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    from tokenizers import decoders
-
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     )
-    fast.save_pretrained(tmp)
-    tmp.replace(out) if not out.exists() else None
-    return out
+    fast.save_pretrained(str(folder))

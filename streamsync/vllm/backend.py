@@ -6,6 +6,11 @@ repacked into oneDNN copies and the parameters emptied; a plain load_weights wou
 feeds zero-copy views to `model.load_weights`, and closes the chunk before returning, so the return is the
 sender's acknowledgement; `finish_weight_update` finalizes the reload (kernels rebuilt from new weights).
 
+Where vLLM keeps no weight version (0.25.x, `compat.native_weight_version()`), the backend keeps it: every
+chunk carries its push's version, and the finish of a round that ended whole commits it (`weight_version`);
+the sender marks a failed round with `set_weight_version("mixed:N")` before it ends the round, so that
+finish commits nothing. The worker extension reads and sets it.
+
 init_info and update_info are plain dicts wrapped as {"streamsync": {...}} so they cross vLLM's HTTP and
 msgpack layers unchanged; streamsync validates them itself.
 """
@@ -26,6 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..checksum import tensor_digest
 from ..plan.chunking import layer_index
 from ..receiver.state import WeightReceiver
+from . import compat
 
 
 @dataclass
@@ -52,12 +58,31 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
     supports_draft_weight_update = False
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        compat.check_supported()  # the worker dies at load with the version found and the range
         super().__init__(config, vllm_config, device, model)
         install_reload_warning_filter(model)
         self.rx = WeightReceiver(device)
         self.record_digests = False
         self.received_digests: dict[str, str] = {}
         self._reloading = False
+        #: the worker keeps the weight version (vLLM keeps none, or WORKER_VERSIONS_ENV asks for it)
+        self.keeps_version = not compat.native_weight_version()
+        self.weight_version = "default"  # vLLM's own initial version string
+        self._round_version: str | None = None  # the version the open round's chunks carry
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """vLLM 0.25.x declares this trainer-side entry point on every backend class (a class without it cannot
+        be built). streamsync's sending side is a `WeightSync`, which plans, packs and streams the chunks."""
+        raise NotImplementedError(
+            "the streamsync backend is pushed to through streamsync.WeightSync (sync = WeightSync(engines=["
+            "VllmEngine(llm)]); await sync.push(model)), not through WeightTransferEngine.trainer_send_weights")
+
+    def set_weight_version(self, version: str) -> None:
+        """Set the worker's version now (a failed round's "mixed:N" mark, or a client's explicit version); the
+        open round, if any, then commits nothing at its finish."""
+        self.weight_version = str(version)
+        self._round_version = None
 
     def init_transfer_engine(self, init_info: StreamSyncInitInfo) -> None:
         info = dict(init_info.streamsync)
@@ -76,18 +101,22 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         # first update claims it for its sender's owner id and updates of another owner are refused.
         self.rx.start()
         self.received_digests = {}
-        initialize_layerwise_reload(self.model)
+        self._round_version = None
+        with compat.vllm_config_set(self.vllm_config):
+            initialize_layerwise_reload(self.model)
         self._reloading = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes the accelerator unconditionally, which raises on a CPU-only host.
-        self.receive_weights(self.parse_update_info(update_info))
+        info = self.parse_update_info(update_info)
+        if info.streamsync.get("version") is not None:
+            self._round_version = str(info.streamsync["version"])
+        with compat.vllm_config_set(self.vllm_config):
+            self.receive_weights(info)
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: StreamSyncUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
         hold = set(update_info.streamsync.get("hold") or ())
 
         def keep(name: str) -> bool:
@@ -102,7 +131,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             if self.record_digests:
                 weights = list(weights)
                 self.received_digests.update((n, tensor_digest(t)) for n, t in weights)
-            with disable_mtp_completeness_check():
+            with compat.mtp_check_disabled():
                 self.model.load_weights(weights)  # type: ignore[operator]  # nn.Module attribute
 
         self.rx.update(update_info.streamsync, load)
@@ -110,13 +139,17 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
     def finish_weight_update(self) -> None:
         self._finalize()
         self.rx.finish(None)
+        if self.keeps_version and self._round_version is not None and not self.rx.dirty:
+            self.weight_version = self._round_version  # the round ended whole (a cut-short one stays dirty)
+        self._round_version = None
 
     def _finalize(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         self._reloading = False
-        finalize_layerwise_reload(self.model, self.model_config)
-        refresh_shared_kernels(self.model)
+        with compat.vllm_config_set(self.vllm_config):
+            finalize_layerwise_reload(self.model, self.model_config)
+            refresh_shared_kernels(self.model)
 
     def shutdown(self) -> None:
         self.rx.close()
