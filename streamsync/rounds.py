@@ -47,7 +47,8 @@ class EngineGroup:
                     maybe.add(e.name)
                 raise PushError(f"{what}: no reply in {self.timeout:.1f} s", stage=stage, receiver=e.name) from None
             except Exception as err:
-                raise PushError(f"{what}: {err}", stage=stage, receiver=e.name) from err
+                leaf = first_push_error(err) if isinstance(err, ExceptionGroup) else err
+                raise PushError(f"{what}: engine {e.name!r}: {leaf}", stage=stage, receiver=e.name) from err
             except BaseException:
                 if maybe is not None:
                     maybe.add(e.name)

@@ -200,4 +200,34 @@ def run_sharded(rank: int, world_size: int, case: ShardedCase,
     return asdict(res)
 
 
-__all__ = ["EngineShape", "ShardedCase", "ShardedResult", "endpoints", "layouts", "run_sharded", "start_engines"]
+def run_fsdp_single_sender(rank: int, world_size: int, model: TinyModel, port: int, secret: str,
+                           pushes: int = 3) -> dict[str, Any]:
+    """`launch` worker: an FSDP2 model over every rank pushed through a single sender (global rank 0, the
+    default transport) into one plain receiver; the other ranks take part in the gathers. Rank 0 returns
+    whether the receiver held the HF state bit for bit after each push."""
+    import anyio
+
+    from ..checksum import digests
+    from ..engines.receiver import ReceiverEngine
+    from ..sync import WeightSync
+
+    case = ShardedCase("fsdp-single", model, trainer="fsdp2")
+    module, load = _build(case, seed=0)
+    exact: list[bool] = []
+
+    async def main() -> None:
+        engines = [ReceiverEngine("127.0.0.1", port, secret=secret, timeout=60)] if rank == 0 else []
+        async with WeightSync(engines, chunk_bytes=32 << 10, timeout=60) as sync:
+            for i in range(pushes):
+                hf = model.hf_state(seed=i)
+                load(hf)
+                await sync.push(module)
+                if engines:
+                    exact.append(await engines[0].checksums() == digests(hf.items()))
+
+    anyio.run(main)
+    return {"rank": rank, "exact": exact}
+
+
+__all__ = ["EngineShape", "ShardedCase", "ShardedResult", "endpoints", "layouts", "run_fsdp_single_sender",
+           "run_sharded", "start_engines"]

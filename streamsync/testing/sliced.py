@@ -26,7 +26,7 @@ import torch
 from ..checksum import digests
 from ..engines.base import Engine, EngineState
 from ..engines.receiver import ReceiverEngine
-from ..errors import ValidationError
+from ..errors import EngineError, ValidationError
 from ..message import UpdateMessage
 from ..models.synthetic import Spec
 from ..pack import dtype_from_name
@@ -190,11 +190,17 @@ class WorkerGroup(Engine):
 
         async def one(i: int, m: ReceiverEngine) -> None:
             m.owner = self.owner
-            out[i] = await fn(i, m)
+            try:
+                out[i] = await fn(i, m)
+            except Exception as e:  # name the worker: the task group would hide it in an ExceptionGroup
+                raise EngineError(f"engine {self.name!r} worker {i} ({m.name}): {e}") from e
 
-        async with anyio.create_task_group() as tg:
-            for i, m in enumerate(self.members):
-                tg.start_soon(one, i, m)
+        try:
+            async with anyio.create_task_group() as tg:
+                for i, m in enumerate(self.members):
+                    tg.start_soon(one, i, m)
+        except ExceptionGroup as eg:
+            raise eg.exceptions[0] from None
         return out
 
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
