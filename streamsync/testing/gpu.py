@@ -25,7 +25,9 @@ def perturb(model: torch.nn.Module, step: int) -> None:
     torch.manual_seed(step)
     with torch.no_grad():
         for t in model.state_dict().values():
+            if not isinstance(t, torch.Tensor):  # megatron's state dict holds extra states that are None
+                continue
             if t.is_floating_point() and t.element_size() >= 2:
                 t.add_(torch.randn_like(t) * 0.01)
-            elif t.dtype not in (torch.bool,) and not t.is_floating_point():
+            elif t.dtype not in (torch.bool, torch.uint8) and not t.is_floating_point():
                 t.add_(1)

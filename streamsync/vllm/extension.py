@@ -49,7 +49,9 @@ def weight_digests(model: torch.nn.Module,
     `checksum.device_digest` computes each where it lives (no host copy of a large model)."""
     out: dict[str, str] = {}
     with torch.no_grad():
-        for mod_name, mod in model.named_modules():
+        # every name a module is held under: a tied head is the embedding module itself on CUDA, and it is
+        # what the head computes with
+        for mod_name, mod in model.named_modules(remove_duplicate=False):
             head = _probe_head(mod)
             for pname, p in mod.named_parameters(recurse=False):
                 name = f"{mod_name}.{pname}" if mod_name else pname
