@@ -371,12 +371,14 @@ class WeightSync:
         sh = self.shadow
         fresh = sh.prepare(plans)
         why: str | None = None
-        if fresh or sh.held is None:
-            why = "first push" if fresh else "no base: the last push failed, or none was pushed since connect"
-        elif sh.held[0] != self.versions.version:
-            why = f"the sync's version is {self.versions.version}, the shadow's {sh.held[0]}"
+        if fresh:
+            why = "first push"
         elif self.mixed or self.open_rounds:
             why = f"engines {sorted(set(self.mixed) | self.open_rounds)} hold mixed weights"
+        elif sh.held is None:
+            why = "no base: the last push failed, or none was pushed since connect"
+        elif sh.held[0] != self.versions.version:
+            why = f"the sync's version is {self.versions.version}, the shadow's {sh.held[0]}"
         elif self.deltas.full_every and sh.since_full + 1 >= self.deltas.full_every:
             why = f"every {self.deltas.full_every} pushes"
         else:
