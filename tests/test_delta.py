@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from streamsync import PushError, WeightSync
-from streamsync.errors import PushTimeout
 from streamsync.checksum import digests
 from streamsync.delta.codec import PIECES, decode_into, encode, sizes
 from streamsync.engines.receiver import ReceiverEngine
+from streamsync.errors import PushTimeout
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.testing.training import AdamTrainer
 from streamsync.transports.collective import CollectiveTransport
