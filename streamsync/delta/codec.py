@@ -96,7 +96,8 @@ def encode(new: torch.Tensor, base: torch.Tensor) -> Encoded:
     if new.dtype != base.dtype or new.numel() != base.numel() or new.dim() != 1 or base.dim() != 1:
         raise ValidationError(f"delta of {new.dtype}{tuple(new.shape)} against {base.dtype}{tuple(base.shape)}")
     changed = bits(new) != bits(base)
-    k = int(changed.sum())
+    idx = changed.nonzero().view(-1)  # one pass finds and counts them
+    k = idx.numel()
     n = new.numel()
     cost = sizes(n, k, new.element_size())
     enc = min(ENCODINGS, key=lambda e: (cost[e], e != "full"))  # a tie goes to full: nothing to decode
@@ -105,8 +106,7 @@ def encode(new: torch.Tensor, base: torch.Tensor) -> Encoded:
     if enc == "full":
         return Encoded("full", k, [new])
     if enc == "mask":
-        return Encoded("mask", k, [pack_bits(changed), new[changed]])
-    idx = changed.nonzero().view(-1)
+        return Encoded("mask", k, [pack_bits(changed), new[idx]])
     counts = torch.bincount(idx >> 16, minlength=-(-n // BLOCK)).to(torch.int32)
     low = idx & 0xFFFF
     pos = (low - ((low >> 15) << 16)).to(torch.int16)  # 0..65535 as int16's bits
