@@ -4,11 +4,13 @@ The send stage builds each engine's `UpdateMessage` once, from the chunk's plan 
 made for that engine (`ChunkHandle`); transports deliver it and engines serialize it (`wire()`), nobody edits
 it on the way. The wire form is plain data (JSON-able), the `update_info` every receiver validates:
 
-    {"push_id", "version", "chunk", "layout": {...}, "layout_key", "handle": {...}, "owner"?, "hold"?}
+    {"push_id", "version", "chunk", "layout": {...}, "layout_key", "handle": {...}, "owner"?, "hold"?, "delta"?}
 
 `layout` is the packed layout of the bytes the handle names (the plan's, the part of it a transport packs
 when other tensors go by reference, or the engine's own fused layout of either); `layout_key` its digest, by
-which a receiver that parsed the layout before may be sent the key alone (`wire(layout=False)`).
+which a receiver that parsed the layout before may be sent the key alone (`wire(layout=False)`). `delta` marks
+the chunks of a sync that pushes deltas (`streamsync.receiver.base_copy`): keep what a full push loads, or
+apply the chunk's pieces onto the push named as its base.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class UpdateMessage:
     #: names of the chunk's tensors whose decoder layer continues in a later chunk: a receiver must not keep
     #: views of them past its update call (the sender reuses the buffer)
     hold: tuple[str, ...] = ()
+    #: a delta sender's mark: {"chunks", "keep": True} for a full push, {"chunks", "base", "entries"} for a delta
+    delta: Mapping[str, Any] | None = field(default=None, repr=False)
 
     def wire(self, *, layout: bool = True) -> dict[str, Any]:
         """The plain-data form receivers validate; `layout=False` sends the layout by its key only."""
@@ -57,6 +61,8 @@ class UpdateMessage:
             out["owner"] = self.owner
         if self.hold:
             out["hold"] = list(self.hold)
+        if self.delta is not None:
+            out["delta"] = self.delta
         return out
 
 

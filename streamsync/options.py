@@ -81,6 +81,33 @@ class Checks:
 
 
 @dataclass(frozen=True)
+class Deltas:
+    """Delta pushes (docs/delta.md): per tensor, only the elements that changed since the version every engine
+    holds, or the tensor whole, whichever is smaller; engines apply them onto the version they hold.
+
+    delta:        False (default): every push sends every byte. True: deltas through any transport. "auto":
+                  deltas where the transport's link is the bound (`Transport.delta_pays`: the collective
+                  transport, engines on other hosts), none for shared memory and CUDA IPC, where finding the
+                  changes reads as many bytes as the copy they save. The sender then keeps a host copy of the
+                  served model (`PushReport.delta.shadow_bytes`), each engine one of what it last loaded.
+    full_every:   every K-th push is full even when a delta could go (0: only when one must). A full push costs
+                  its whole size once per K pushes; the digests below already catch a wrong base.
+    verify_delta: each tensor a delta makes is checked on the engine against the sender's digest of it before it
+                  is loaded; a mismatch is refused and the sync pushes in full.
+    """
+
+    delta: bool | str = False
+    full_every: int = 32
+    verify_delta: bool = True
+
+    def __post_init__(self) -> None:
+        if self.delta not in (False, True, "auto"):
+            raise ValidationError(f"delta must be False, True or 'auto', got {self.delta!r}")
+        if isinstance(self.full_every, bool) or not isinstance(self.full_every, int) or self.full_every < 0:
+            raise ValidationError(f"full_every must be an integer >= 0, got {self.full_every!r}")
+
+
+@dataclass(frozen=True)
 class Observers:
     """Who sees a push.
 
@@ -116,6 +143,9 @@ class SyncKwargs(TypedDict, total=False):
     engine_layout: bool
     check_finite: bool
     reset_prefix_cache: bool
+    delta: bool | str
+    full_every: int
+    verify_delta: bool
     trace_dir: str | os.PathLike[str] | None
     trace_live: bool | str
     on_chunk: Callable[[ChunkDone], object] | None
@@ -124,10 +154,10 @@ class SyncKwargs(TypedDict, total=False):
     faults: dict[str, int] | None
 
 
-GROUPS: tuple[type, ...] = (PushOptions, Checks, Observers)
+GROUPS: tuple[type, ...] = (PushOptions, Checks, Deltas, Observers)
 
 
-def split_options(options: Mapping[str, Any]) -> tuple[PushOptions, Checks, Observers, dict[str, int]]:
+def split_options(options: Mapping[str, Any]) -> tuple[PushOptions, Checks, Deltas, Observers, dict[str, int]]:
     """The groups the keywords make, and `faults` ({stage: chunk}: an InjectedFault there, for tests)."""
     names = {f.name: g for g in GROUPS for f in fields(g)}
     unknown = sorted(set(options) - set(names) - {"faults"})
@@ -141,7 +171,8 @@ def split_options(options: Mapping[str, Any]) -> tuple[PushOptions, Checks, Obse
             v = {}
         per[names[k]][k] = v
     faults = options.get("faults") or {}
-    return PushOptions(**per[PushOptions]), Checks(**per[Checks]), Observers(**per[Observers]), dict(faults)
+    return (PushOptions(**per[PushOptions]), Checks(**per[Checks]), Deltas(**per[Deltas]), Observers(**per[Observers]),
+            dict(faults))
 
 
 def _positive(v: object) -> bool:

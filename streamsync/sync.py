@@ -16,18 +16,20 @@ from typing import TYPE_CHECKING, Any, Unpack
 import anyio
 
 from . import pipeline
+from .delta import Shadow, refused
+from .delta.push import DeltaPush
 from .engines.base import Engine
 from .errors import EngineError, PushError, PushTimeout, StreamSyncError, ValidationError
 from .log import bound, get_logger, quiet
 from .metrics import Metrics
-from .options import Checks, Observers, PushOptions, SyncKwargs, split_options
+from .options import Checks, Deltas, Observers, PushOptions, SyncKwargs, split_options
 from .pack import Fusion, fusions_from_json
 from .pipeline.messages import Messages
 from .pipeline.stages import first_push_error
 from .plan.check import Expected, check_plan, nonfinite
 from .plan.chunk import ChunkPlan
 from .plan.chunking import split_layers
-from .report import ChunkDone, GiB, MiB, PushReport
+from .report import ChunkDone, DeltaReport, GiB, MiB, PushReport
 from .rounds import EngineGroup, Rounds
 from .sources import Source, as_source
 from .sources.sharded import ShardedSource
@@ -49,8 +51,9 @@ class WeightSync:
                nodes), a registered transport's name ("shm", "cuda_ipc", "collective"), or a Transport instance.
     options:   keywords grouped by what they govern: how a push runs (`PushOptions`: chunk_bytes, max_inflight,
                timeout, abort_timeout, reuse_plan, source_options, engine_layout), what it checks (`Checks`:
-               check_finite, reset_prefix_cache), who sees it (`Observers`: trace_dir, trace_live, on_chunk,
-               on_push, metrics), and `faults` ({stage: chunk}: an InjectedFault there; for tests only).
+               check_finite, reset_prefix_cache), what it sends (`Deltas`: delta, full_every, verify_delta;
+               docs/delta.md), who sees it (`Observers`: trace_dir, trace_live, on_chunk, on_push, metrics),
+               and `faults` ({stage: chunk}: an InjectedFault there; for tests only).
 
     One event loop for the sync's life: engines keep connections bound to the loop `connect` ran in. From
     synchronous code use `BlockingWeightSync`, not `anyio.run(sync.push, ...)` per step.
@@ -61,7 +64,7 @@ class WeightSync:
         names = [e.name for e in engines]
         if len(set(names)) != len(names):
             raise ValidationError(f"engine names must be unique, got {names}")
-        self.options, self.checks, self.observers, self.faults = split_options(options)
+        self.options, self.checks, self.deltas, self.observers, self.faults = split_options(options)
         self.engines = list(engines)
         self._transport_arg = transport
         self.transport: Transport | None = transport if isinstance(transport, Transport) else None
@@ -73,6 +76,9 @@ class WeightSync:
             self.live = LiveViewer(live if isinstance(live, str) else "127.0.0.1:8765",
                                    trace_dir=self.observers.trace_dir)
         self.versions = VersionBook()
+        #: what delta pushes are computed against (empty unless this sync pushes deltas)
+        self.shadow = Shadow()
+        self._delta_on = False  # decided at connect, by `delta` and the transport
         #: this sync's id: receivers refuse a round from another WeightSync while one of ours is open
         self.owner = uuid.uuid4().hex
         self.connected = False
@@ -149,6 +155,11 @@ class WeightSync:
                             tg.start_soon(e.locate)
             if self.transport is None:
                 self.transport = self._make_transport()
+            self._delta_on = self.deltas.delta is True or (self.deltas.delta == "auto" and self.transport.delta_pays)
+            if self._delta_on and self.transport.every_rank:
+                raise ValidationError(f"delta pushes need one sender; transport {self.transport.name!r} sends "
+                                      "every rank's shards: pass delta=False (or 'auto')")
+            self.shadow.held = None  # what engines hold is learned afresh: the first push is full
             if self.engines or self.transport.every_rank:  # every_rank: ranks without engines join too
                 if self.engines:
                     self.log.info("connecting", transport=self.transport.name,
@@ -250,6 +261,12 @@ class WeightSync:
         raise ValidationError(f"cannot choose a transport for engines on {sorted(kinds)}: pass transport=")
 
     @property
+    def delta_on(self) -> bool:
+        """Whether this sync pushes deltas (`delta=True`, or "auto" with a transport where they pay), once
+        connected."""
+        return self._delta_on
+
+    @property
     def viewer_url(self) -> str | None:
         """The live trace viewer's page (with `trace_live`, once connected)."""
         return self.live.url if self.live is not None else None
@@ -337,7 +354,7 @@ class WeightSync:
             push_id = uuid.uuid4().hex[:8]
             assert self.transport is not None
             every_rank = self.transport.every_rank
-            refused: Exception | None = None
+            bad_input: Exception | None = None
             try:
                 source, plans = self.plan(model)
                 if self.engines and not source.is_sender:
@@ -349,14 +366,73 @@ class WeightSync:
             except Exception as e:
                 if not every_rank:
                     raise
-                refused = e
+                bad_input = e
             if every_rank:  # every rank goes ahead, or every rank raises (no rank left waiting for another)
-                await self.transport.before_push(self.timeout, refused)
+                await self.transport.before_push(self.timeout, bad_input)
+            delta = await self._delta_push(source, plans)
             # Ranks without engines log warnings and errors only (STREAMSYNC_LOG_ALL_RANKS=1: all): N ranks
             # repeating the sender's progress lines bury it.
             loud = source.is_sender and (bool(self.engines) or not every_rank)
             with bound(push=push_id, version=v), quiet(not loud and os.environ.get("STREAMSYNC_LOG_ALL_RANKS") != "1"):
-                return await self._push(source, plans, push_id, v, window, time_limit)
+                try:
+                    return await self._push(source, plans, push_id, v, window, time_limit, delta)
+                except PushError as err:
+                    if delta is None or delta.mode != "delta" or not refused(err):
+                        raise
+                    return await self._full_after_refusal(source, plans, v, window, time_limit, err)
+
+    async def _delta_push(self, source: Source, plans: list[ChunkPlan]) -> DeltaPush | None:
+        """This push's delta mode: None (deltas off, or a rank that sends nothing), "full" (every byte; the shadow
+        made anew) or "delta" (against the shadow, which every engine holds whole: the sync's bookkeeping says
+        so and each engine's `delta_base` agrees). From here on the shadow is no base until this push succeeds."""
+        if not self._delta_on or not source.is_sender or not self.engines:
+            return None
+        sh = self.shadow
+        fresh = sh.prepare(plans)
+        why: str | None = None
+        if fresh:
+            why = "first push"
+        elif self.mixed or self.open_rounds:
+            why = f"engines {sorted(set(self.mixed) | self.open_rounds)} hold mixed weights"
+        elif sh.held is None:
+            why = "no base: the last push failed, or none was pushed since connect"
+        elif sh.held[0] != self.versions.version:
+            why = f"the sync's version is {self.versions.version}, the shadow's {sh.held[0]}"
+        elif self.deltas.full_every and sh.since_full + 1 >= self.deltas.full_every:
+            why = f"every {self.deltas.full_every} pushes"
+        else:
+            held = sh.held
+            off: list[str] = []
+
+            async def check(e: Engine) -> None:
+                if await e.delta_base() != held:
+                    off.append(e.name)
+
+            await EngineGroup(self.engines, self.timeout, self.abort_timeout).each("delta_base", check,
+                                                                                    stage="start")
+            if off:
+                why = f"engines {sorted(off)} do not hold version {held[0]} (push {held[1]}) as their base"
+        base, sh.held = sh.held, None
+        if why is not None:
+            get_logger().info("full push of a delta sync", why=why)
+            return DeltaPush(sh, "full", len(plans), why_full=why)
+        return DeltaPush(sh, "delta", len(plans), base=base, verify=self.deltas.verify_delta)
+
+    async def _full_after_refusal(self, source: Source, plans: list[ChunkPlan], version: int, window: int,
+                                  time_limit: float | None, err: PushError) -> PushReport:
+        """An engine refused a delta (another base than the shadow's, or a tensor that did not match its
+        digest): the failed push ended every round as any failed push does; push the same version in full.
+        A collective group whose sequence the failure lost is made anew first."""
+        log = get_logger()
+        log.warning("an engine refused a delta: pushing in full", engine=err.receiver, error=err.message)
+        assert self.transport is not None
+        if self.transport.broken is not None:
+            await self.transport.connect(self.engines, self.timeout)
+        full = DeltaPush(self.shadow, "full", len(plans), why_full=f"refused: {err.message}")
+        report = await self._push(source, plans, uuid.uuid4().hex[:8], version, window, time_limit, full)
+        if report.delta is not None:
+            report.delta = replace(report.delta, fallback=True)
+        return report
 
     async def _check_finite(self, source: Source) -> None:
         bad = await anyio.to_thread.run_sync(nonfinite, list(source.local_tensors()))
@@ -366,7 +442,7 @@ class WeightSync:
                                   "no engine was touched (check_finite=False skips this check)")
 
     async def _push(self, source: Source, plans: list[ChunkPlan], push_id: str, version: int, window: int,
-                    time_limit: float | None) -> PushReport:
+                    time_limit: float | None, delta: DeltaPush | None = None) -> PushReport:
         log = get_logger()
         source.begin_push()
         trace = Trace(push_id)
@@ -383,7 +459,7 @@ class WeightSync:
             plans=plans, trace=trace, messages=self._messages, max_inflight=window, timeout=self.timeout,
             faults=self.faults, hold=self._hold(source, plans), owner=self.owner,
             on_chunk=self._chunk_hook(push_id, version, plans), checked=self._checked,
-            engine_layout=self.engine_layout,
+            engine_layout=self.engine_layout, delta=delta,
         )
         group = EngineGroup(self.engines, self.timeout, self.abort_timeout)
         rounds = Rounds()
@@ -423,12 +499,13 @@ class WeightSync:
         seconds = trace.end()
         self.versions.pushed(job.version, [e.name for e in self.engines])
         total = sum(p.nbytes for p in job.plans)
+        delta = self._delta_done(job, total)
         report = PushReport(
             push_id=job.push_id, version=job.version, seconds=seconds, bytes=total, chunks=len(job.plans),
             stage_seconds=trace.busy_seconds(), peak_bytes_inflight=job.peak_bytes,
             max_chunks_alive=trace.max_alive(), collectives=source.collectives,
             engines=[e.name for e in self.engines], cache_reset=cache_reset, trace=trace,
-            gc_ms=trace.counts.get("gc_us", 0) / 1e3,
+            gc_ms=trace.counts.get("gc_us", 0) / 1e3, delta=delta,
         )
         if isinstance(source, ShardedSource):
             report.path, report.senders = "sharded", source.senders
@@ -440,12 +517,25 @@ class WeightSync:
         trace.count("collectives", source.collectives)
         report.trace_path = self._write_trace(trace)
         log.info("push done", ms=round(seconds * 1e3, 1), mib=round(total / MiB, 1), gbps=round(report.gbps, 2),
-                 chunks=len(job.plans), stage_ms={k: round(v * 1e3, 1) for k, v in report.stage_seconds.items()})
+                 chunks=len(job.plans), stage_ms={k: round(v * 1e3, 1) for k, v in report.stage_seconds.items()},
+                 **({"delta": delta.mode, "sent_mib": round(delta.wire_bytes / MiB, 2)} if delta else {}))
         if self.metrics is not None and source.is_sender:
             self.metrics.observe_push(report)
         if self.observers.on_push is not None:
             _call_hook(self.observers.on_push, report, "on_push")
         return report
+
+    def _delta_done(self, job: pipeline.Push, total: int) -> DeltaReport | None:
+        """A delta sync's push succeeded: every engine holds it whole, so the shadow is the next push's base."""
+        d = job.delta
+        if d is None:
+            return None
+        self.shadow.held = (job.version, job.push_id)
+        self.shadow.since_full = 0 if d.mode == "full" else self.shadow.since_full + 1
+        for k, v in (("wire_bytes", d.wire_bytes), ("changed", d.changed), ("elements", d.elements)):
+            job.trace.count(f"delta.{k}", v)
+        return DeltaReport(d.mode, d.wire_bytes, self.shadow.nbytes, d.why_full, d.base, d.changed, d.elements,
+                           dict(d.encodings))
 
     def _chunk_hook(self, push_id: str, version: int, plans: Sequence[ChunkPlan]) -> Callable[[int, int], None]:
         hook = self.observers.on_chunk
@@ -577,4 +667,4 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-__all__ = ["Checks", "ChunkDone", "Observers", "PushOptions", "PushReport", "WeightSync"]
+__all__ = ["Checks", "ChunkDone", "Deltas", "Observers", "PushOptions", "PushReport", "WeightSync"]

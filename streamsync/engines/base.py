@@ -20,7 +20,8 @@ is open, so two syncs never mix two models under one version.
 
 Capabilities are declared here, never probed: `device`, `remote` and `rendezvous_addr` (where it runs, for
 `transport="auto"`), `workers` (how many receiving processes it has), `fused_layout()` (its own fused tensors),
-`expected_weights()` (what a push must carry), `pause`/`resume` (whether it can freeze generation).
+`expected_weights()` (what a push must carry), `pause`/`resume` (whether it can freeze generation),
+`delta_base()` (the push a delta sent to it must be computed against).
 """
 
 from __future__ import annotations
@@ -129,6 +130,12 @@ class Engine(ABC):
     async def layout(self) -> EngineLayout | None:
         """Which slice of each HF tensor each of the engine's workers holds (`plan.shards`), for sharded
         sending (`transport="p2p"`); None: every worker takes whole tensors."""
+        return None
+
+    async def delta_base(self) -> tuple[int, str] | None:
+        """(version, push id) of the push whose tensors the engine keeps as the base of delta pushes
+        (docs/delta.md), or None: it keeps none, and every push to it sends every byte. Checked before each
+        delta push (the engine checks each delta chunk again and refuses one computed against another base)."""
         return None
 
     async def fused_layout(self) -> dict[str, Any] | None:

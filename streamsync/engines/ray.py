@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 CALLS = frozenset({
     "locate", "init_transfer", "start_update", "update", "finish_update", "abort_update", "get_version", "state",
     "expected_weights", "reset_cache", "pause", "resume", "weight_digests", "packed_modules",
-    "received_digests", "clear_kv_cache", "greedy", "rpc",
+    "received_digests", "clear_kv_cache", "greedy", "rpc", "delta_base",
 })
 PLACEMENTS = ("auto", "local", "remote")
 
@@ -267,6 +267,10 @@ class RayVllmEngine(Engine):
 
     async def received_digests(self) -> dict[str, str]:
         return await self._call("received_digests")
+
+    async def delta_base(self) -> tuple[int, str] | None:
+        held = await self._call("delta_base")
+        return None if held is None else (int(held[0]), str(held[1]))
 
     async def clear_kv_cache(self) -> int:
         return await self._call("clear_kv_cache")

@@ -151,6 +151,10 @@ class ReceiverEngine(Engine):
         st = await self.call("status")
         return EngineState(st["version"], mixed=bool(st.get("mixed")), updating=bool(st["updating"]))
 
+    async def delta_base(self) -> tuple[int, str] | None:
+        held = (await self.call("delta_base"))["held"]
+        return None if held is None else (int(held[0]), str(held[1]))
+
     async def fused_layout(self) -> dict[str, Any] | None:
         """The receiver's fused tensors and their HF members ({name: [[members], shape]}), None if it takes
         HF names only."""

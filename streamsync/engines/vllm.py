@@ -248,6 +248,11 @@ class _Guarded(Engine):
         got = (await self.rpc("streamsync_expected_weights"))[0]
         return None if got is None else {n: (d, tuple(s)) for n, (d, s) in got.items()}
 
+    async def delta_base(self) -> tuple[int, str] | None:
+        """The push every worker keeps as its delta base (None unless all keep the same one)."""
+        held = {None if h is None else (int(h[0]), str(h[1])) for h in await self.rpc("streamsync_delta_base")}
+        return held.pop() if len(held) == 1 else None
+
     async def clear_kv_cache(self) -> int:
         """Reset the prefix cache and zero the KV-cache memory of every worker; returns how many non-finite
         values it held. The recovery after weights holding NaN or inf were served (`check_finite=False`):

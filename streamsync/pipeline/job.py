@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -16,6 +16,7 @@ from ..trace import Trace
 from ..transports.base import SendBuffer, Transport
 
 if TYPE_CHECKING:
+    from ..delta.push import DeltaPush
     from .messages import Messages
 
 
@@ -31,6 +32,10 @@ class Work:
     gathered: object = None
     tensors: Sequence[torch.Tensor] | None = None
     buf: SendBuffer | None = None
+    #: what the chunk sends where that is not its plan (a delta push: the plan of its encoded pieces)
+    wire: ChunkPlan | None = None
+    #: the delta mark of its messages (`UpdateMessage.delta`)
+    delta: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -53,6 +58,7 @@ class Push:
     owner: str | None = None  # the WeightSync's id: every message carries it (receivers refuse others)
     on_chunk: Callable[[int, int], None] | None = None
     engine_layout: bool = True  # engines get chunks in their own fused layout where they declared one
+    delta: DeltaPush | None = None  # a sync that pushes deltas: this push's mode and shadow
     live: dict[int, SendBuffer] = field(default_factory=dict)
     busy: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (chunk, since), for the watchdog
     cut: dict[str, int] = field(default_factory=dict)  # stage -> chunk it was on when an error or cancel hit

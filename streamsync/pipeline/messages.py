@@ -29,8 +29,10 @@ class Messages:
         self._fused: list[BoundedCache[str, _Fused | None]] = [BoundedCache(4096) for _ in self.fusions]
 
     def build(self, push_id: str, version: int, owner: str | None, plan: ChunkPlan, hold: Sequence[str],
-              handles: Sequence[ChunkHandle], *, fuse: bool = True) -> list[UpdateMessage]:
-        """Each engine's message for the chunk; `fuse`: in the engine's fused layout where it has one."""
+              handles: Sequence[ChunkHandle], *, fuse: bool = True,
+              delta: Mapping[str, Any] | None = None) -> list[UpdateMessage]:
+        """Each engine's message for the chunk; `fuse`: in the engine's fused layout where it has one; `delta`:
+        the delta mark every engine's message carries (`UpdateMessage.delta`)."""
         if len(handles) != len(self.fusions):
             raise ValueError(f"{len(handles)} handles for {len(self.fusions)} engines")
         out = []
@@ -42,7 +44,7 @@ class Messages:
             fused = self._fuse(i, layout, key) if fuse else None
             if fused is not None:
                 layout, js, key = fused
-            out.append(UpdateMessage(push_id, version, plan.index, layout, js, key, h.data, owner, tuple(hold)))
+            out.append(UpdateMessage(push_id, version, plan.index, layout, js, key, h.data, owner, tuple(hold), delta))
         return out
 
     def _fuse(self, engine: int, layout: Layout, key: str) -> _Fused | None:

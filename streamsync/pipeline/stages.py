@@ -54,7 +54,8 @@ async def run(push: Push) -> None:
     s_tx, s_rx = anyio.create_memory_object_stream[Work](n)
     transport = push.transport
     assert transport is not None and push.messages is not None
-    transport.begin_push(push.plans, push.source, push.engines)
+    # A delta sync packs every piece: its receivers read a chunk's pieces in layout order.
+    transport.begin_push(push.plans, push.source, push.engines, by_reference=push.delta is None)
     ok = False
     try:
         async with anyio.create_task_group() as tg:
@@ -239,13 +240,17 @@ async def _pack_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out: Me
 
 async def _pack(push: Push, w: Work) -> None:
     assert push.transport is not None and w.tensors is not None
-    buf = push.transport.allocate(w.plan, w.tensors)  # sized once the tensors are known (one copy)
+    plan = w.plan
+    if push.delta is not None:  # a delta sync: the chunk's pieces against the shadow, or the chunk kept in it
+        plan, w.tensors, w.delta = await push.delta.prepare(w.plan, w.tensors)
+        w.wire = plan if plan is not w.plan else None
+    buf = push.transport.allocate(plan, w.tensors)  # sized once the tensors are known (one copy)
     push.live[w.plan.index] = buf
     push.bytes_alive += buf.nbytes
     push.peak_bytes = max(push.peak_bytes, push.bytes_alive)
     push.trace.sample("bytes_alive", push.bytes_alive)
     w.buf = buf
-    await push.transport.pack(buf, w.plan.layout, w.tensors)
+    await push.transport.pack(buf, plan.layout, w.tensors)
     w.tensors = None
 
 
@@ -274,8 +279,10 @@ async def _send(push: Push, w: Work) -> None:
     transport, buf, messages = push.transport, w.buf, push.messages
     assert transport is not None and buf is not None and messages is not None
     handles = transport.handles(buf, len(push.engines))
-    built = messages.build(push.push_id, push.version, push.owner, w.plan, push.hold.get(w.plan.index, ()), handles,
-                           fuse=push.engine_layout and transport.fusable)
+    # A delta sync's engines keep HF-named tensors as their base: its chunks are never fused.
+    built = messages.build(push.push_id, push.version, push.owner, w.wire or w.plan, push.hold.get(w.plan.index, ()),
+                           handles, fuse=push.engine_layout and transport.fusable and push.delta is None,
+                           delta=w.delta)
     push.sent_any = True
     await transport.send(buf, built, [SendLane(e, push.trace, w.plan) for e in push.engines])
 

@@ -40,7 +40,7 @@ from .state import WeightReceiver
 
 
 _OPS = frozenset({"init", "start", "update", "finish", "abort", "version", "status", "fused_layout", "layout",
-                  "weight_info", "checksums", "pause", "resume", "shutdown", "ping", "capture"})
+                  "weight_info", "checksums", "pause", "resume", "shutdown", "ping", "capture", "delta_base"})
 
 
 class ReceiverServer:
@@ -109,11 +109,14 @@ class ReceiverServer:
                                "held": self.rx.graphs_held},
                     "busy_ms": {k: [int(n), round(t * 1e3, 3)] for k, (n, t) in self.busy.items()},
                     "update_split_ms": {k: round(t * 1e3, 3) for k, t in self._split().items()}}
+        elif op == "delta_base":  # the push a delta must be computed against, and the copy's size
+            held = self.rx.base.held
+            return {"held": list(held) if held else None, "bytes": self.rx.base.nbytes}
         elif op == "fused_layout":  # the engine's own layout a sender may convert into (pack.fuse_layout)
             return self.module.fused_layout() if isinstance(self.module, LoadingModule) else None
         elif op == "layout":  # the boxes of HF tensors it holds, for sharded sending (None: whole tensors)
-            held = self.module.layout() if isinstance(self.module, LoadingModule) else None
-            return None if held is None else [[n, b.to_json()] for n, b in held]
+            boxes = self.module.layout() if isinstance(self.module, LoadingModule) else None
+            return None if boxes is None else [[n, b.to_json()] for n, b in boxes]
         elif op == "weight_info":
             expected = self.loader.expected() or {}
             return {n: [d, list(s)] for n, (d, s) in expected.items()}

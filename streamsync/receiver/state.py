@@ -8,6 +8,10 @@ acknowledgement the sender waits for.
 Tensors larger than the sender's chunk budget arrive as row parts in consecutive chunks; the receiver copies
 each part into a staging tensor and hands the loader the whole tensor once its last row arrived (so every
 receiver, vLLM's included, loads whole tensors, bit for bit what the sender holds).
+
+Delta pushes (docs/delta.md): chunks marked `delta` are applied onto `base`, the receiver's host copy of what it
+last loaded (`BaseCopy`), and the loader gets the whole tensors they make, so deltas load through the same
+loader as full pushes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ..log import get_logger
 from ..pack import Layout, TensorMeta
 from ..transports.base import Receiver, make_receiver
 from . import kernels
+from .base_copy import BaseCopy, parse_delta
 from .loaders import FunctionLoader, Loader, Weights
 
 
@@ -98,6 +103,8 @@ class WeightReceiver:
         self.owner: str | None = None
         self.stale_after: float | None = None
         self._touched = 0.0
+        #: what deltas apply onto (kept only for senders that push deltas)
+        self.base = BaseCopy()
 
     @property
     def clean_version(self) -> int | None:
@@ -140,6 +147,7 @@ class WeightReceiver:
         self._touched = time.monotonic()
         self.chunks = self.bytes = 0
         self._staged.clear()
+        self.base.begin_round()
 
     def update(self, update_info: dict[str, Any], load: Loader | Callable[[Weights], Any]) -> int:
         """Receive one chunk and load it (a plain callable is a loader of the vLLM model protocol)."""
@@ -153,18 +161,24 @@ class WeightReceiver:
         if self.transport is None:
             raise ValidationError("update before init: call init_transfer first")
         layout = self._layout(update_info)
+        delta = parse_delta(update_info)
         opened = self.transport.open(update_info, layout.nbytes)
         t0 = time.perf_counter()
-        with opened as buf:
+        with opened as buf:  # a refused delta is refused with its bytes received: a collective stays in step
             t1 = time.perf_counter()
             refs = self.transport.ref_views(update_info)
             t2 = time.perf_counter()
+            self.base.note(update_info, delta)  # a delta onto another base than the one held: refused here
             self.dirty = True
             if buf.numel() < layout.nbytes:
                 raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
             views: Iterable[tuple[str, torch.Tensor]] = self.transport.views(buf, layout)
             views, metas, parts = self._join(layout, views, refs, loader)
-            if parts:
+            if delta is not None and "base" in delta:
+                loader.load(self.base.apply(views, delta))
+            elif delta is not None:  # a full push of a delta sender: keep what is loaded
+                loader.load(self.base.tee(self._assemble(views, metas) if parts else views))
+            elif parts:
                 loader.load(self._assemble(views, metas))
             else:
                 self._load(loader, views, layout, buf, update_info)
@@ -324,6 +338,7 @@ class WeightReceiver:
         self.updating = False
         self.dirty = False
         self.version = None if version is None else int(version)
+        self.base.end_round(finished=True)
         if self.transport is not None:
             self.transport.end_round()
         self._rounds += 1
@@ -349,6 +364,8 @@ class WeightReceiver:
             self._check_owner(owner, "abort")
         if self.updating and self.transport is not None:
             self.transport.end_round()
+        if self.updating:
+            self.base.end_round(finished=False)
         self.updating = False
         self._staged.clear()
 

@@ -129,6 +129,7 @@ class Case:
     pushes: int = 1
     every_rank_sends: bool = False  # each rank pushes into its own receiver (`receivers[f"{name}@{rank}"]`)
     blocking: bool = False  # push through BlockingWeightSync from plain Python (no anyio.run) on every rank
+    delta: bool = False  # WeightSync(delta=True); each step then changes about 1 % of the elements (`small_step`)
 
 
 @dataclass
@@ -149,6 +150,8 @@ class CaseResult:
     plan: list[list[tuple[str, str, int, bool, bool]]] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     is_sender: bool = False
+    delta_modes: list[str | None] = field(default_factory=list)  # per push: "full" / "delta" (None: deltas off)
+    wire_bytes: list[int] = field(default_factory=list)          # per push, sender only
 
 
 def run_cases(rank: int, world_size: int, cases: Sequence[Case],
@@ -186,6 +189,8 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case],
         def record(i: int, report: PushReport, source: MegatronSource, case: Case = case,
                    res: CaseResult = res) -> None:
             res.collectives.append(report.collectives)
+            res.delta_modes.append(report.delta.mode if report.delta is not None else None)
+            res.wire_bytes.append(report.delta.wire_bytes if report.delta is not None else report.bytes)
             res.setup_collectives.append(source.setup_collectives)
             res.seconds.append(report.seconds)
             if i == 0:
@@ -200,10 +205,15 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case],
                               source.table[k].expert, source.table[k].tp is not None) for k in p.keys]
                             for p in source.plan(case.chunk_bytes)]
 
-        def step(i: int, case: Case = case, model: list = model) -> dict[str, torch.Tensor]:
-            """A training step: new weights, so a push that skipped a tensor would show."""
-            hf = case.model.hf_state(seed=case.seed + 1000 * i)
+        last = {"hf": hf}
+
+        def step(i: int, case: Case = case, model: list = model, last: dict = last) -> dict[str, torch.Tensor]:
+            """A training step: new weights, so a push that skipped a tensor would show (a delta case: about 1 %
+            of every tensor's elements move, as an optimizer step moves bf16 weights)."""
+            hf = (small_step(last["hf"], seed=case.seed + i) if case.delta
+                  else case.model.hf_state(seed=case.seed + 1000 * i))
             load_hf_weights(model, hf)
+            last["hf"] = hf
             return hf
 
         def check(got: dict[str, str], hf: dict[str, torch.Tensor], res: CaseResult = res) -> None:
@@ -213,7 +223,8 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case],
 
         async def main(case: Case = case, model: list = model, hf: dict[str, torch.Tensor] = hf,
                        engines: list = engines, options: dict = options) -> dict[str, torch.Tensor]:
-            sync = WeightSync(engines, chunk_bytes=case.chunk_bytes, timeout=60, source_options=options)
+            sync = WeightSync(engines, chunk_bytes=case.chunk_bytes, timeout=60, source_options=options,
+                              delta=case.delta)
             for i in range(case.pushes):
                 # first push: an explicit MegatronSource (to read its counters); later ones: the model itself,
                 # as trainers call it (as_source -> MegatronSource, metadata from the cache)
@@ -249,6 +260,19 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case],
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
+    return out
+
+
+def small_step(hf: Mapping[str, torch.Tensor], seed: int, fraction: float = 0.01) -> dict[str, torch.Tensor]:
+    """`hf` with about `fraction` of every floating tensor's elements scaled by 1.01 (a new bf16 value)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, t in hf.items():
+        t = t.clone()
+        if t.is_floating_point():
+            m = torch.rand(t.shape, generator=gen) < fraction
+            t[m] = (t[m].float() * 1.01 + 1e-3).to(t.dtype)
+        out[n] = t
     return out
 
 

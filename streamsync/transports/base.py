@@ -62,7 +62,8 @@ class Transport(ABC):
     """Sending half. One instance serves one `WeightSync` (all its engines).
 
     Subclasses call `super().__init__()`. Capabilities are declared here, never probed: `reaches` (which
-    engines `transport="auto"` gives it) and `ref_chunk_bytes` (whether tensors may go by reference)."""
+    engines `transport="auto"` gives it), `ref_chunk_bytes` (whether tensors may go by reference), `delta_pays`
+    (whether `delta="auto"` pushes deltas through it) and `broken` (whether it must connect again)."""
 
     name: ClassVar[str]
     #: the engines this transport reaches: "cpu" / "cuda" engines on the sender's own host (shared memory,
@@ -74,6 +75,10 @@ class Transport(ABC):
     #: an engine's fused layout (`Engine.fused_layout`) may rename the chunk's tensors in its messages; False
     #: where the transport's own per-engine layouts are what receivers assemble (sharded sending)
     fusable: ClassVar[bool] = True
+    #: sending only the changed elements saves time here: the bytes cross a link slower than the host's memory
+    #: (a collective to other hosts). False where a receiver reads the sender's memory (shared memory, CUDA
+    #: IPC): finding the changes reads as many bytes as the copy they save (docs/delta.md)
+    delta_pays: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -160,6 +165,12 @@ class Transport(ABC):
 
     def end_push(self, ok: bool) -> None:  # noqa: B027 - optional hook
         """The push ended, every buffer freed; `ok`: every engine acknowledged every chunk."""
+
+    @property
+    def broken(self) -> str | None:
+        """Why this transport cannot carry another push until it is connected again (a collective group whose
+        sequence a failed push lost), or None."""
+        return None
 
     def push_counts(self) -> Mapping[str, float]:
         """What this transport counted during the last push (tensors referenced and packed, exports, captured

@@ -35,6 +35,7 @@ class MixedTransport(Transport):
 
     name: ClassVar[str] = "mixed"
     reaches: ClassVar[Literal["cpu", "cuda", "remote"]] = "remote"
+    delta_pays: ClassVar[bool] = True  # one payload serves both halves: the remote link is the bound
 
     def __init__(self, local: Transport, remote: CollectiveTransport) -> None:
         super().__init__()
@@ -43,6 +44,10 @@ class MixedTransport(Transport):
         remote.order_on_host()  # see the module doc: the pack was not queued by the collective itself
         self._near: list[int] = []  # engine indices of this push, by half
         self._far: list[int] = []
+
+    @property
+    def broken(self) -> str | None:
+        return self.remote.broken
 
     @property
     def ref_chunk_bytes(self) -> int | None:

@@ -185,6 +185,12 @@ class StreamSyncWorkerExtension:
         engine.set_weight_version(str(version))
         return str(version)
 
+    def streamsync_delta_base(self) -> list[object] | None:
+        """The push whose tensors this worker keeps as the base of delta pushes: [version, push id], or None."""
+        rx = getattr(getattr(self, "weight_transfer_engine", None), "rx", None)
+        held = rx.base.held if rx is not None else None
+        return list(held) if held is not None else None
+
     def streamsync_round(self) -> dict[str, object]:
         """The backend's round: open, its owner (claimed by its first chunk) and seconds since it was last
         touched, so a client refused by vLLM's "already active" can tell an abandoned round from a live one."""

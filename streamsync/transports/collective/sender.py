@@ -51,6 +51,7 @@ class CollectiveTransport(Transport):
 
     name: ClassVar[str] = "collective"
     reaches: ClassVar[Literal["cpu", "cuda", "remote"]] = "remote"
+    delta_pays: ClassVar[bool] = True
 
     def __init__(self, backend: str = "auto", *, master_addr: str = "127.0.0.1", master_port: int = 0,
                  device: torch.device | str | None = None, keep_pool: bool = True,

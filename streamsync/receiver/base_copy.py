@@ -1,0 +1,169 @@
+"""`BaseCopy`: the tensors a receiver last loaded, kept on the host as the base that delta chunks apply onto.
+
+A sender that pushes deltas marks every chunk of a push (the message's `delta` field, docs/delta.md):
+
+    {"chunks": n, "keep": true}                       a full push: keep a copy of every tensor loaded
+    {"chunks": n, "base": [version, push id],         a delta: per HF tensor its encoding and pieces, applied
+     "entries": [[name, dtype, shape, part, enc,      onto the copy, then handed to the loader whole
+                  changed, digest], ...]}
+
+Rules. A delta applies only onto the exact push it was computed against: `held`, the (version, push id) of the
+last round that carried every chunk of its push, must equal the delta's `base`, or the chunk is refused
+(`DeltaRefused`) before anything of it is applied. A round that changed the copy and did not carry its whole
+push (a failed or cancelled one) leaves no base, so the next delta is refused and the sender pushes in full.
+Each tensor made from a delta is checked against the sender's digest of it before the loader sees it. A push
+without the field (its sender pushes no deltas) drops the copy and its memory.
+
+The loader gets whole HF tensors either way, as from a full push: the copy's own tensors (valid until the
+next round changes them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..delta.codec import PIECES, DeltaRefused, check_digest, decode_into
+from ..errors import ValidationError
+from ..pack import dtype_from_name
+
+Entry = tuple[str, torch.dtype, tuple[int, ...], tuple[int, int] | None, str, int, str]
+
+
+def parse_delta(update_info: Mapping[str, Any]) -> dict[str, Any] | None:
+    """An update's `delta` field, checked (None: a push without deltas)."""
+    d = update_info.get("delta")
+    if d is None:
+        return None
+    if not isinstance(d, dict) or type(d.get("chunks")) is not int or d["chunks"] < 1:
+        raise ValidationError(f"malformed delta field {d!r:.200}: needs 'chunks' >= 1")
+    if d.get("keep") is True:
+        return d
+    base = d.get("base")
+    if not (isinstance(base, list) and len(base) == 2 and type(base[0]) is int and isinstance(base[1], str)):
+        raise ValidationError(f"malformed delta base {base!r:.80}: needs [version, push id]")
+    if not isinstance(d.get("entries"), list):
+        raise ValidationError("malformed delta field: no 'entries' list")
+    return d
+
+
+def _entry(raw: object) -> Entry:
+    try:
+        f: Any = list(raw)  # type: ignore[call-overload]
+        if len(f) != 7:
+            raise ValueError(f"{len(f)} fields")
+        part = f[3]
+        out: Entry = (str(f[0]), dtype_from_name(str(f[1])), tuple(int(x) for x in f[2]),
+                      None if part is None else (int(part[0]), int(part[1])), str(f[4]), int(f[5]), str(f[6]))
+    except (TypeError, ValueError) as e:
+        raise ValidationError(f"malformed delta entry {raw!r:.200}: {e}") from None
+    if out[4] not in PIECES or out[5] < 0:
+        raise ValidationError(f"delta entry {out[0]!r}: unknown encoding {out[4]!r:.20} or negative count")
+    return out
+
+
+class BaseCopy:
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        #: (version, push id) of the push the copy holds whole; None: no base
+        self.held: tuple[int, str] | None = None
+        self._round: tuple[int, str] | None = None
+        self._chunks: int | None = None
+        self._seen: set[int] = set()
+        self._touched = False
+        self._plain = False
+        self._rows: dict[str, int] = {}  # rows of a split tensor patched so far this round
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def begin_round(self) -> None:
+        self._round, self._chunks, self._seen = None, None, set()
+        self._touched = self._plain = False
+        self._rows = {}
+
+    def note(self, update_info: Mapping[str, Any], delta: dict[str, Any] | None) -> None:
+        """A chunk of this round arrived (before it is applied); a delta chunk must name the base held here."""
+        if delta is None:
+            self._plain = True
+            return
+        push = (update_info.get("version"), update_info.get("push_id"))
+        if type(push[0]) is not int or not isinstance(push[1], str):
+            raise ValidationError("a delta-marked update needs an int version and a push_id")
+        if self._round is not None and push != self._round:
+            raise ValidationError(f"chunk of push {push[1]} in a round of push {self._round[1]}")
+        if "base" in delta:
+            base = (delta["base"][0], delta["base"][1])
+            if base != self.held:
+                have = "no base" if self.held is None else f"version {self.held[0]} (push {self.held[1]})"
+                raise DeltaRefused(f"the delta applies onto version {base[0]} (push {base[1]}), this receiver "
+                                   f"holds {have}")
+        self._round = (int(push[0]), str(push[1]))
+        self._chunks = delta["chunks"]
+        chunk = update_info.get("chunk")
+        if type(chunk) is int:
+            self._seen.add(chunk)
+
+    def tee(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """`weights` (whole tensors of a full push), each copied into the base on its way to the loader."""
+        self._touched = True
+        for name, t in weights:
+            have = self.tensors.get(name)
+            if have is None or have.dtype != t.dtype or have.shape != t.shape:
+                have = self.tensors[name] = torch.empty(t.shape, dtype=t.dtype)
+            have.copy_(t)
+            yield name, t
+
+    def apply(self, views: Iterable[tuple[str, torch.Tensor]], delta: dict[str, Any], *,
+              verify: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """Apply a delta chunk onto the copy; the whole tensors it completes, for the loader. Every entry and
+        piece is checked before anything is written; each tensor's digest after it was patched."""
+        it = iter(views)
+        plan: list[tuple[Entry, dict[str, torch.Tensor], torch.Tensor]] = []
+        for raw in delta["entries"]:
+            e = _entry(raw)
+            name, dtype, shape, part, enc = e[:5]
+            pieces: dict[str, torch.Tensor] = {}
+            for piece in PIECES[enc]:
+                got = next(it, None)
+                if got is None or got[0] != f"{name}#{piece}":
+                    raise ValidationError(f"delta entry {name!r}: piece {piece!r} missing from the chunk")
+                pieces[piece] = got[1].reshape(-1)
+            base = self.tensors.get(name)
+            full = shape if part is None else (part[1], *shape[1:])
+            if base is None or base.dtype != dtype or tuple(base.shape) != full:
+                raise DeltaRefused(f"tensor {name!r}: no base of {dtype}{full} held here")
+            rows = base if part is None else base[part[0]:part[0] + shape[0]]
+            if part is not None and (not shape or part[0] + shape[0] > part[1]):
+                raise ValidationError(f"delta entry {name!r}: part {list(part)} outside the tensor")
+            plan.append((e, pieces, rows))
+        if next(it, None) is not None:
+            raise ValidationError("delta chunk carries pieces no entry names")
+        out: list[tuple[str, torch.Tensor]] = []
+        self._touched = True
+        for (name, _, shape, part, enc, changed, dig), pieces, rows in plan:
+            decode_into(rows.view(-1), enc, changed, pieces)
+            if verify and dig:
+                check_digest(rows.view(shape), dig, name)
+            if part is None:
+                out.append((name, self.tensors[name]))
+                continue
+            done = self._rows.get(name, 0) + shape[0]
+            self._rows[name] = done
+            if done == part[1]:
+                out.append((name, self.tensors[name]))
+        return out
+
+    def end_round(self, finished: bool) -> None:
+        """The round ended (`finished`: not an abort). The copy holds the round's push only if every chunk of it
+        arrived; a round that changed the copy otherwise leaves no base; one without deltas drops the copy."""
+        if self._plain:
+            self.tensors, self.held = {}, None
+        elif finished and self._round is not None and self._chunks is not None and len(self._seen) == self._chunks:
+            self.held = self._round
+        elif self._touched:
+            self.held = None
+        self.begin_round()
