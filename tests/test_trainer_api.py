@@ -46,3 +46,84 @@ async def test_connect_to_an_unreachable_server_is_one_engine_error_with_its_ses
     assert not isinstance(info.value, BaseExceptionGroup)
     assert engine._session is None or engine._session.closed  # no "Unclosed client session" at exit
     assert not sync.connected
+
+
+# ------------------------------------------------------------------------------- what push accepts
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A receiver holding a small Qwen3-shaped bf16 model, and a trainer module holding the same names."""
+    specs = qwen3_specs(vocab=128, **SHAPE)
+    with ReceiverProcess(str(save_specs(specs, tmp_path / "served.json"))) as rp:
+        yield rp, StateModule(specs, fill="random", seed=5)
+
+
+def _wrapped(kind, module):
+    import torch
+    import torch.distributed as dist
+
+    if kind == "state dict":
+        return module.state_dict()
+    if kind == "pairs":
+        return iter(list(module.state_dict().items()))  # an iterator, as vLLM's load_weights takes
+    if kind == "compiled":
+        return torch.compile(module)
+    if kind == "ddp":
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        module.requires_grad_(True)  # DDP wraps a model that trains
+        return torch.nn.parallel.DistributedDataParallel(module)
+    return torch.nn.DataParallel(torch.compile(module))  # wrappers nest
+
+
+@pytest.mark.parametrize("kind", ["state dict", "pairs", "compiled", "ddp", "nested"])
+async def test_push_takes_state_dicts_pairs_and_wrapped_modules_bit_exact(served, kind):
+    from streamsync.checksum import digests
+
+    rp, module = served
+    engine = rp.engine()
+    async with WeightSync([engine], metrics=None) as sync:
+        report = await sync.push(_wrapped(kind, module))
+        assert report.bytes > 0
+        assert await engine.checksums() == digests(module.state_dict().items())
+
+
+async def test_a_dtype_mismatch_names_the_option_and_a_dtype_name_fixes_it(served):
+    import torch
+
+    from streamsync.checksum import digests
+
+    rp, module = served
+    fp32 = {k: v.float() for k, v in module.state_dict().items()}  # an fp32 trainer, a bf16 engine
+    engine = rp.engine()
+    async with WeightSync([engine], metrics=None) as sync:
+        with pytest.raises(ValidationError, match=r"source_options=\{'dtype': 'bfloat16'\}"):
+            await sync.push(fp32)
+    async with WeightSync([engine], metrics=None, source_options={"dtype": "bfloat16"}) as sync:
+        await sync.push(fp32)
+        assert await engine.checksums() == digests((k, v.to(torch.bfloat16)) for k, v in fp32.items())
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"dtype": "bfloat17"}, r"dtype must be a torch dtype or its name.*bfloat17"),
+    ({"dtype": 16}, r"dtype must be a torch dtype or its name"),
+])
+async def test_a_bad_dtype_option_is_refused_naming_it(served, bad, match):
+    rp, module = served
+    async with WeightSync([rp.engine()], metrics=None, source_options=bad) as sync:
+        with pytest.raises(ValidationError, match=match):
+            await sync.push(module)
+
+
+async def test_what_push_cannot_take_is_named(served):
+    import torch
+
+    rp, _ = served
+    async with WeightSync([rp.engine()], metrics=None) as sync:
+        with pytest.raises(TypeError, match=r"cannot push a int: expected a torch.nn.Module .* state dict"):
+            await sync.push(3)
+        with pytest.raises(ValidationError, match=r"maps names to tensors; got 'w' -> int"):
+            await sync.push({"w": 1})
+        with pytest.raises(ValidationError, match=r"tensor 'w' is given twice"):
+            await sync.push([("w", torch.zeros(2)), ("w", torch.ones(2))])

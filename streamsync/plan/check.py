@@ -85,12 +85,15 @@ def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected], *, 
             seen.setdefault(s.name, p.index)
     for engine, holds in expected.items():
         problems = []
+        cast_to = None  # the engine's dtype where only dtypes differ
         for p in plans:
             for s in p.specs:
                 exp = holds.get(s.name)
                 if exp is None:
                     problems.append(f"unknown parameter {s.name!r} (chunk {p.index})")
                 elif exp != (dtype_name(s.dtype), s.full_shape):
+                    if exp[0] != dtype_name(s.dtype) and tuple(exp[1]) == tuple(s.full_shape) and cast_to is None:
+                        cast_to = exp[0]
                     problems.append(f"parameter {s.name!r} (chunk {p.index}) is {dtype_name(s.dtype)}"
                                     f"{s.full_shape}, engine holds {exp[0]}{exp[1]}")
         missing = sorted(set(holds) - set(seen))
@@ -98,5 +101,8 @@ def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected], *, 
             problems.append(f"{len(missing)} parameter(s) missing from the push, e.g. {missing[:3]}")
         if problems:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            cast = (f"; to cast while pushing, pass source_options={{'dtype': '{cast_to}'}} to WeightSync (a torch "
+                    "dtype or its name)") if cast_to else ""
             raise ValidationError(f"model does not match engine {engine!r}: " + "; ".join(problems[:5]) + more
-                                  + vocab_hint(plans, holds))
+                                  + cast + vocab_hint(plans, holds))
+

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import anyio
 import torch
@@ -49,7 +50,7 @@ class ModuleSource(Source):
     own piece (`shards`).
     """
 
-    def __init__(self, module: torch.nn.Module, *, dtype: torch.dtype | None = None,
+    def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor], *, dtype: torch.dtype | None = None,
                  include_tied: bool = False) -> None:
         self.module = module
         self.dtype = dtype
@@ -58,7 +59,8 @@ class ModuleSource(Source):
         seen: dict[tuple[int, int], str] = {}
         # Parameter objects are kept (detached at gather), so a later `param.data = ...` is still seen when
         # WeightSync reuses this source for the next push.
-        for name, t in module.state_dict(keep_vars=True).items():
+        state: Mapping[str, Any] = module.state_dict(keep_vars=True) if isinstance(module, torch.nn.Module) else module
+        for name, t in state.items():
             if t.device.type == "meta":
                 raise ValidationError(f"parameter {name!r} is on the meta device: it holds no data to send")
             dtype_name(t.dtype)  # unsupported dtypes fail here, before any byte moves
