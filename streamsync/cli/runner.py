@@ -25,6 +25,7 @@ from typing import Any
 
 import anyio
 
+from ..engines.base import Engine
 from ..errors import StreamSyncError
 from ..log import get_logger
 from ..report import PushReport
@@ -65,19 +66,10 @@ async def run_spec_async(spec: Spec, work: Path) -> list[PushReport]:
     return reports
 
 
-async def _bit_exact(engine: Any, model: Any) -> bool | None:
+async def _bit_exact(engine: Engine, model: Any) -> bool | None:
     """Whether `engine` holds `model`'s weights bit for bit (None: it cannot say)."""
-    state = model.state_dict()
-    if hasattr(engine, "checksums"):  # a receiver process: HF names as pushed
-        from ..checksum import digests
-
-        return await engine.checksums() == digests(state.items())
-    if hasattr(engine, "weight_digests"):  # a vLLM engine: its fused parameters, read back from the worker
-        from ..vllm.extension import expected_digests
-
-        tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-        return await engine.weight_digests() == expected_digests(state, await engine.packed_modules(), tied=tied)
-    return None
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))  # an HF model's config
+    return await engine.holds(model.state_dict(), tied=tied)
 
 
 def run_spec(path: Path, json_path: Path | None = None, overrides: list[str] | None = None) -> int:

@@ -74,10 +74,12 @@ class HfCheckpoint(_Table):
 
 
 class _EngineTable(_Table):
+    name: str | None = None
+
     @property
     def label(self) -> str:
         """The engine's name in reports and errors."""
-        return getattr(self, "name", None) or ""
+        return self.name or ""
 
 
 class ReceiverEngineSpec(_EngineTable):
@@ -134,6 +136,8 @@ class SyncSpec(_Table):
 
 class CheckSpec(_Table):
     bit_exact: bool = True  # compare the engines' weights with the trainer's after the last push
+    # the embedded default: start a second engine on the pushed weights saved to disk and compare generations
+    loaded_engine: bool = True
 
 
 class Spec(_Table):

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..plan.shards import Box
+
 Shape = tuple[int, ...]
 
 
@@ -121,6 +123,20 @@ class Mapping:
         """HF tensors -> the full Megatron tensor (`shape`: the Megatron shape, where it is not implied)."""
         return hf[0]
 
+    def shard_parts(self, local: Shape, dims: Dims, size: int, rank: int) -> list[Part]:
+        """What tensor-parallel rank `rank` of `size` holds of each HF tensor, from its local shard's shape
+        `local`: (HF tensor index, box in the HF tensor, box in the local shard), no data needed. The boxes
+        of every rank together cover each HF tensor once (replicated parameters: every rank holds it all)."""
+        full = list(local)
+        if self.tp is not None and size > 1:
+            full[self.tp.dim] *= size
+        hf = self.hf_shapes(tuple(full), dims)[0]
+        if self.tp is None or size == 1:
+            return [Part(0, _box(hf), _box(local))]
+        if self.tp.stride != 1:
+            raise ValueError(f"{self.megatron}: stride {self.tp.stride} is not a plain split")
+        return [Part(0, _box(hf, self.tp.dim, rank * local[self.tp.dim], local[self.tp.dim]), _box(local))]
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.megatron!r} -> {', '.join(map(repr, self.hf))}, tp={self.tp})"
 
@@ -160,6 +176,15 @@ class Vocab(Rename):
 
     def to_hf(self, t: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
         return [t[: dims.vocab_size]]
+
+    def shard_parts(self, local: Shape, dims: Dims, size: int, rank: int) -> list[Part]:
+        # Rank r holds padded rows [r * n, (r + 1) * n); the HF tensor only the first `vocab_size` of them.
+        n = local[0]
+        a, b = rank * n, min((rank + 1) * n, dims.vocab_size)
+        if b <= a:
+            return []  # only padding rows here
+        hf = (dims.vocab_size, *local[1:])
+        return [Part(0, _box(hf, 0, a, b - a), _box(local, 0, 0, b - a))]
 
     def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
         t = hf[0]
@@ -203,6 +228,22 @@ class QKV(Mapping):
         hd, g, hpg = dims.head_dim, dims.num_query_groups, dims.heads_per_group
         return list(t.reshape(g, (hpg + 2) * hd, *rest).split([hpg * hd, hd, hd], dim=1))
 
+    def shard_parts(self, local: Shape, dims: Dims, size: int, rank: int) -> list[Part]:
+        # The shard holds whole query groups, each laid out [q heads; k; v]: three boxes per group.
+        rest = tuple(local[1:])
+        hd, g, hpg = dims.head_dim, dims.num_query_groups, dims.heads_per_group
+        per = (hpg + 2) * hd
+        if local[0] % per or (local[0] // per) * size != g:
+            raise ValueError(f"{self.megatron}: a shard of {local[0]} rows is not {g // size} whole query groups")
+        shapes = self.hf_shapes((g * per, *rest), dims)
+        out = []
+        for j in range(local[0] // per):
+            grp, base = rank * (g // size) + j, j * per
+            out += [Part(0, _box(shapes[0], 0, grp * hpg * hd, hpg * hd), _box(local, 0, base, hpg * hd)),
+                    Part(1, _box(shapes[1], 0, grp * hd, hd), _box(local, 0, base + hpg * hd, hd)),
+                    Part(2, _box(shapes[2], 0, grp * hd, hd), _box(local, 0, base + (hpg + 1) * hd, hd))]
+        return out
+
     def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
         q, k, v = hf
         rest = tuple(q.shape[1:])
@@ -232,9 +273,31 @@ class GatedMLP(Mapping):
         gate, up = t.chunk(2, dim=0)
         return [gate, up]
 
+    def shard_parts(self, local: Shape, dims: Dims, size: int, rank: int) -> list[Part]:
+        # Rank r holds [gate_r; up_r]: the r-th row block of each half, two contiguous halves of its shard.
+        h = local[0] // 2
+        hf = (h * size, *local[1:])
+        return [Part(0, _box(hf, 0, rank * h, h), _box(local, 0, 0, h)),
+                Part(1, _box(hf, 0, rank * h, h), _box(local, 0, h, h))]
+
     def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
         return torch.cat(list(hf), dim=0)
 
 
-__all__ = ["COLUMN", "GATED", "QKV", "ROW", "Auto", "Cast", "Dims", "GatedMLP", "Mapping", "Rename", "TPLayout",
-           "Vocab", "tp_merge", "tp_split"]
+@dataclass(frozen=True, slots=True)
+class Part:
+    """What one tensor-parallel shard holds of one HF tensor: the HF tensor's index among the mapping's, the
+    box of it (`plan.shards.Box`), and where that box lies in the local shard (a box of the same size)."""
+
+    hf: int
+    box: Box
+    local: Box
+
+
+def _box(shape: Sequence[int], dim: int = 0, start: int = 0, rows: int | None = None) -> Box:
+    """The whole of `shape`, or rows `[start, start + rows)` of dimension `dim`."""
+    return Box.whole(shape) if rows is None else Box.rows(shape, start, rows, dim)
+
+
+__all__ = ["COLUMN", "GATED", "QKV", "ROW", "Auto", "Cast", "Dims", "GatedMLP", "Mapping", "Part", "Rename",
+           "TPLayout", "Vocab", "tp_merge", "tp_split"]

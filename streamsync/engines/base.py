@@ -28,9 +28,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..message import UpdateMessage
+from ..plan.shards import EngineLayout
+
+if TYPE_CHECKING:
+    import torch
 
 #: Version string a vLLM engine reports after a failed push left part of that push's weights in it.
 MIXED = "mixed:"
@@ -115,6 +119,16 @@ class Engine(ABC):
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
         """HF name -> (dtype name, shape) the engine will accept, if it can say; checked before bytes move."""
+        return None
+
+    async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
+        """Whether the engine computes with exactly these HF weights, bit for bit (`tied`: the checkpoint ties
+        lm_head to the embedding); None: it cannot read its weights back."""
+        return None
+
+    async def layout(self) -> EngineLayout | None:
+        """Which slice of each HF tensor each of the engine's workers holds (`plan.shards`), for sharded
+        sending (`transport="p2p"`); None: every worker takes whole tensors."""
         return None
 
     async def fused_layout(self) -> dict[str, Any] | None:

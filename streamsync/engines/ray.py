@@ -28,7 +28,7 @@ import asyncio
 import os
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -36,9 +36,12 @@ from ..errors import EngineError, ValidationError
 from ..message import UpdateMessage, wire
 from .base import Engine, EngineState
 
+if TYPE_CHECKING:
+    import torch
+
 #: the calls a sender may make on the actor's engine (nothing else is reachable through the mixin)
 CALLS = frozenset({
-    "init_transfer", "start_update", "update", "finish_update", "abort_update", "get_version", "state",
+    "locate", "init_transfer", "start_update", "update", "finish_update", "abort_update", "get_version", "state",
     "expected_weights", "reset_cache", "pause", "resume", "weight_digests", "packed_modules",
     "received_digests", "clear_kv_cache", "greedy", "rpc",
 })
@@ -181,6 +184,7 @@ class RayVllmEngine(Engine):
         else:
             self.remote = self.placement == "remote"
         self.device = "cuda" if gpu else "cpu"
+        await self._call("locate")  # the actor's engine learns its vLLM (refused outside the supported range)
 
     # -- calls --------------------------------------------------------------------------------------------
 
@@ -250,11 +254,16 @@ class RayVllmEngine(Engine):
     async def resume(self) -> None:
         await self._call("resume")
 
-    async def weight_digests(self) -> dict[str, str]:
-        return await self._call("weight_digests")
+    async def weight_digests(self, device: bool = False) -> dict[str, str]:
+        return await self._call("weight_digests", device)
 
     async def packed_modules(self) -> dict[str, list[str]]:
         return await self._call("packed_modules")
+
+    async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
+        from ..vllm.extension import expected_digests
+
+        return await self.weight_digests() == expected_digests(hf, await self.packed_modules(), tied=tied)
 
     async def received_digests(self) -> dict[str, str]:
         return await self._call("received_digests")
@@ -265,8 +274,8 @@ class RayVllmEngine(Engine):
     async def greedy(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
         return await self._call("greedy", list(prompt_ids), max_tokens)
 
-    async def rpc(self, method: str) -> list[Any]:
-        return await self._call("rpc", method)
+    async def rpc(self, method: str, *args: str) -> list[Any]:
+        return await self._call("rpc", method, *args)
 
 
 def _first_line(e: BaseException) -> str:

@@ -6,7 +6,7 @@ import json
 import secrets
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -15,8 +15,12 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from ..cache import BoundedCache
 from ..errors import EngineError
 from ..message import UpdateMessage, wire
+from ..plan.shards import Box, EngineLayout, Need
 from ..receiver.protocol import HELLO_LINE, REPLY_LINE, proof, same_secret
 from .base import Engine, EngineState
+
+if TYPE_CHECKING:
+    import torch
 
 # --------------------------------------------------------------------------------------------- client
 
@@ -152,6 +156,14 @@ class ReceiverEngine(Engine):
         HF names only."""
         return await self.call("fused_layout")
 
+    async def layout(self) -> EngineLayout | None:
+        """What the receiver's module holds, where it holds slices (the sliced stand-in); a receiver process
+        is one worker."""
+        held = await self.call("layout")
+        if held is None:
+            return None
+        return EngineLayout(self.name, 1, tuple(Need(self.name, 0, n, Box.from_json(b)) for n, b in held))
+
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         info = await self.call("weight_info")
         return {n: (d, tuple(s)) for n, (d, s) in info.items()}
@@ -159,6 +171,11 @@ class ReceiverEngine(Engine):
     async def checksums(self, device: bool = False) -> dict[str, str]:
         """Per-tensor checksums of what the receiver holds (`device=True`: computed on its device)."""
         return await self.call("checksums", device=device)
+
+    async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
+        from ..checksum import digests
+
+        return await self.checksums() == digests(hf.items())
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         await self.call("pause")

@@ -5,6 +5,12 @@ which the `streamsync` backend (streamsync.vllm.backend) unwraps in every worker
 strings; streamsync's integer versions travel as their decimal string, and an engine a failed push left
 holding part of version N's weights reports "mixed:N" (`state().mixed`; `get_version()` is then None).
 
+One client serves vLLM 0.25.x and 0.32+. At connect (`locate`) each asks the engine's worker once what its
+vLLM is (`vllm_info`): a version outside `streamsync.vllm.compat.SUPPORTED` is refused there, naming it; where
+vLLM keeps the weight version (0.32+) the client commits and reads it through vLLM (`finish_weight_update(v)`,
+`get_weight_version`), and where it keeps none (0.25.x) through the version the streamsync workers keep
+(`streamsync_weight_version`, committed by the round's finish, marks set with `streamsync_set_weight_version`).
+
 Every call is raced against a liveness check from its first second on: a killed engine core leaves vLLM's
 pending call waiting forever, so without it a dead engine would be reported only at the timeout.
 """
@@ -13,13 +19,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ..errors import EngineError
 from ..message import UpdateMessage, wire
+from ..vllm import compat
+from ..vllm.compat import VllmInfo
 from .base import MIXED, Engine, EngineState, parse_version
+
+if TYPE_CHECKING:
+    import torch
 
 #: seconds a call runs before its engine's liveness is checked, then the interval between checks
 _LIVENESS_S = 1.0
@@ -64,6 +75,37 @@ class _Guarded(Engine):
     fast_path: bool = True
     #: an update reached the engine since the round began: an abort must then mark it mixed
     _touched: bool = False
+    #: the engine's vLLM is this process's (an in-process LLM / AsyncLLM): its version is read here
+    in_process: bool = False
+    _info: VllmInfo | None = None
+
+    async def locate(self) -> None:
+        """At connect: learn the engine's vLLM (`vllm_info`), refusing one outside the supported range."""
+        await self.vllm_info()
+
+    async def vllm_info(self) -> VllmInfo:
+        """The engine's vLLM version and whether vLLM keeps the weight version (else its workers do), as its
+        first worker reports them; asked once. A vLLM outside `compat.SUPPORTED` is refused with an
+        EngineError naming the version found and the supported range."""
+        if self._info is None:
+            try:
+                caps = (await self.rpc("streamsync_capabilities"))[0]
+            except EngineError as e:
+                raise EngineError(self.name, f"{e.message} (an engine made with streamsync.engines.vllm."
+                                  "engine_kwargs() has streamsync's worker extension)",
+                                  unresponsive=e.unresponsive) from e
+            info = VllmInfo.from_worker(caps)
+            why = compat.unsupported(compat.installed_version() if self.in_process else info.version)
+            if why is not None:
+                raise EngineError(self.name, why)
+            self._info = info
+        return self._info
+
+    @property
+    def native_versions(self) -> bool | None:
+        """vLLM keeps the weight version (and labels output tokens with it: `weight_versions`); False: the
+        streamsync workers keep it; None: not asked yet (`vllm_info`)."""
+        return None if self._info is None else self._info.native_versions
 
     async def _run(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         try:
@@ -103,10 +145,41 @@ class _Guarded(Engine):
         """Why the engine is known to be dead, or None (alive, or it cannot tell)."""
         return None
 
+    async def _finish(self, version: str | None) -> None:
+        """End the open round; the engine then reports `version` (None: what it reported before)."""
+        if (await self.vllm_info()).native_versions:
+            await self._vllm_finish(version)
+            return
+        # The workers keep it. A mark (a failed round's "mixed:N") is set before the round ends, so the finish
+        # commits nothing of that round; a push's version is committed by the finish itself (every chunk
+        # carried it), and set after it where no chunk reached the engine.
+        push_version = version is not None and version.isdigit()
+        if version is not None and not push_version:
+            await self._set_version(version)
+        await self._vllm_finish(None)
+        if version is not None and push_version and not self._touched:
+            await self._set_version(version)
+
     async def _set_version(self, version: str) -> None:
+        if (await self.vllm_info()).native_versions:
+            await self._vllm_set_version(version)
+        else:
+            await self.rpc("streamsync_set_weight_version", version)
+
+    async def _raw_version(self) -> str:
+        if (await self.vllm_info()).native_versions:
+            return await self._vllm_version()
+        held = {str(v) for v in await self.rpc("streamsync_weight_version")}
+        return held.pop() if len(held) == 1 else MIXED  # workers that disagree: no version is held whole
+
+    async def _vllm_finish(self, version: str | None) -> None:
+        """vLLM's finish_weight_update, with the version where one is given (0.32+ only)."""
         raise NotImplementedError
 
-    async def _finish(self, version: str | None) -> None:
+    async def _vllm_set_version(self, version: str) -> None:
+        raise NotImplementedError
+
+    async def _vllm_version(self) -> str:
         raise NotImplementedError
 
     async def start_update(self) -> None:
@@ -161,12 +234,16 @@ class _Guarded(Engine):
     async def state(self) -> EngineState:
         return parse_version(await self._raw_version())
 
-    async def _raw_version(self) -> str:
-        raise NotImplementedError
+    async def weight_digests(self, device: bool = False) -> dict[str, str]:
+        """What the engine computes with, per vLLM parameter (first worker). `device`: digests computed where
+        each tensor lives (`checksum.device_digest`; compare with `expected_digests(..., digest=device_digest)`)."""
+        return (await self.rpc("streamsync_weight_digests", *(["1"] if device else [])))[0]
 
-    async def weight_digests(self) -> dict[str, str]:
-        """What the engine computes with, per vLLM parameter (first worker)."""
-        return (await self.rpc("streamsync_weight_digests"))[0]
+    async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
+        """Compares the worker's parameters (vLLM's fused names) with `hf` fused the same way."""
+        from ..vllm.extension import expected_digests
+
+        return await self.weight_digests() == expected_digests(hf, await self.packed_modules(), tied=tied)
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
         """HF name -> (dtype, shape) of the checkpoint the engine loaded (first worker), or None when the
@@ -207,7 +284,8 @@ class _Guarded(Engine):
     async def received_digests(self) -> dict[str, str]:
         return (await self.rpc("streamsync_received_digests"))[0]
 
-    async def rpc(self, method: str) -> list[Any]:
+    async def rpc(self, method: str, *args: str) -> list[Any]:
+        """`collective_rpc(method, args)` on every worker of the engine: one result per worker."""
         raise NotImplementedError
 
 
@@ -217,6 +295,8 @@ class VllmEngine(_Guarded):
     Pause/resume map to `sleep(level=0, mode=...)` / `wake_up(tags=["scheduling"])` (LLM has no
     pause_generation); a level-0 sleep keeps the prefix cache, so clear_cache resets it explicitly.
     """
+
+    in_process = True
 
     def __init__(self, llm: Any, *, name: str = "vllm", timeout: float = 300.0, fast_path: bool = True) -> None:
         self.llm = llm
@@ -248,13 +328,14 @@ class VllmEngine(_Guarded):
     async def _update(self, update_info: dict[str, Any]) -> None:
         await self._call("update_weights", self.llm.update_weights, {"update_info": {"streamsync": update_info}})
 
-    async def _finish(self, version: str | None) -> None:
-        await self._call("finish_weight_update", self.llm.finish_weight_update, version)
+    async def _vllm_finish(self, version: str | None) -> None:
+        args = () if version is None else (version,)  # vLLM 0.25's finish takes none
+        await self._call("finish_weight_update", self.llm.finish_weight_update, *args)
 
-    async def _set_version(self, version: str) -> None:
+    async def _vllm_set_version(self, version: str) -> None:
         await self._call("update_weight_version", self.llm.update_weight_version, version)
 
-    async def _raw_version(self) -> str:
+    async def _vllm_version(self) -> str:
         return await self._call("get_weight_version", self.llm.get_weight_version)
 
     async def _dead(self) -> str | None:
@@ -280,12 +361,14 @@ class VllmEngine(_Guarded):
     async def resume(self) -> None:
         await self._call("resume", self.llm.wake_up, tags=["scheduling"])
 
-    async def rpc(self, method: str) -> list[Any]:
-        return await self._call(method, self.llm.collective_rpc, method)
+    async def rpc(self, method: str, *args: str) -> list[Any]:
+        return await self._call(method, self.llm.collective_rpc, method, args=args)
 
 
 class AsyncVllmEngine(_Guarded):
     """An in-process `vllm.AsyncLLM` (natively async)."""
+
+    in_process = True
 
     def __init__(self, engine: Any, *, name: str = "async-vllm", timeout: float = 300.0,
                  fast_path: bool = True) -> None:
@@ -310,13 +393,14 @@ class AsyncVllmEngine(_Guarded):
         req = WeightTransferUpdateRequest(update_info={"streamsync": update_info})
         await self._run("update_weights", self.engine.update_weights, req)
 
-    async def _finish(self, version: str | None) -> None:
-        await self._run("finish_weight_update", self.engine.finish_weight_update, version)
+    async def _vllm_finish(self, version: str | None) -> None:
+        args = () if version is None else (version,)  # vLLM 0.25's finish takes none
+        await self._run("finish_weight_update", self.engine.finish_weight_update, *args)
 
-    async def _set_version(self, version: str) -> None:
+    async def _vllm_set_version(self, version: str) -> None:
         await self._run("update_weight_version", self.engine.update_weight_version, version)
 
-    async def _raw_version(self) -> str:
+    async def _vllm_version(self) -> str:
         return await self._run("get_weight_version", self.engine.get_weight_version)
 
     async def _dead(self) -> str | None:
@@ -348,8 +432,8 @@ class AsyncVllmEngine(_Guarded):
     async def resume(self) -> None:
         await self._run("resume", self.engine.resume_generation)
 
-    async def rpc(self, method: str) -> list[Any]:
-        return await self._run(method, self.engine.collective_rpc, method)
+    async def rpc(self, method: str, *args: str) -> list[Any]:
+        return await self._run(method, self.engine.collective_rpc, method, args=args)
 
 
 class VllmHttpEngine(_Guarded):
@@ -362,22 +446,34 @@ class VllmHttpEngine(_Guarded):
                  api_key: str | None = None, fast_path: bool = True) -> None:
         self.url = url.rstrip("/")
         self.fast_path = fast_path
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.name = name or self.url
         self.timeout = timeout
         self.device = device
         self._session: Any = None
 
-    async def _http(self, method: str, path: str, *, json: Any = None, params: dict | None = None) -> Any:
+    def session(self) -> Any:
+        """The aiohttp session of every request to the server (the api key in its headers, `timeout` per
+        request unless a request sets its own), made on first use."""
         import aiohttp
 
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                                  headers=self._headers)
+                                                  headers=self.headers)
+        return self._session
+
+    async def served_model(self) -> str:
+        """The model id the server serves (/v1/models), the `model` of completion requests."""
+        return (await self._http("GET", "/v1/models"))["data"][0]["id"]
+
+    async def _http(self, method: str, path: str, *, json: Any = None, params: dict | None = None) -> Any:
+        import aiohttp
+
+        session = self.session()
 
         async def go() -> Any:
             try:
-                async with self._session.request(method, self.url + path, json=json, params=params) as r:
+                async with session.request(method, self.url + path, json=json, params=params) as r:
                     body = await r.text()
                     if r.status >= 400:
                         raise EngineError(self.name, f"{method} {path} -> HTTP {r.status}: {body[:500]}")
@@ -397,13 +493,14 @@ class VllmHttpEngine(_Guarded):
     async def _update(self, update_info: dict[str, Any]) -> None:
         await self._http("POST", "/update_weights", json={"update_info": {"streamsync": update_info}})
 
-    async def _finish(self, version: str | None) -> None:
-        await self._http("POST", "/finish_weight_update", json={"weight_version": version})
+    async def _vllm_finish(self, version: str | None) -> None:
+        # vLLM 0.25's route reads no body (a version sent would be dropped): send one only with a version
+        await self._http("POST", "/finish_weight_update", json=None if version is None else {"weight_version": version})
 
-    async def _set_version(self, version: str) -> None:
+    async def _vllm_set_version(self, version: str) -> None:
         await self._http("POST", "/update_weight_version", json={"new_version": version})
 
-    async def _raw_version(self) -> str:
+    async def _vllm_version(self) -> str:
         return (await self._http("GET", "/weight_info"))["weight_version"]
 
     async def _dead(self) -> str | None:
@@ -420,7 +517,10 @@ class VllmHttpEngine(_Guarded):
             return None
 
     async def reset_cache(self) -> bool:
-        return bool((await self._http("POST", "/reset_prefix_cache") or {}).get("success", False))
+        # vLLM 0.32 answers {"success": bool}. 0.25 answers an empty 200 whatever happened (its route does not
+        # check): unconfirmed, so False, and clear_kv_cache refuses rather than wipe blocks a request may hold.
+        got = await self._http("POST", "/reset_prefix_cache")
+        return bool(got.get("success", False)) if isinstance(got, dict) else False
 
     async def greedy(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
         model = (await self._http("GET", "/v1/models"))["data"][0]["id"]
@@ -439,8 +539,11 @@ class VllmHttpEngine(_Guarded):
     async def is_paused(self) -> bool:
         return bool((await self._http("GET", "/is_paused"))["is_paused"])
 
-    async def rpc(self, method: str) -> list[Any]:
-        return (await self._http("POST", "/collective_rpc", json={"method": method}))["results"]
+    async def rpc(self, method: str, *args: str) -> list[Any]:
+        body: dict[str, Any] = {"method": method}
+        if args:
+            body["args"] = [str(a) for a in args]  # the route passes string arguments only
+        return (await self._http("POST", "/collective_rpc", json=body))["results"]
 
     async def close(self) -> None:
         if self._session is not None:

@@ -113,9 +113,7 @@ def _make(cache: str | os.PathLike | None, seed: int, arch: str, cfg: dict[str, 
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
                              "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[arch]
@@ -131,20 +129,26 @@ def _make(cache: str | os.PathLike | None, seed: int, arch: str, cfg: dict[str, 
             if p.dim() == 2:
                 p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
     model.save_pretrained(tmp, safe_serialization=True)
+    save_word_tokenizer(tmp, cfg["vocab_size"])
+    tmp.replace(out) if not out.exists() else None
+    return out
+
+
+def save_word_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:
+    """A word-level tokenizer of `vocab_size` ids (<pad> <s> </s> <unk>, `WORDS`, then w4, w5, ...) saved into
+    `folder`, as transformers and vLLM load one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     for w in WORDS:
         vocab.setdefault(w, len(vocab))
-    for i in range(len(vocab), cfg["vocab_size"]):
+    for i in range(len(vocab), vocab_size):
         vocab[f"w{i}"] = i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    from tokenizers import decoders
-
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     )
-    fast.save_pretrained(tmp)
-    tmp.replace(out) if not out.exists() else None
-    return out
+    fast.save_pretrained(str(folder))

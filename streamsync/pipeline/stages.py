@@ -275,7 +275,7 @@ async def _send(push: Push, w: Work) -> None:
     assert transport is not None and buf is not None and messages is not None
     handles = transport.handles(buf, len(push.engines))
     built = messages.build(push.push_id, push.version, push.owner, w.plan, push.hold.get(w.plan.index, ()), handles,
-                           fuse=push.engine_layout)
+                           fuse=push.engine_layout and transport.fusable)
     push.sent_any = True
     await transport.send(buf, built, [SendLane(e, push.trace, w.plan) for e in push.engines])
 

@@ -66,9 +66,11 @@ def vocab_hint(plans: Sequence[ChunkPlan], expected: Expected) -> str:
     return ""
 
 
-def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected]) -> None:
+def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected], *, once: bool = True) -> None:
     """Refuse a plan that names a tensor twice, or that does not match what an engine holds (`expected`, by
-    engine name): unknown names, dtype or shape mismatches, missing tensors, each named with its chunk."""
+    engine name): unknown names, dtype or shape mismatches, missing tensors, each named with its chunk.
+    `once=False`: a tensor may be in several chunks (a sharded push sends each worker's slices of it in the
+    bucket that worker's layer falls in)."""
     if not plans:
         raise ValidationError("nothing to push: the source planned no chunks")
     seen: dict[str, int] = {}
@@ -78,9 +80,9 @@ def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected]) -> 
             if s.part is not None and s.part[0] > 0 and (s.name, s.part[0]) not in parts:
                 parts.add((s.name, s.part[0]))  # a later part of a tensor split by rows
                 continue
-            if s.name in seen:
+            if s.name in seen and once:
                 raise ValidationError(f"tensor {s.name!r} appears in chunks {seen[s.name]} and {p.index}")
-            seen[s.name] = p.index
+            seen.setdefault(s.name, p.index)
     for engine, holds in expected.items():
         problems = []
         for p in plans:

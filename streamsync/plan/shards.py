@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -134,16 +134,44 @@ class Piece:
 
 @dataclass(frozen=True)
 class Shards:
-    """A source's declaration for sharded sending: what every trainer rank holds (`haves`, the same list on
-    every rank), the HF tensors a push sends (name -> (dtype name, full shape), as the engines hold them), and
-    `local(piece)`: this rank's data for a piece it sends, as a tensor of `piece.box.size` (a view where it can
-    be; the pack stage casts it to the tensor's dtype)."""
+    """A source's declaration for sharded sending, on this rank: the boxes of HF tensors it holds (`holds`),
+    the HF tensors a push sends as this rank knows them (name -> (dtype name, full shape), as the engines hold
+    them; ranks of a pipeline stage know their stage's tensors, `merge_declarations` joins them), and
+    `local(name, box)`: this rank's data for `box` of `name`, a box inside one it holds, as a tensor of
+    `box.size` (a view where it can be; the pack stage casts it to the tensor's dtype)."""
 
-    rank: int
-    world: int
-    haves: tuple[Have, ...]
+    holds: tuple[tuple[str, Box], ...]
     tensors: Mapping[str, tuple[str, tuple[int, ...]]]
-    local: Callable[[Piece], torch.Tensor]
+    local: Callable[[str, Box], torch.Tensor]
+
+    def declaration(self) -> tuple[list[tuple[str, list[list[int]]]], list[tuple[str, str, list[int]]]]:
+        """The plain data every rank sends the others once (`merge_declarations`)."""
+        return ([(n, b.to_json()) for n, b in self.holds],
+                [(n, d, list(shape)) for n, (d, shape) in self.tensors.items()])
+
+
+def merge_declarations(declarations: Sequence[object]) -> tuple[list[Have], dict[str, tuple[str, tuple[int, ...]]]]:
+    """Every rank's `Shards.declaration()` (index = trainer rank) -> what every rank holds and every tensor a
+    push sends, in a order every rank derives alike (ranks in order, each in its own order). A tensor two ranks
+    declare with different dtypes or shapes is refused, naming both."""
+    haves: list[Have] = []
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    origin: dict[str, int] = {}
+    for rank, dec in enumerate(declarations):
+        if dec is None:  # a rank that holds nothing of the model
+            continue
+        if not (isinstance(dec, tuple | list) and len(dec) == 2):
+            raise ValidationError(f"trainer rank {rank} declared {dec!r:.80}, not (holds, tensors)")
+        holds, known = dec
+        for name, dtype, shape in known:
+            spec = (str(dtype), tuple(int(x) for x in shape))
+            old = tensors.setdefault(name, spec)
+            origin.setdefault(name, rank)
+            if old != spec:
+                raise ValidationError(f"tensor {name!r}: trainer rank {origin[name]} has {old[0]}{list(old[1])}, "
+                                      f"rank {rank} {spec[0]}{list(spec[1])}")
+        haves += [Have(rank, name, Box.from_json(box)) for name, box in holds]
+    return haves, tensors
 
 
 @dataclass
@@ -312,35 +340,42 @@ def plan_transfers(haves: Iterable[Have], layouts: Sequence[EngineLayout],
 
 def _buckets(pieces: Sequence[Piece], budget: int) -> list[list[int]]:
     """Consecutive pieces (layer order) grouped so that no rank sends more than `budget` bytes in one bucket;
-    a layer is not split across buckets unless its own pieces exceed the budget."""
+    a layer is not split across buckets unless its own pieces exceed the budget, and one worker's slice of a
+    tensor never is (a worker loads whole tensors: all of its slice must arrive in one bucket), so a bucket
+    holds at least one such slice however large."""
     buckets: list[list[int]] = []
     cur: list[int] = []
     per_rank: dict[int, int] = {}
-    layer_of = [order_key(p.name) for p in pieces]
-    i = 0
-    while i < len(pieces):
-        j = i  # the pieces of one layer (or one embedding/head group)
-        while j < len(pieces) and layer_of[j] == layer_of[i]:
-            j += 1
+
+    def runs(i: int, j: int, key: Callable[[Piece], object]) -> Iterator[tuple[int, int]]:
+        while i < j:
+            k = i
+            while k < j and key(pieces[k]) == key(pieces[i]):
+                k += 1
+            yield i, k
+            i = k
+
+    def add(i: int, j: int) -> None:
+        nonlocal cur, per_rank
         group: dict[int, int] = {}
         for k in range(i, j):
             group[pieces[k].src] = group.get(pieces[k].src, 0) + pieces[k].nbytes
         if cur and any(per_rank.get(r, 0) + b > budget for r, b in group.items()):
             buckets.append(cur)
             cur, per_rank = [], {}
-        if any(b > budget for b in group.values()):  # a layer larger than the budget: split it by pieces
-            for k in range(i, j):
-                p = pieces[k]
-                if cur and per_rank.get(p.src, 0) + p.nbytes > budget:
-                    buckets.append(cur)
-                    cur, per_rank = [], {}
-                cur.append(k)
-                per_rank[p.src] = per_rank.get(p.src, 0) + p.nbytes
+        cur.extend(range(i, j))
+        for r, b in group.items():
+            per_rank[r] = per_rank.get(r, 0) + b
+
+    for i, j in runs(0, len(pieces), lambda p: order_key(p.name)):  # one layer (or the embeddings, the head)
+        layer: dict[int, int] = {}
+        for k in range(i, j):
+            layer[pieces[k].src] = layer.get(pieces[k].src, 0) + pieces[k].nbytes
+        if any(b > budget for b in layer.values()):  # larger than a bucket: split by worker slices
+            for a, b in runs(i, j, lambda p: (p.name, p.engine, p.worker)):
+                add(a, b)
         else:
-            cur.extend(range(i, j))
-            for r, b in group.items():
-                per_rank[r] = per_rank.get(r, 0) + b
-        i = j
+            add(i, j)
     if cur:
         buckets.append(cur)
     return buckets

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import ValidationError
 from ..pack import dtype_name, fits
+from ..plan.shards import Box
 from . import kernels
 
 Weights = Iterable[tuple[str, torch.Tensor]]
@@ -102,6 +103,11 @@ class LoadingModule(torch.nn.Module):
 
     def fused_layout(self) -> dict[str, Any] | None:
         """Its fused tensors and their HF members (`Engine.fused_layout`), or None."""
+        return None
+
+    def layout(self) -> list[tuple[str, Box]] | None:
+        """The boxes of HF tensors it holds (`Engine.layout`, one worker's needs), or None: every tensor
+        whole."""
         return None
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--module", help="PACKAGE.MODULE:FACTORY building the module to serve from the specs "
                     "(default: a StateModule of them)")
     ap.add_argument("--tie", action="store_true", help="passed to --module's factory: lm_head is the embedding's")
+    ap.add_argument("--module-args", default="{}", help="JSON object of further keywords for --module's factory")
     ap.add_argument("--gpu-delay-ms", type=float, default=0.0, help="keep the GPU busy ~this long before each "
                     "update's copies (tests that a sender waits for the receiver on the device)")
     ap.add_argument("--no-capture", action="store_true", help="never replay a chunk's load as a captured CUDA "
@@ -73,8 +74,11 @@ def main(argv: list[str] | None = None) -> None:
         import importlib
 
         mod_name, _, factory = args.module.partition(":")
+        extra = json.loads(args.module_args)
+        if not isinstance(extra, dict):
+            ap.error("--module-args must be a JSON object")
         module: torch.nn.Module = getattr(importlib.import_module(mod_name), factory)(specs, device=args.device,
-                                                                                   tie=args.tie)
+                                                                                   tie=args.tie, **extra)
     else:
         module = StateModule(specs, fill="zeros", device=args.device)
     profile_to = os.environ.get("STREAMSYNC_RECEIVER_PROFILE")  # benchmarks: where the receiver's time goes
@@ -99,10 +103,12 @@ class ReceiverProcess:
 
     def __init__(self, specs_path: str, *, delay: float = 0.0, threads: int = 0, start_timeout: float = 60.0,
                  name: str = "receiver", device: str = "cpu", module: str | None = None, gpu_delay_ms: float = 0.0,
-                 tie: bool = False, host: str = "127.0.0.1", capture: bool = True) -> None:
+                 tie: bool = False, host: str = "127.0.0.1", capture: bool = True, module_args: str | None = None
+                 ) -> None:
         cmd = [sys.executable, "-m", "streamsync.receiver.process", "--specs", str(specs_path),
                "--delay", str(delay), "--threads", str(threads), "--device", device, "--host", host,
                "--gpu-delay-ms", str(gpu_delay_ms)] + (["--module", module] if module else []) \
+            + (["--module-args", module_args] if module_args else []) \
             + (["--tie"] if tie else []) + ([] if capture else ["--no-capture"])
         self.name = name
         self.device = device

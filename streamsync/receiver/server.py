@@ -39,8 +39,8 @@ from .state import WeightReceiver
 # --------------------------------------------------------------------------------------------- server
 
 
-_OPS = frozenset({"init", "start", "update", "finish", "abort", "version", "status", "fused_layout", "weight_info",
-                  "checksums", "pause", "resume", "shutdown", "ping", "capture"})
+_OPS = frozenset({"init", "start", "update", "finish", "abort", "version", "status", "fused_layout", "layout",
+                  "weight_info", "checksums", "pause", "resume", "shutdown", "ping", "capture"})
 
 
 class ReceiverServer:
@@ -111,6 +111,9 @@ class ReceiverServer:
                     "update_split_ms": {k: round(t * 1e3, 3) for k, t in self._split().items()}}
         elif op == "fused_layout":  # the engine's own layout a sender may convert into (pack.fuse_layout)
             return self.module.fused_layout() if isinstance(self.module, LoadingModule) else None
+        elif op == "layout":  # the boxes of HF tensors it holds, for sharded sending (None: whole tensors)
+            held = self.module.layout() if isinstance(self.module, LoadingModule) else None
+            return None if held is None else [[n, b.to_json()] for n, b in held]
         elif op == "weight_info":
             expected = self.loader.expected() or {}
             return {n: [d, list(s)] for n, (d, s) in expected.items()}

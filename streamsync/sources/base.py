@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from ..plan.chunk import ChunkPlan
+from ..plan.shards import Shards
 
 
 def addresses(tensors: Iterable[torch.Tensor], device: torch.device) -> set[int]:
@@ -69,6 +70,17 @@ class Source(ABC):
         """Storage addresses of the tensors `local_tensors` yields that lie on `device` and hold elements: the
         storages a transport may send by reference (CUDA IPC one copy). Computed every push."""
         return addresses((t for _, t in self.local_tensors()), device)
+
+    def shards(self) -> Shards | None:
+        """What every trainer rank holds, for sharded sending (`plan.shards`): None where the source cannot
+        say (a push then goes through a single sender)."""
+        return None
+
+    def delivers(self, plans: Sequence[ChunkPlan]) -> Sequence[ChunkPlan]:
+        """The chunks as the engines receive them (checked against what they hold; the layers they complete):
+        `plans` themselves, except where a rank sends pieces of tensors (a sharded source: per bucket, the
+        whole tensors it completes)."""
+        return plans
 
     def begin_push(self) -> None:  # noqa: B027 - optional hook
         """A push of this source's plan starts (a plan is reused across pushes): reset per-push counters."""

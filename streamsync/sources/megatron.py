@@ -46,6 +46,7 @@ from ..errors import ValidationError
 from ..pack import TensorSpec, dtype_from_name, dtype_name
 from ..plan.chunk import ChunkPlan
 from ..plan.chunking import Item, order_key, plan_chunks
+from ..plan.shards import Box, Shards
 from .base import AddressCache, Source
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
@@ -464,6 +465,40 @@ class MegatronSource(Source):
 
     def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return ((n, p.detach()) for n, (p, _) in self._local.items())
+
+    def shards(self) -> Shards:
+        """What this rank holds of each HF tensor, from its own parameters' shapes and the mappings' TP
+        layouts (`Mapping.shard_parts`): a dense TP shard is one box per HF tensor (a fused QKV shard three per
+        query group, a gated fc1 two), a padded vocabulary shard its real rows, an expert its own tensors
+        (global index), a replicated parameter the whole tensor. Every rank of a stage holds its stage's
+        tensors; data-parallel replicas declare the same boxes and share the sending."""
+        c, g = self.coords, self.groups
+        holds: list[tuple[str, Box]] = []
+        tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+        where: dict[str, list[tuple[Box, Box, torch.nn.Parameter]]] = {}
+        for name, (p, expert) in self._local.items():
+            r, info = self._resolved[name], self.table[name]
+            if not r.mapping.send:
+                continue
+            split = info.tp is not None
+            size, rank = ((g.etp_size, c.etp) if expert else (g.tp_size, c.tp)) if split else (1, 0)
+            for spec in self._specs[name]:
+                tensors[spec.name] = (dtype_name(spec.dtype), spec.shape)
+            for part in r.mapping.shard_parts(tuple(p.shape), self.dims, size, rank):
+                hf = r.hf[part.hf]
+                holds.append((hf, part.box))
+                where.setdefault(hf, []).append((part.box, part.local, p))
+
+        def local(name: str, box: Box) -> torch.Tensor:
+            for held, at, p in where[name]:
+                if box.intersect(held) == box:  # inside this part: the same offsets in the local shard
+                    t = p.detach()
+                    for d, (s, h, a, n) in enumerate(zip(box.start, held.start, at.start, box.size, strict=True)):
+                        t = t.narrow(d, a + s - h, n)
+                    return t
+            raise ValidationError(f"trainer rank {c.rank} holds no {box} of {name!r}")
+
+        return Shards(tuple(holds), tensors, local)
 
     def local_addresses(self, device: torch.device) -> set[int]:
         params: list[torch.Tensor] = [p for p, _ in self._local.values()]

@@ -11,7 +11,30 @@ from ..errors import ValidationError
 from ..pack import TensorSpec, align_up, dtype_name
 from ..plan.chunk import ChunkPlan
 from ..plan.chunking import Item, layer_index, order_key, plan_chunks, row_parts
+from ..plan.shards import Box, Shards
 from .base import AddressCache, Source
+
+
+def _dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local_box(t: torch.Tensor) -> tuple[Box, torch.Tensor]:
+    """The box of the full tensor this rank's piece of DTensor `t` is, and the piece (FSDP2 shards follow
+    torch.chunk, so a trailing rank may hold fewer rows or none; TP+FSDP strided shards still give one box)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
+    return Box(tuple(int(o) for o in offset), tuple(int(n) for n in shape)), t.to_local()  # type: ignore[attr-defined]
+
+
+def _narrow(t: torch.Tensor, start: Sequence[int], size: Sequence[int]) -> torch.Tensor:
+    for d, (s, n) in enumerate(zip(start, size, strict=True)):
+        if s or n != t.shape[d]:
+            t = t.narrow(d, s, n)
+    return t
 
 
 class ModuleSource(Source):
@@ -19,6 +42,11 @@ class ModuleSource(Source):
 
     `dtype` casts floating-point tensors to the receiver's dtype in the convert stage; by default tensors
     go as they are, so the receiver gets the trainer's bits.
+
+    DTensor parameters (FSDP2, tensor parallel DTensors): through a single sender, each tensor is gathered
+    whole (`full_tensor()`, a collective of its mesh: every rank pushes, global rank 0 sends, the others take
+    part in the gathers with `engines=[]`); through sharded sending (`transport="p2p"`) each rank sends its
+    own piece (`shards`).
     """
 
     def __init__(self, module: torch.nn.Module, *, dtype: torch.dtype | None = None,
@@ -34,13 +62,16 @@ class ModuleSource(Source):
             if t.device.type == "meta":
                 raise ValidationError(f"parameter {name!r} is on the meta device: it holds no data to send")
             dtype_name(t.dtype)  # unsupported dtypes fail here, before any byte moves
-            key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (id(t), 0)
+            # A DTensor has no storage of its own (its data pointer is 0): tie by its local piece's.
+            own = t.to_local() if _dtensor(t) else t
+            key = (own.untyped_storage().data_ptr(), own.storage_offset()) if own.numel() else (id(t), 0)
             if key in seen and not include_tied:
                 continue  # tied weight (lm_head = embed_tokens): HF checkpoints keep one copy
             seen[key] = name
             self._tensors[name] = t
         if not self._tensors:
             raise ValidationError("the model has no parameters or buffers to push")
+        self._distributed = {n for n, t in self._tensors.items() if _dtensor(t)}
         devices = {t.device for t in self._tensors.values()}
         if len(devices) > 1:
             raise ValidationError(f"model tensors span several devices {sorted(map(str, devices))}")
@@ -50,11 +81,46 @@ class ModuleSource(Source):
     def device(self) -> torch.device:
         return self._device
 
+    def _own(self, name: str) -> torch.Tensor:
+        """This rank's data of a tensor: its local piece for a DTensor."""
+        t = self._tensors[name].detach()
+        return t.to_local() if name in self._distributed else t  # type: ignore[attr-defined]
+
     def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((n, t.detach()) for n, t in self._tensors.items())
+        return ((n, self._own(n)) for n in self._tensors)
 
     def local_addresses(self, device: torch.device) -> set[int]:
+        if self._distributed:  # pieces of gathered tensors are never sent by reference
+            return set()
         return self._addresses.get(list(self._tensors.values()), device)
+
+    @property
+    def is_sender(self) -> bool:
+        """With DTensors, global rank 0 sends what every rank's gathers bring together."""
+        if not self._distributed:
+            return True
+        import torch.distributed as dist
+
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def shards(self) -> Shards:
+        """This rank's tensors: whole, or for a DTensor the box of its local piece (replicas, e.g. DDP ranks or
+        a Replicate mesh axis, declare the same boxes: the planner spreads their sends)."""
+        holds: list[tuple[str, Box]] = []
+        tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for name, t in self._tensors.items():
+            spec = self._spec(name)
+            tensors[name] = (dtype_name(spec.dtype), spec.shape)
+            box = _local_box(t)[0] if name in self._distributed else Box.whole(spec.shape)
+            if box.numel:
+                holds.append((name, box))
+        boxes = dict(holds)
+
+        def local(name: str, box: Box) -> torch.Tensor:
+            mine = boxes[name]
+            return _narrow(self._own(name), [a - b for a, b in zip(box.start, mine.start, strict=True)], box.size)
+
+        return Shards(tuple(holds), tensors, local)
 
     def _spec(self, name: str) -> TensorSpec:
         t = self._tensors[name]
@@ -92,6 +158,8 @@ class ModuleSource(Source):
 
     async def gather(self, chunk: ChunkPlan) -> list[torch.Tensor]:
         # A part is a view of its rows: contiguous for a contiguous tensor, no copy.
+        if self._distributed:
+            return await anyio.to_thread.run_sync(self._gather_distributed, chunk, abandon_on_cancel=True)
         out = []
         for k in chunk.keys:
             if isinstance(k, str):
@@ -99,6 +167,21 @@ class ModuleSource(Source):
             else:  # (name, first row, end row)
                 assert isinstance(k, tuple)
                 out.append(self._tensors[k[0]].detach()[k[1]:k[2]])
+        return out
+
+    def _gather_distributed(self, chunk: ChunkPlan) -> list[torch.Tensor]:
+        """Every DTensor of the chunk made whole (on every rank, in plan order: the gathers are collectives);
+        the parts of one tensor split across chunks gather it once per chunk."""
+        out = []
+        whole: dict[str, torch.Tensor] = {}
+        for k in chunk.keys:
+            name = k if isinstance(k, str) else k[0]  # type: ignore[index]
+            t = self._tensors[name].detach()
+            if name in self._distributed:
+                if name not in whole:
+                    whole[name] = t.full_tensor()  # type: ignore[attr-defined]
+                t = whole[name]
+            out.append(t if isinstance(k, str) else t[k[1]:k[2]])  # type: ignore[index]
         return out
 
     async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Sequence[torch.Tensor]:

@@ -54,10 +54,59 @@ def greedy(llm: Any, prompt_ids: Sequence[int], n: int = 12) -> tuple[list[int],
 def generation_matches_reference(llm: Any, model_dir: str | os.PathLike, trainer: torch.nn.Module,
                                  prompt_ids: Sequence[int], before: Sequence[int]) -> Any:
     """After a push of `trainer`: greedy tokens from `llm` differ from `before` (the pushed weights generate) and
-    match, step by step, a transformers reference holding the trainer's weights. Returns the check (`.ok`)."""
+    match, step by step, a float32 transformers reference holding the trainer's weights (decides on small,
+    shallow models only; `streamsync.verify.compare_engines` decides on any). Returns the check (`.ok`)."""
     from ..verify import compare_generation, load_reference, reference_logprobs
 
     tokens, lps = greedy(llm, prompt_ids)
     assert list(tokens) != list(before), "the engine generates as before the push"
-    ref = load_reference(model_dir, trainer.state_dict())
+    # float32: on a small, shallow model its distance to the bf16 engine stays well inside the tolerance (a
+    # bf16 reference's own rounding is as large as the tolerance)
+    ref = load_reference(model_dir, trainer.state_dict(), dtype=torch.float32)
     return compare_generation(reference_logprobs(ref, prompt_ids, tokens), tokens, lps, LOGPROB_TOL)
+
+
+def shaped_checkpoint(out: str | os.PathLike, *, arch: str = "qwen3", vocab: int, hidden: int, layers: int,
+                      heads: int, kv_heads: int, head_dim: int, ffn: int, experts: int = 0, moe_ffn: int = 0,
+                      tie: bool = False, **_: Any) -> str:
+    """A checkpoint folder holding a Qwen3 / Qwen3-MoE config of these shapes and a word-level tokenizer, and no
+    weights: a vLLM engine starts on it with `load_format="dummy"` (random weights), which is how the GPU
+    benchmarks get an 8B-shaped engine without a download or 16 GB written to disk. (The keywords are those of
+    `benchmarks.cuda.SHAPES` entries; others are ignored.)"""
+    import json
+    from pathlib import Path
+
+    from ..models.tiny import save_word_tokenizer
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=ffn, max_position_embeddings=4096,
+        tie_word_embeddings=tie, rms_norm_eps=1e-6, rope_theta=1000000.0, torch_dtype="bfloat16",
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_act="silu", attention_bias=False)
+    if arch == "qwen3-moe":
+        cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=experts,
+                   num_experts_per_tok=8, moe_intermediate_size=moe_ffn, decoder_sparse_step=1, mlp_only_layers=[],
+                   norm_topk_prob=True)
+    elif arch == "qwen3":
+        # without `architectures` vLLM serves the config as an embedding model (no generate)
+        cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    else:
+        raise ValueError(f"shaped_checkpoint makes qwen3 and qwen3-moe configs, not {arch!r}")
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_word_tokenizer(folder, vocab)
+    return str(folder)
+
+
+def stop_llm(llm: Any) -> None:
+    """Shut an in-process `vllm.LLM` down now (its engine core and worker processes), so the next engine gets
+    the memory; `LLM` itself has no shutdown call in every supported vLLM."""
+    import gc
+
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

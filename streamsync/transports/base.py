@@ -68,6 +68,12 @@ class Transport(ABC):
     #: the engines this transport reaches: "cpu" / "cuda" engines on the sender's own host (shared memory,
     #: CUDA IPC), or "remote" (engines anywhere: a collective group)
     reaches: ClassVar[Literal["cpu", "cuda", "remote"]]
+    #: every trainer rank runs this transport: `WeightSync.connect` and `push` call it on ranks without engines
+    #: too (sharded sending, where each rank sends its own shards); False: only ranks with engines do
+    every_rank: ClassVar[bool] = False
+    #: an engine's fused layout (`Engine.fused_layout`) may rename the chunk's tensors in its messages; False
+    #: where the transport's own per-engine layouts are what receivers assemble (sharded sending)
+    fusable: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -82,6 +88,16 @@ class Transport(ABC):
             async with anyio.create_task_group() as tg:
                 for i, e in enumerate(engines):
                     tg.start_soon(e.init_transfer, self.init_info(i, e))
+
+    def source_for(self, source: Source, chunk_bytes: int) -> Source:
+        """The source a push through this transport reads: `source` itself, or (sharded sending) a source
+        that plans what this rank sends of it. May be collective on `every_rank` transports."""
+        return source
+
+    async def before_push(self, timeout: float, error: BaseException | None = None) -> None:  # noqa: B027
+        """`every_rank` transports, on every rank, before a push's pipeline: agree across ranks that the push
+        goes ahead (`error`: this rank cannot push; every rank then raises) and that the transport is intact
+        (rebuilding it together where not)."""
 
     @property
     def ref_chunk_bytes(self) -> int | None:
@@ -222,6 +238,7 @@ register_transport("cuda_ipc", "streamsync.transports.cuda_ipc", "CudaIpcTranspo
                    reaches="cuda")
 register_transport("collective", "streamsync.transports.collective", "CollectiveTransport", "CollectiveReceiver",
                    reaches="remote")
+register_transport("p2p", "streamsync.transports.p2p", "P2pTransport", "P2pReceiver", reaches="remote")
 
 
 def _entry(name: str) -> _Entry:

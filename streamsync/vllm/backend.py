@@ -6,6 +6,11 @@ repacked into oneDNN copies and the parameters emptied; a plain load_weights wou
 feeds zero-copy views to `model.load_weights`, and closes the chunk before returning, so the return is the
 sender's acknowledgement; `finish_weight_update` finalizes the reload (kernels rebuilt from new weights).
 
+Where vLLM keeps no weight version (0.25.x, `compat.native_weight_version()`), the backend keeps it: every
+chunk carries its push's version, and the finish of a round that ended whole commits it (`weight_version`);
+the sender marks a failed round with `set_weight_version("mixed:N")` before it ends the round, so that
+finish commits nothing. The worker extension reads and sets it.
+
 init_info and update_info are plain dicts wrapped as {"streamsync": {...}} so they cross vLLM's HTTP and
 msgpack layers unchanged; streamsync validates them itself.
 """
@@ -26,6 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..checksum import tensor_digest
 from ..plan.chunking import layer_index
 from ..receiver.state import WeightReceiver
+from . import compat
 from .fastpath import FastPath, FastRound
 from .stats import RoundLog
 
@@ -54,6 +60,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
     supports_draft_weight_update = False
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        compat.check_supported()  # the worker dies at load with the version found and the range
         super().__init__(config, vllm_config, device, model)
         install_reload_warning_filter(model)
         self.rx = WeightReceiver(device)
@@ -71,6 +78,24 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self._traced = False
         self._shared: tuple[object, list[tuple[str, torch.nn.Module]]] | None = None
         self._counts: dict[str, list[int]] = {"fast": [0, 0], "layerwise": [0, 0]}  # path -> [tensors, bytes]
+        #: the worker keeps the weight version (vLLM keeps none, or WORKER_VERSIONS_ENV asks for it)
+        self.keeps_version = not compat.native_weight_version()
+        self.weight_version = "default"  # vLLM's own initial version string
+        self._round_version: str | None = None  # the version the open round's chunks carry
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """vLLM 0.25.x declares this trainer-side entry point on every backend class (a class without it cannot
+        be built). streamsync's sending side is a `WeightSync`, which plans, packs and streams the chunks."""
+        raise NotImplementedError(
+            "the streamsync backend is pushed to through streamsync.WeightSync (sync = WeightSync(engines=["
+            "VllmEngine(llm)]); await sync.push(model)), not through WeightTransferEngine.trainer_send_weights")
+
+    def set_weight_version(self, version: str) -> None:
+        """Set the worker's version now (a failed round's "mixed:N" mark, or a client's explicit version); the
+        open round, if any, then commits nothing at its finish."""
+        self.weight_version = str(version)
+        self._round_version = None
 
     def init_transfer_engine(self, init_info: StreamSyncInitInfo) -> None:
         info = dict(init_info.streamsync)
@@ -103,11 +128,12 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         # first update claims it for its sender's owner id and updates of another owner are refused.
         self.rx.start()
         self.received_digests = {}
+        self._round_version = None
         self._counts = {"fast": [0, 0], "layerwise": [0, 0]}
         self.log.begin()
         with self.log.phase("map"):
             plan, self._traced = self.fast.ensure() if self.fast_path else (None, False)
-        with self.log.phase("arm"):
+        with self.log.phase("arm"), compat.vllm_config_set(self.vllm_config):
             if plan is None:
                 initialize_layerwise_reload(self.model)
             for mod in plan.arm if plan is not None else ():
@@ -118,7 +144,11 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes the accelerator unconditionally, which raises on a CPU-only host.
-        self.receive_weights(self.parse_update_info(update_info))
+        info = self.parse_update_info(update_info)
+        if info.streamsync.get("version") is not None:
+            self._round_version = str(info.streamsync["version"])
+        with compat.vllm_config_set(self.vllm_config):
+            self.receive_weights(info)
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
 
@@ -161,9 +191,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.rx.update(update_info.streamsync, load)
 
     def _load_layerwise(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-        with disable_mtp_completeness_check():
+        with compat.mtp_check_disabled():
             self.model.load_weights(weights)  # type: ignore[operator]  # nn.Module attribute
 
     def finish_weight_update(self) -> None:
@@ -171,6 +199,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             rnd = self._end_round()
         self.last_round = self._report(rnd)
         self.rx.finish(None)
+        if self.keeps_version and self._round_version is not None and not self.rx.dirty:
+            self.weight_version = self._round_version  # the round ended whole (a cut-short one stays dirty)
+        self._round_version = None
 
     def _end_round(self) -> FastRound | None:
         """Finish what the round left: modules a failed round did not complete keep their old weights; layerwise
@@ -183,16 +214,17 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         if left:
             logging.getLogger(__name__).warning("streamsync: %d module(s) not completely received keep their old "
                                                 "weights: %s", len(left), ", ".join(left[:5]))
-        if self._armed:
-            finalize_layerwise_reload(self.model, self.model_config)
-        self._armed = False
-        plan = rnd.plan if rnd is not None else None
-        if plan is None:
-            refresh_shared_kernels(self.model)
-        else:  # the modules to refresh are found once per plan (a walk over every module)
-            if self._shared is None or self._shared[0] is not plan:
-                self._shared = (plan, shared_kernel_modules(self.model))
-            refresh(self._shared[1])
+        with compat.vllm_config_set(self.vllm_config):
+            if self._armed:
+                finalize_layerwise_reload(self.model, self.model_config)
+            self._armed = False
+            plan = rnd.plan if rnd is not None else None
+            if plan is None:
+                refresh_shared_kernels(self.model)
+            else:  # the modules to refresh are found once per plan (a walk over every module)
+                if self._shared is None or self._shared[0] is not plan:
+                    self._shared = (plan, shared_kernel_modules(self.model))
+                refresh(self._shared[1])
         return rnd
 
     def _report(self, rnd: FastRound | None) -> dict[str, Any]:

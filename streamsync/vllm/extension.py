@@ -12,14 +12,14 @@ entry point (extensions are imported before the worker is built).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checksum import tensor_digest
-from . import register
+from ..checksum import device_digest, tensor_digest
+from . import compat, register
 
 register()
 
@@ -43,8 +43,10 @@ def _probe_head(mod: Any) -> torch.Tensor | None:
     return out[: mod.org_vocab_size].contiguous()
 
 
-def weight_digests(model: torch.nn.Module) -> dict[str, str]:
-    """Digest of every weight as the worker computes with it, keyed by vLLM parameter name."""
+def weight_digests(model: torch.nn.Module,
+                   digest: Callable[[torch.Tensor], str] = tensor_digest) -> dict[str, str]:
+    """Digest of every weight as the worker computes with it, keyed by vLLM parameter name. `digest`:
+    `checksum.device_digest` computes each where it lives (no host copy of a large model)."""
     out: dict[str, str] = {}
     with torch.no_grad():
         for mod_name, mod in model.named_modules():
@@ -52,20 +54,21 @@ def weight_digests(model: torch.nn.Module) -> dict[str, str]:
             for pname, p in mod.named_parameters(recurse=False):
                 name = f"{mod_name}.{pname}" if mod_name else pname
                 if head is not None and pname == "weight":
-                    out[name] = tensor_digest(head)
+                    out[name] = digest(head)
                 elif p.numel() > 0:
                     rows = getattr(mod, "org_vocab_size", None)  # vLLM pads vocabularies: compare real rows
-                    out[name] = tensor_digest(p[:rows] if rows and p.dim() and p.shape[0] > rows else p)
+                    out[name] = digest(p[:rows] if rows and p.dim() and p.shape[0] > rows else p)
                 elif pname == "weight":
                     w = _probe_linear(mod)
                     if w is not None:
-                        out[name] = tensor_digest(w)
+                        out[name] = digest(w)
     return out
 
 
 def expected_digests(hf: Mapping[str, torch.Tensor], packed: Mapping[str, list[str]],
-                     tied: bool = False) -> dict[str, str]:
-    """Digests of HF tensors fused the way vLLM stores them (e.g. q/k/v rows concatenated into qkv_proj)."""
+                     tied: bool = False, digest: Callable[[torch.Tensor], str] = tensor_digest) -> dict[str, str]:
+    """Digests of HF tensors fused the way vLLM stores them (e.g. q/k/v rows concatenated into qkv_proj), by
+    the same `digest` as the engine's (`weight_digests`)."""
     out: dict[str, str] = {}
     used: set[str] = set()
     for fused, parts in packed.items():
@@ -74,9 +77,9 @@ def expected_digests(hf: Mapping[str, torch.Tensor], packed: Mapping[str, list[s
                 continue
             names = [name.replace(f".{parts[0]}.", f".{p}.") for p in parts]
             if all(n in hf for n in names):
-                out[name.replace(f".{parts[0]}.", f".{fused}.")] = tensor_digest(torch.cat([hf[n] for n in names]))
+                out[name.replace(f".{parts[0]}.", f".{fused}.")] = digest(torch.cat([hf[n] for n in names]))
                 used.update(names)
-    out.update((n, tensor_digest(t)) for n, t in hf.items() if n not in used)
+    out.update((n, digest(t)) for n, t in hf.items() if n not in used)
     if tied and "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         # An HF export of a tied model may carry the embedding only; the engine's head computes with it.
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
@@ -139,9 +142,10 @@ def _backend(worker: object) -> Any:
 class StreamSyncWorkerExtension:
     """Mixed into vLLM's worker class; methods run in each worker via collective_rpc."""
 
-    def streamsync_weight_digests(self) -> dict[str, str]:
+    def streamsync_weight_digests(self, device: str = "") -> dict[str, str]:
+        """`device` "1": `checksum.device_digest`s, computed on the GPU (collective_rpc over HTTP passes strings)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return weight_digests(model)
+        return weight_digests(model, device_digest if device == "1" else tensor_digest)
 
     def streamsync_expected_weights(self) -> dict[str, tuple[str, list[int]]] | None:
         """What a push into this engine must carry (checked by the sender before any byte moves)."""
@@ -179,6 +183,25 @@ class StreamSyncWorkerExtension:
     def streamsync_received_digests(self) -> dict[str, str]:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "received_digests", {}) or {})
+
+    def streamsync_capabilities(self) -> dict[str, Any]:
+        """This worker's vLLM version and what it offers weight sync (`compat.capabilities`): the sender picks
+        its path from this answer, once, at connect."""
+        return compat.capabilities()
+
+    def streamsync_weight_version(self) -> str | None:
+        """The weight version this worker keeps (where vLLM keeps none); None before the backend is built."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return None if engine is None else str(engine.weight_version)
+
+    def streamsync_set_weight_version(self, version: str) -> str:
+        """Set the worker's weight version now (collective_rpc passes it as a string, also over HTTP)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            raise RuntimeError("no streamsync weight-transfer backend in this worker: start the engine with "
+                               "weight_transfer_config={'backend': 'streamsync'}")
+        engine.set_weight_version(str(version))
+        return str(version)
 
     def streamsync_round(self) -> dict[str, object]:
         """The backend's round: open, its owner (claimed by its first chunk) and seconds since it was last

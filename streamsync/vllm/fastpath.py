@@ -178,9 +178,13 @@ class _Recorder(TorchDispatchMode):
     current: str | None = None
 
 
-def _place(layer: torch.nn.Module, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-           non_persistent: set[str]) -> None:
-    """Make `params` and `buffers` the module's tensors (and nothing else), as vLLM's reload puts them back."""
+Slots = dict[str, torch.Tensor | None]
+
+
+def _place(layer: torch.nn.Module, params: Mapping[str, torch.Tensor | None],
+           buffers: Mapping[str, torch.Tensor | None], non_persistent: set[str]) -> None:
+    """Make `params` and `buffers` the module's tensors (and nothing else), as vLLM's reload puts them back.
+    A slot registered as None (`bias=None` of a linear without bias) stays registered: its forward reads it."""
     for name in [*layer._parameters, *layer._buffers]:
         delattr(layer, name)
     for name, p in params.items():
@@ -189,9 +193,9 @@ def _place(layer: torch.nn.Module, params: Mapping[str, torch.Tensor], buffers: 
         layer.register_buffer(name, b, persistent=name not in non_persistent)
 
 
-def _tensors(layer: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
-    return ({n: p for n, p in layer._parameters.items() if p is not None},
-            {n: b for n, b in layer._buffers.items() if b is not None}, set(layer._non_persistent_buffers_set))
+def _tensors(layer: torch.nn.Module) -> tuple[Slots, Slots, set[str]]:
+    """The module's parameter and buffer slots (None ones included, so that putting them back keeps them)."""
+    return dict(layer._parameters), dict(layer._buffers), set(layer._non_persistent_buffers_set)
 
 
 @torch.no_grad()
@@ -216,6 +220,8 @@ def trace_loads(model: torch.nn.Module, weights: Mapping[str, tuple[torch.dtype,
         for mname, mod in modules:
             params, buffers, _ = _tensors(mod)
             for tname, t in {**params, **buffers}.items():
+                if t is None:
+                    continue
                 if _sid(t) in index:  # shared with a module listed before (a tied head): traced as that one's
                     continue
                 index[_sid(t)] = (len(targets), int(t.storage_offset()))
@@ -532,8 +538,8 @@ def _fusions(traced: Traced, targets: list[Target], slow: set[str]
 class _Pending:
     """A REBUILD module the round has started writing: its fresh tensors and how much of them arrived."""
 
-    params: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
+    params: Slots
+    buffers: Slots
     filled: int = 0
 
 
@@ -575,6 +581,7 @@ class FastRound:
                     pend = self._pending(op.module)
                     t = pend.params.get(op.tensor)
                     t = pend.buffers[op.tensor] if t is None else t
+                    assert t is not None  # a traced target: a tensor in the module's load format
                     dst = t.as_strided(w.size, w.stride, t.storage_offset() + w.offset)
                     pend.filled += w.numel
                     if pend.filled == self.plan.rebuilt[op.module].numel:
@@ -612,9 +619,10 @@ class FastRound:
                 if update is not None:  # processing may have made new Parameters: vLLM reconciles their TP state
                     update()
                 for name, p in kernel_params.items():
-                    p.data.copy_(getattr(layer, name))
+                    if p is not None:
+                        p.data.copy_(getattr(layer, name))
                 for name, b in kernel_buffers.items():
-                    if name in layer._buffers and (name not in non_persistent or name in pend.buffers):
+                    if b is not None and name in layer._buffers and (name not in non_persistent or name in pend.buffers):
                         b.data.copy_(getattr(layer, name))
             finally:
                 _place(layer, kernel_params, kernel_buffers, non_persistent)

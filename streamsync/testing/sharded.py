@@ -1,0 +1,203 @@
+"""Multi-process sharded pushes (`transport="p2p"`) for the tests: trainer ranks under gloo (`megatron.launch`),
+engines of sliced receiver processes (`testing.sliced`) started by the test.
+
+`ShardedCase` names a trainer (megatron-core TP/PP/EP, FSDP2 over every rank, or a plain module on every
+rank) and the engines' layouts; `start_engines` starts their worker processes; `run_sharded` is the
+`launch` worker: build, push `pushes` times with new weights before each, and on rank 0 compare every
+worker's slices with the trainer's HF state after each push.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models.megatron import TinyModel
+from ..models.synthetic import StateModule, save_specs
+from ..plan.shards import Box
+from .receiver import ReceiverProcess
+from .sliced import box_view, vllm_layout
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """An engine of `tp` workers laid out as vLLM lays out a Qwen/Llama model (experts over the workers with
+    `expert_parallel`)."""
+
+    name: str
+    tp: int = 2
+    expert_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class ShardedCase:
+    name: str
+    model: TinyModel
+    trainer: str = "megatron"  # "megatron", "fsdp2" (every rank one shard of every tensor), "module"
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    engines: tuple[EngineShape, ...] = (EngineShape("e0"),)
+    pushes: int = 3
+    chunk_bytes: int = 64 << 10
+    timeout: float = 60.0
+    #: kill this engine's worker (engine index, worker) while the last push runs
+    kill: tuple[int, int] | None = None
+
+
+@dataclass
+class ShardedResult:
+    rank: int
+    exact: list[bool] = field(default_factory=list)     # rank 0: every worker bit-exact after each push
+    mismatched: list[str] = field(default_factory=list)
+    sent_bytes: dict[int, int] = field(default_factory=dict)  # the plan's bytes per sending rank
+    peak_bytes: list[int] = field(default_factory=list)       # this rank's extra memory, per push
+    paths: list[str] = field(default_factory=list)
+    senders: int = 0
+    versions: list[int | None] = field(default_factory=list)
+    error: str | None = None
+    seconds: list[float] = field(default_factory=list)
+
+
+def layouts(case: ShardedCase) -> list[list[list[tuple[str, Box]]]]:
+    """Per engine, per worker, the (HF name, box) pairs it holds."""
+    m = case.model
+    return [vllm_layout(m.hf_specs(), e.tp, heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                        expert_parallel=e.expert_parallel) for e in case.engines]
+
+
+@contextmanager
+def start_engines(case: ShardedCase, work: Path) -> Iterator[list[list[ReceiverProcess]]]:
+    """The worker processes of every engine of `case`."""
+    specs = save_specs(case.model.hf_specs(), work / f"{case.name}.json")
+    procs: list[list[ReceiverProcess]] = []
+    try:
+        for e, per_worker in zip(case.engines, layouts(case), strict=True):
+            procs.append([ReceiverProcess(str(specs), holds=holds, name=f"{e.name}.w{w}", threads=1)
+                          for w, holds in enumerate(per_worker)])
+        yield procs
+    finally:
+        for group in procs:
+            for p in group:
+                p.stop()
+
+
+def endpoints(procs: Sequence[Sequence[ReceiverProcess]]) -> list[list[tuple[int, str, int]]]:
+    """(port, secret, pid) of every worker, engine by engine: what the trainer ranks are given."""
+    return [[(p.port, p.secret, p.pid) for p in group] for group in procs]
+
+
+def _build(case: ShardedCase, seed: int) -> tuple[object, Any]:
+    """This rank's trainer model holding the HF weights of `seed`, and a function that loads other ones."""
+    import torch.distributed as dist
+
+    hf = case.model.hf_state(seed=seed)
+    if case.trainer == "megatron":
+        from ..models.megatron import build_model, init_parallel, load_hf_weights
+
+        init_parallel(case.tp, case.pp, case.ep)
+        model = build_model(case.model)
+        load_hf_weights(model, hf)
+        return model, lambda state: load_hf_weights(model, state)
+    module = StateModule(case.model.hf_specs(), fill="zeros")
+    module.load_state_dict(hf)
+    if case.trainer == "module":
+        def load(state: dict[str, torch.Tensor]) -> None:
+            module.load_state_dict(state)
+        return module, load
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in module.model.layers.children():  # type: ignore[union-attr, operator]
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+    def load_sharded(state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                local = p.to_local()
+                if local.numel():
+                    local.copy_(box_view(state[name], Box(tuple(offset), tuple(shape))))
+    return module, load_sharded
+
+
+def run_sharded(rank: int, world_size: int, case: ShardedCase,
+                workers: Sequence[Sequence[tuple[int, str, int]]]) -> dict[str, Any]:
+    """`launch` worker (module doc)."""
+    import anyio
+
+    from ..engines.receiver import ReceiverEngine
+    from ..sync import WeightSync
+    from ..transports.p2p import P2pTransport
+    from .sliced import WorkerGroup, expected_slices
+
+    res = ShardedResult(rank)
+    model, load = _build(case, seed=0)
+    hf = case.model.hf_state(seed=0)
+    lays = layouts(case)
+    options = {"hf_config": case.model.hf_config()} if case.trainer == "megatron" else {}
+
+    async def main() -> None:
+        nonlocal hf
+        engines = []
+        if rank == 0:
+            engines = [WorkerGroup([ReceiverEngine("127.0.0.1", port, secret=secret, name=f"{e.name}.w{w}",
+                                                   timeout=case.timeout)
+                                    for w, (port, secret, _) in enumerate(workers[i])], e.name)
+                       for i, e in enumerate(case.engines)]
+        sync = WeightSync(engines, transport=P2pTransport(), chunk_bytes=case.chunk_bytes, timeout=case.timeout,
+                          source_options=options)
+        try:
+            for i in range(case.pushes):
+                if i:
+                    hf = case.model.hf_state(seed=i)
+                    load(hf)
+                if case.kill is not None and i == case.pushes - 1 and rank == 0:
+                    e, w = case.kill
+                    os.kill(workers[e][w][2], signal.SIGKILL)
+                t0 = time.perf_counter()
+                report = await sync.push(model)
+                res.seconds.append(time.perf_counter() - t0)
+                res.peak_bytes.append(report.peak_bytes_inflight)
+                res.paths.append(report.path)
+                res.senders = report.senders
+                res.versions.append(report.version)
+                if i == 0:
+                    from ..sources.sharded import ShardedSource
+
+                    source = sync.plan(model)[0]
+                    assert isinstance(source, ShardedSource)
+                    res.sent_bytes = dict(source.plan_.sent_bytes)
+                if rank == 0:
+                    ok = True
+                    for g, per_worker in zip(engines, lays, strict=True):
+                        got = await g.checksums()
+                        for w, holds in enumerate(per_worker):
+                            want = expected_slices(hf, holds)
+                            bad = sorted(n for n in set(got[w]) | set(want) if got[w].get(n) != want.get(n))
+                            res.mismatched += [f"{g.name}.w{w}:{n}" for n in bad]
+                            ok = ok and not bad
+                    res.exact.append(ok)
+        except Exception as e:
+            res.error = f"{type(e).__name__}: {e}"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sync.close()
+
+    anyio.run(main)
+    return asdict(res)
+
+
+__all__ = ["EngineShape", "ShardedCase", "ShardedResult", "endpoints", "layouts", "run_sharded", "start_engines"]

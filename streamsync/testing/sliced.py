@@ -1,0 +1,260 @@
+"""Stand-ins for tensor- and expert-parallel engines: receiver processes that each hold slices of HF tensors.
+
+* `SlicedModule`: a receiver's model holding, per HF tensor, only the boxes one worker holds (`plan.shards`).
+  It declares them (`LoadingModule.layout`), and its loader takes whole HF tensors and narrows its boxes out
+  of each, as vLLM's weight loaders do (a sharded push fills only those boxes).
+* `WorkerGroup`: receiver processes as the workers of one engine (one version, every round on all of them).
+* `vllm_layout`: the boxes each worker of a vLLM-style engine holds for a Qwen/Llama-shaped checkpoint at
+  tensor parallel size `tp` (experts over the workers when `expert_parallel`): q/k/v rows (k/v replicated where
+  `tp` exceeds the kv heads), o_proj and down_proj columns, gate/up rows, the padded vocabulary's rows.
+
+    python -m streamsync.receiver.process --specs model.json --module streamsync.testing.sliced:sliced_module \\
+        --module-args '{"holds": [[name, [[start...], [size...]]], ...]}'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import anyio
+import torch
+
+from ..checksum import digests
+from ..engines.base import Engine, EngineState
+from ..engines.receiver import ReceiverEngine
+from ..errors import ValidationError
+from ..message import UpdateMessage
+from ..models.synthetic import Spec
+from ..pack import dtype_from_name
+from ..plan.shards import Box, EngineLayout, Need
+from ..receiver.loaders import Loader, LoadingModule, Weights
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def box_view(t: torch.Tensor, box: Box) -> torch.Tensor:
+    for d, (s, n) in enumerate(zip(box.start, box.size, strict=True)):
+        t = t.narrow(d, s, n)
+    return t
+
+
+def slice_name(name: str, box: Box, shape: Sequence[int]) -> str:
+    """How a worker names the slice it holds in its checksums: the HF name, with the box unless whole."""
+    return name if box == Box.whole(shape) else f"{name}{box}"
+
+
+class _SliceLoader(Loader):
+    def __init__(self, module: SlicedModule) -> None:
+        self.module = module
+
+    def load(self, weights: Weights) -> list[str]:
+        loaded = []
+        with torch.no_grad():
+            for name, full in weights:
+                held = self.module.held.get(name)
+                if held is None:
+                    raise ValidationError(f"worker holds no part of {name!r}")
+                shape, dtype = self.module.shapes[name]
+                if tuple(full.shape) != shape or full.dtype != dtype:
+                    raise ValidationError(f"parameter {name!r}: received {full.dtype}{tuple(full.shape)}, worker's "
+                                          f"tensor is {dtype}{shape}")
+                for box, dst in held:
+                    dst.copy_(box_view(full, box))
+                loaded.append(name)
+        return loaded
+
+    def expected(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {n: (str(d).removeprefix("torch."), s) for n, (s, d) in self.module.shapes.items()}
+
+
+class SlicedModule(LoadingModule):
+    """Holds `holds` ((HF name, box) pairs) of the tensors in `specs`, zero-filled."""
+
+    def __init__(self, specs: Iterable[Spec], holds: Iterable[tuple[str, Box]], device: str | torch.device = "cpu"
+                 ) -> None:
+        super().__init__()
+        self.shapes = {n: (tuple(int(x) for x in s), dtype_from_name(d)) for n, d, s in specs}
+        self.held: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+        self.slices = torch.nn.ParameterList()
+        for name, box in holds:
+            if name not in self.shapes:
+                raise ValidationError(f"a worker cannot hold {name!r}: the model has no such tensor")
+            shape, dtype = self.shapes[name]
+            if not box.within(shape):
+                raise ValidationError(f"slice {box} of {name!r} lies outside its shape {list(shape)}")
+            t = torch.nn.Parameter(torch.zeros(box.size, dtype=dtype, device=device), requires_grad=False)
+            self.slices.append(t)
+            self.held.setdefault(name, []).append((box, t.data))
+
+    def loader(self) -> Loader:
+        return _SliceLoader(self)
+
+    def layout(self) -> list[tuple[str, Box]] | None:
+        return [(n, b) for n, held in self.held.items() for b, _ in held]
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, held in self.held.items():
+            for box, t in held:
+                yield slice_name(name, box, self.shapes[name][0]), t
+
+
+def sliced_module(specs: Iterable[Spec], *, device: str = "cpu", tie: bool = False,
+                  holds: Sequence[Any] = ()) -> SlicedModule:
+    """`--module` factory of the receiver process (`--module-args '{"holds": [[name, box], ...]}'`)."""
+    return SlicedModule(specs, [(n, Box.from_json(b)) for n, b in holds], device=device)
+
+
+def module_args(holds: Iterable[tuple[str, Box]]) -> str:
+    return json.dumps({"holds": [[n, b.to_json()] for n, b in holds]})
+
+
+# ------------------------------------------------------------------------------------------ layouts
+
+
+def _pad(n: int, to: int = 64) -> int:
+    return -(-n // to) * to
+
+
+def vllm_layout(specs: Iterable[Spec], tp: int, *, heads: int, kv_heads: int, head_dim: int,
+                expert_parallel: bool = False) -> list[list[tuple[str, Box]]]:
+    """Per worker, the (HF name, box) pairs a vLLM engine of tensor parallel size `tp` holds (module doc).
+    Experts: with `expert_parallel`, whole experts over the `tp` workers (linear placement, the remainder to
+    the first workers); else each expert's rows / columns as a dense MLP's."""
+    specs = [(n, d, tuple(s)) for n, d, s in specs]
+    if heads % tp:
+        raise ValidationError(f"{heads} attention heads do not split over {tp} workers")
+    nh = heads // tp
+    nkv, rep = (1, tp // kv_heads) if tp >= kv_heads else (kv_heads // tp, 1)
+    experts = sorted({int(m.group(1)) for n, _, _ in specs if (m := _EXPERT.search(n))})
+    out: list[list[tuple[str, Box]]] = [[] for _ in range(tp)]
+    for w in range(tp):
+        mine = set(experts)
+        if expert_parallel and experts:
+            base, rem = divmod(len(experts), tp)
+            first = w * base + min(w, rem)
+            mine = set(experts[first:first + base + (w < rem)])
+        for name, _, shape in specs:
+            e = _EXPERT.search(name)
+            if e is not None and int(e.group(1)) not in mine:
+                continue
+            split_mlp = e is None or not expert_parallel
+            box: Box | None = Box.whole(shape)
+            if re.search(r"\.q_proj\.(weight|bias)$", name):
+                box = Box.rows(shape, w * nh * head_dim, nh * head_dim)
+            elif re.search(r"\.[kv]_proj\.(weight|bias)$", name):
+                box = Box.rows(shape, (w // rep) * nkv * head_dim, nkv * head_dim)
+            elif name.endswith(".o_proj.weight"):
+                box = Box.rows(shape, w * nh * head_dim, nh * head_dim, dim=1)
+            elif split_mlp and re.search(r"\.(gate_proj|up_proj)\.weight$", name):
+                n = shape[0] // tp
+                box = Box.rows(shape, w * n, n)
+            elif split_mlp and name.endswith(".down_proj.weight"):
+                n = shape[1] // tp
+                box = Box.rows(shape, w * n, n, dim=1)
+            elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                per = _pad(shape[0]) // tp
+                a, b = min(w * per, shape[0]), min((w + 1) * per, shape[0])
+                box = Box.rows(shape, a, b - a) if b > a else None
+            if box is not None:
+                out[w].append((name, box))
+    return out
+
+
+def expected_slices(hf: Mapping[str, torch.Tensor], holds: Iterable[tuple[str, Box]]) -> dict[str, str]:
+    """The checksums a worker holding `holds` reports once it received `hf`."""
+    return digests((slice_name(n, b, tuple(hf[n].shape)), box_view(hf[n], b)) for n, b in holds)
+
+
+# ------------------------------------------------------------------------------------------ engine
+
+
+class WorkerGroup(Engine):
+    """Receiver processes as the workers of one engine: each call goes to every worker (concurrently), the
+    version is theirs when they agree, and the layout is theirs, worker by worker."""
+
+    def __init__(self, members: Sequence[ReceiverEngine], name: str) -> None:
+        if not members:
+            raise ValidationError("a worker group needs at least one worker")
+        self.members = list(members)
+        self.name = name
+        self.workers = len(self.members)
+        self.device = self.members[0].device
+
+    async def _each(self, fn: Any) -> list[Any]:
+        out: list[Any] = [None] * len(self.members)
+
+        async def one(i: int, m: ReceiverEngine) -> None:
+            m.owner = self.owner
+            out[i] = await fn(i, m)
+
+        async with anyio.create_task_group() as tg:
+            for i, m in enumerate(self.members):
+                tg.start_soon(one, i, m)
+        return out
+
+    async def init_transfer(self, init_info: dict[str, Any]) -> None:
+        await self._each(lambda i, m: m.init_transfer({**init_info, "worker_rank": i}))
+
+    async def start_update(self) -> None:
+        await self._each(lambda i, m: m.start_update())
+
+    async def update(self, message: UpdateMessage | Mapping[str, Any]) -> None:
+        await self._each(lambda i, m: m.update(message))
+
+    async def finish_update(self, version: int) -> None:
+        await self._each(lambda i, m: m.finish_update(version))
+
+    async def abort_update(self, version: int | None = None) -> None:
+        await self._each(lambda i, m: m.abort_update(version))
+
+    async def state(self) -> EngineState:
+        states = await self._each(lambda i, m: m.state())
+        versions = {s.version for s in states}
+        mixed = any(s.mixed for s in states) or len(versions) > 1
+        failed = next((s.failed_version for s in states if s.failed_version is not None), None)
+        return EngineState(None if mixed else versions.pop(), mixed, failed,
+                           any(bool(s.updating) for s in states))
+
+    async def get_version(self) -> int | None:
+        return (await self.state()).version
+
+    async def layout(self) -> EngineLayout | None:
+        layouts = await self._each(lambda i, m: m.layout())
+        if all(lay is None for lay in layouts):
+            return None
+        needs = []
+        for i, lay in enumerate(layouts):
+            if lay is None:
+                raise ValidationError(f"engine {self.name!r}: worker {i} declares no layout, the others do")
+            needs += [Need(self.name, i, n.name, n.box) for n in lay.needs]
+        return EngineLayout(self.name, self.workers, tuple(needs))
+
+    async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
+        lay = await self.layout()
+        if lay is None:
+            return all(await self._each(lambda i, m: m.holds(hf, tied)))
+        got = await self._each(lambda i, m: m.checksums())
+        return all(got[w] == expected_slices(hf, [(n.name, n.box) for n in lay.needs if n.worker == w])
+                   for w in range(self.workers))
+
+    async def checksums(self) -> list[dict[str, str]]:
+        """Each worker's checksums of the slices it holds."""
+        return await self._each(lambda i, m: m.checksums())
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        await self._each(lambda i, m: m.pause(mode, clear_cache))
+
+    async def resume(self) -> None:
+        await self._each(lambda i, m: m.resume())
+
+    async def close(self) -> None:
+        await self._each(lambda i, m: m.close())
+
+
+def total_numel(holds: Iterable[tuple[str, Box]]) -> int:
+    return sum(math.prod(b.size) for _, b in holds)

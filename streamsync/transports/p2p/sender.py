@@ -1,0 +1,347 @@
+"""The p2p sending half, on every trainer rank (package doc)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import anyio
+import torch
+import torch.distributed as dist
+
+from ...errors import EngineError, StreamSyncError, TransportError, ValidationError
+from ...log import get_logger
+from ...message import ChunkHandle, Recipient, UpdateMessage
+from ...plan.chunk import ChunkPlan, layout_key
+from ...plan.shards import EngineLayout
+from ...sources.sharded import ShardedSource, gather_objects, trainer_rank_world
+from ..base import SendBuffer, Transport
+from ..collective.group import (
+    BACKENDS,
+    CLOSE_TIMEOUT,
+    broadcast,
+    dispose,
+    host_store,
+    in_thread,
+    join_thread,
+    make_group,
+)
+from ..pool import BufferPool
+
+if TYPE_CHECKING:
+    from ...engines.base import Engine
+    from ...sources.base import Source
+
+
+def _broadcast_object(obj: object) -> Any:
+    """Trainer rank 0's `obj` on every rank of the default group."""
+    if trainer_rank_world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class P2pTransport(Transport):
+    """Every trainer rank sends its own shards to the engine workers that hold them (package doc). Give it to
+    `WeightSync` on every rank of the trainer's default group: the engines on rank 0, `engines=[]` elsewhere.
+
+    backend: "gloo", "nccl" or "auto" (NCCL when every engine is on CUDA and this torch has CUDA).
+    master_addr/master_port: where trainer rank 0 hosts the rendezvous; every trainer rank and engine worker
+    must reach it. device: where send buffers live (default: CUDA for NCCL, else CPU). group_timeout: the
+    rendezvous, every send and receive (default: the sync's timeout). bucket_bytes: at most this many bytes of
+    pieces per rank per bucket (default: the sync's chunk_bytes)."""
+
+    name: ClassVar[str] = "p2p"
+    reaches: ClassVar[Literal["cpu", "cuda", "remote"]] = "remote"
+    every_rank: ClassVar[bool] = True
+    fusable: ClassVar[bool] = False
+
+    def __init__(self, backend: str = "auto", *, master_addr: str = "127.0.0.1", master_port: int = 0,
+                 device: torch.device | str | None = None, group_timeout: float | None = None,
+                 close_timeout: float = CLOSE_TIMEOUT, bucket_bytes: int | None = None) -> None:
+        super().__init__()
+        if backend not in (*BACKENDS, "auto"):
+            raise ValidationError(f"p2p backend must be one of {(*BACKENDS, 'auto')}, got {backend!r}")
+        if bucket_bytes is not None and (type(bucket_bytes) is not int or bucket_bytes < 1):
+            raise ValidationError(f"bucket_bytes must be a positive integer or None, got {bucket_bytes!r}")
+        self.backend, self.master_addr, self.master_port = backend, master_addr, master_port
+        self._device = torch.device(device) if device is not None else None
+        self.group_timeout, self.close_timeout, self.bucket_bytes = group_timeout, close_timeout, bucket_bytes
+        self.rank, self.world = trainer_rank_world()
+        self._pg: Any = None
+        self._store: Any = None
+        self._engines: list[Engine] = []
+        self._infos: list[dict[str, Any]] = []
+        self._layouts: list[tuple[str, int, EngineLayout | None]] = []
+        self._group: str | None = None
+        self._backend: str | None = None
+        self._offsets: dict[str, int] = {}  # engine -> group rank of its worker 0
+        self._timeout = 60.0
+        self._seq = 0
+        self._broken: str | None = None
+        self._pool: BufferPool | None = None
+        self._source: ShardedSource | None = None
+        self._handles: dict[tuple[int, int, str], tuple[dict[str, Any], Any, dict[str, Any], str]] = {}
+        self.counts: dict[str, float] = {}
+
+    # -- setup -----------------------------------------------------------------------------------------
+
+    def init_info(self, index: int, engine: Engine) -> dict[str, Any]:
+        return self._infos[index]
+
+    @property
+    def layouts(self) -> list[tuple[str, int, EngineLayout | None]]:
+        """(engine, workers, its layout or None) as trainer rank 0 learned them at connect, on every rank."""
+        return list(self._layouts)
+
+    async def connect(self, engines: Sequence[Engine], timeout: float) -> None:
+        """On every trainer rank at once: agree on where the engines are, build the group with every engine
+        worker. Also after a failed push (the old group is aborted, a new one made)."""
+        await self.close()
+        self._engines = list(engines)
+        gtimeout = timedelta(seconds=self.group_timeout or timeout)
+        self._timeout = gtimeout.total_seconds()
+        with anyio.fail_after(timeout):
+            counts = await in_thread(gather_objects, len(engines))
+        if not counts[0]:
+            raise ValidationError("transport 'p2p': trainer rank 0 must hold the engines (it was given none)")
+        others = [r for r, n in enumerate(counts) if r and n]
+        if others:
+            raise ValidationError(f"transport 'p2p': only trainer rank 0 holds engines; rank(s) {others} were "
+                                  "given some (pass engines=[] there)")
+        meta: dict[str, Any] | None = None
+        if self.rank == 0:
+            backend = self.backend
+            if backend == "auto":
+                cuda = all(e.device.startswith("cuda") for e in engines) and torch.cuda.is_available()
+                backend = "nccl" if cuda else "gloo"
+            layouts = []
+            with anyio.fail_after(timeout):
+                for e in engines:
+                    layouts.append((e.name, e.workers, await e.layout()))
+            world = self.world + sum(e.workers for e in engines)
+            self._store = host_store(self.master_addr, self.master_port, world, gtimeout)
+            meta = {"group": f"streamsync-p2p-{uuid.uuid4().hex[:12]}", "backend": backend, "world": world,
+                    "addr": self.master_addr, "port": int(self._store.port), "layouts": layouts}
+        with anyio.fail_after(timeout):
+            meta = await in_thread(_broadcast_object, meta)
+        assert meta is not None
+        self._group, self._backend, self._layouts = meta["group"], meta["backend"], meta["layouts"]
+        offset = self.world
+        self._infos, self._offsets = [], {}
+        for name, workers, _ in self._layouts:
+            self._offsets[name] = offset
+            self._infos.append({"transport": self.name, "backend": meta["backend"], "group": meta["group"],
+                                "master_addr": meta["addr"], "master_port": meta["port"], "world_size": meta["world"],
+                                "rank_offset": offset, "workers": workers, "trainer_ranks": self.world,
+                                "timeout_s": self._timeout})
+            offset += workers
+        self._seq, self._broken, self._handles = 0, None, {}
+        rank, world, addr, port, backend = self.rank, meta["world"], meta["addr"], meta["port"], meta["backend"]
+        device = self.device
+
+        def join() -> Any:
+            store = self._store if rank == 0 else dist.TCPStore(addr, port, world, False, timeout=gtimeout)
+            pg = make_group(backend, dist.PrefixStore(meta["group"], store), rank, world, gtimeout, addr)
+            # One collective over the whole group first: every pair is connected before the first push.
+            broadcast(pg, torch.zeros(1, dtype=torch.uint8, device=device if backend == "nccl" else "cpu"))
+            return pg, store
+
+        async def own_side() -> None:
+            self._pg, self._store = await in_thread(join)
+
+        try:
+            with anyio.fail_after(timeout):
+                async with anyio.create_task_group() as tg:
+                    for i, e in enumerate(engines):
+                        tg.start_soon(e.init_transfer, self._infos[i])
+                    tg.start_soon(own_side)
+        except TimeoutError:
+            await self.close()
+            raise TransportError(f"p2p rendezvous ({backend}, {self.world} trainer ranks + "
+                                 f"{world - self.world} engine workers) timed out after {timeout:.1f}s: did every "
+                                 "rank and worker join?") from None
+        except BaseException:
+            await self.close()
+            raise
+
+    async def before_push(self, timeout: float, error: BaseException | None = None) -> None:
+        """Every trainer rank, before a push: one exchange of (this rank cannot push, the group is broken).
+        A rank's error fails the push on every rank (that rank raises its own); a broken group is rebuilt by
+        every rank together."""
+        mine = (f"{type(error).__name__}: {error}" if error is not None else None,
+                self._pg is None or self._broken is not None)
+        with anyio.fail_after(timeout):
+            states: list[Any] = await in_thread(gather_objects, mine)
+        refused = [(r, st[0]) for r, st in enumerate(states) if st[0]]
+        if error is not None:
+            raise error
+        if refused:
+            r, why = refused[0]
+            raise StreamSyncError(f"push refused on trainer rank {r}: {why}")
+        if any(st[1] for st in states):
+            get_logger().warning("p2p: the group is out of step after a failed push; every rank rebuilds it",
+                                 group=self._group, why=self._broken or "not connected")
+            await self.connect(self._engines, timeout)
+
+    @property
+    def device(self) -> torch.device:
+        if self._device is not None:
+            dev = self._device
+        elif (self._backend or self.backend) == "nccl":
+            dev = torch.device("cuda")
+        else:
+            dev = torch.device("cpu")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+
+    @property
+    def pool(self) -> BufferPool:
+        if self._pool is None:
+            self._pool = BufferPool(self.device)
+        return self._pool
+
+    def source_for(self, source: Source, chunk_bytes: int) -> Source:
+        if not self._layouts:
+            raise TransportError("p2p transport is not connected: connect the WeightSync on every trainer rank first")
+        if isinstance(source, ShardedSource):
+            return source
+        return ShardedSource(source, self._layouts, self.bucket_bytes or chunk_bytes)
+
+    # -- per push --------------------------------------------------------------------------------------
+
+    def begin_push(self, plans: Sequence[ChunkPlan], source: Source, engines: Sequence[Engine], *,
+                   by_reference: bool = True) -> None:
+        if not isinstance(source, ShardedSource):
+            raise ValidationError("the p2p transport sends a ShardedSource (WeightSync makes one through source_for)")
+        if self._source is not source:
+            self._handles = {}
+        self._source = source
+        self.counts = {"senders": float(source.senders), "sent_bytes": float(source.sent_bytes)}
+        self.pool.begin(max([p.nbytes for p in plans] + [1]))
+
+    def allocate(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor]) -> SendBuffer:
+        pb = self.pool.take(max(chunk.nbytes, 1))
+        return SendBuffer(chunk.index, pb.size, pb.tensor[: chunk.nbytes], {}, pooled=pb)
+
+    async def pack(self, buf: SendBuffer, layout: Any, tensors: Sequence[torch.Tensor]) -> None:
+        if not tensors:
+            return
+        await super().pack(buf, layout, tensors)
+        if buf.tensor.device.type == "cpu":  # device-to-host copies may still be in flight: wait for them
+            for dev in {t.device for t in tensors if t.is_cuda}:
+                await anyio.to_thread.run_sync(torch.cuda.current_stream(dev).synchronize)
+
+    def handles(self, buf: SendBuffer, engines: int) -> Sequence[ChunkHandle]:
+        """Each engine's update for the bucket: per worker, what each sending rank sends it (`recv`), and the
+        layout of the bucket's whole tensors its workers assemble."""
+        if self._pg is None:
+            raise TransportError("p2p transport is not connected")
+        if self._broken is not None:
+            raise TransportError(f"p2p group is unusable ({self._broken}); the next push rebuilds it")
+        seq = self._seq
+        self._seq += 1
+        source = self._source
+        assert source is not None
+        out = []
+        for i in range(engines):
+            name = self._layouts[i][0]
+            key = (id(source), buf.chunk, name)
+            hit = self._handles.get(key)
+            if hit is None:
+                recv: dict[str, Any] = {}
+                for (eng, worker), segs in source.segments(buf.chunk).items():
+                    if eng == name:
+                        recv[str(worker)] = [[s.src, s.nbytes, [[p.name, p.box.to_json(), off] for p, off in s.pieces]]
+                                             for s in segs]
+                layout = source.delivered(buf.chunk, name)
+                js = layout.to_json()
+                hit = self._handles[key] = (recv, layout, js, layout_key(js))
+            recv, layout, js, lkey = hit
+            out.append(ChunkHandle({"group": self._group, "seq": seq, "recv": recv}, layout, js, lkey))
+        buf.handle = {"seq": seq}
+        return out
+
+    def _dest_rank(self, engine: str, worker: int) -> int:
+        return self._offsets[engine] + worker
+
+    def _send_all(self, tensor: torch.Tensor, sends: Sequence[tuple[tuple[str, int], int, int]], seq: int,
+                  chunk: int) -> None:
+        """Post every segment of this rank's bucket, then wait for each (a send completes once its worker
+        received it), within the group timeout."""
+        works = []
+        for (engine, worker), off, n in sends:
+            works.append(((engine, worker), self._pg.send([tensor[off:off + n]], self._dest_rank(engine, worker), seq)))
+        for (engine, worker), w in works:
+            try:
+                w.wait(timedelta(seconds=self._timeout))
+            except RuntimeError as e:
+                raise EngineError(engine, f"trainer rank {self.rank}: send of bucket {chunk} to worker {worker} "
+                                  f"failed or timed out ({self._timeout:.1f}s): {e}", unresponsive=True) from e
+        if tensor.is_cuda:
+            torch.cuda.current_stream(tensor.device).synchronize()
+
+    async def send(self, buf: SendBuffer, messages: Sequence[UpdateMessage], recipients: Sequence[Recipient]) -> None:
+        """This rank's segments of the bucket and, on rank 0, every engine's update, together."""
+        source = self._source
+        assert source is not None
+        seq = buf.handle["seq"]
+        sends = source.sends(buf.chunk)
+        ok = False
+
+        async def own() -> None:
+            if sends:
+                await in_thread(self._send_all, buf.tensor, sends, seq, buf.chunk)
+
+        try:
+            with anyio.fail_after(self._timeout + 5.0):  # the sends have the group timeout; this is the backstop
+                if not recipients:
+                    await own()
+                else:
+                    async with anyio.create_task_group() as tg:
+                        for r, m in zip(recipients, messages, strict=True):
+                            tg.start_soon(r.update, m)
+                        tg.start_soon(own)
+            ok = True
+        except TimeoutError:
+            who = ",".join(r.name for r in recipients) or f"trainer rank {self.rank}"
+            raise EngineError(who, f"bucket {buf.chunk}: not received within the group timeout "
+                                   f"({self._timeout:.1f}s): a worker or trainer rank frozen or dead?",
+                              unresponsive=True) from None
+        finally:
+            if not ok:  # some rank or worker may still wait for this bucket: the group's sequence is lost
+                self._broken = f"bucket {buf.chunk} failed"
+
+    def free(self, buf: SendBuffer) -> None:
+        pb, buf.pooled = buf.pooled, None
+        if pb is not None:
+            buf.tensor = torch.empty(0, dtype=torch.uint8)
+            self.pool.give(pb)
+
+    def end_push(self, ok: bool) -> None:
+        self.pool.end()
+        if not ok and self._broken is None:
+            self._broken = "a push failed"
+
+    def push_counts(self) -> Mapping[str, float]:
+        return dict(self.counts)
+
+    @property
+    def broken(self) -> str | None:
+        return self._broken
+
+    async def close(self) -> None:
+        pg, store = self._pg, self._store
+        self._pg = self._store = None
+        if pg is not None or store is not None:
+            t = dispose(pg, store)
+            del pg, store
+            if not await join_thread(t, self.close_timeout):
+                get_logger().warning("p2p: group abort did not finish; abandoned", group=self._group,
+                                     timeout_s=self.close_timeout)
+        if self._pool is not None:
+            self._pool.release()

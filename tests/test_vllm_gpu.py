@@ -1,0 +1,251 @@
+"""Pushes into a real vLLM engine on a GPU (marked `gpu`: skipped without CUDA). docs/gpu.md says how to run
+them on the GPU machine with its vLLM 0.25.1; any supported vLLM with CUDA runs them as well.
+
+A trainer on the same GPU as the engine (CUDA IPC, `transport="auto"`): an HF module and a megatron-core
+GPTModel, tied and untied embeddings, three pushes each, every engine parameter compared with the trainer's
+HF export bit for bit after each (device digests on both sides: `streamsync_weight_digests`). Then `paused()`
+in its three modes with requests in flight, the version labels of a streaming rollout across an update, and an
+engine that received a push against one that loaded the same weights from disk (`verify.compare_engines`).
+
+Engines start once per module (30-70 s each there); the tests run their coroutines with anyio.run (`@gpu`):
+the GPU machine has no pytest-asyncio, and an AsyncLLM, bound to its event loop, lives inside one test.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from streamsync import WeightSync
+from streamsync.checksum import device_digest
+from streamsync.testing.gpu import gpu, perturb
+
+vllm = pytest.importorskip("vllm")
+
+from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, engine_kwargs, shutdown  # noqa: E402
+from streamsync.testing.vllm import stop_llm  # noqa: E402
+from streamsync.verify import check_prompts, compare_engines, save_checkpoint  # noqa: E402
+from streamsync.vllm.extension import expected_digests  # noqa: E402
+
+# engine start-ups count against a test's time (pytest-timeout): up to three per test here
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
+
+#: small engines: several share the GPU with the trainer (gpu_memory_utilization is a fraction of the GPU)
+ENGINE: dict[str, Any] = dict(dtype="bfloat16", max_model_len=1024, enforce_eager=True, gpu_memory_utilization=0.08,
+                              use_tqdm_on_load=False)
+TIES = {"untied": False, "tied": True}
+
+
+def _gpu_env() -> None:
+    # flashinfer is not in the GPU machine's vLLM bundle (its sampler import would fail the engine at load)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+
+@pytest.fixture(scope="module")
+def gpu_model_dirs(tmp_path_factory) -> dict[str, str]:
+    from streamsync.models.tiny import make_tiny_qwen3
+
+    cache = tmp_path_factory.mktemp("gpu-models")
+    return {k: str(make_tiny_qwen3(cache, tie_word_embeddings=tie)) for k, tie in TIES.items()}
+
+
+@pytest.fixture(scope="module")
+def gpu_llms(gpu_model_dirs):
+    """One `vllm.LLM` per tiny checkpoint (untied, tied), on the GPU, receiving through streamsync."""
+    _gpu_env()
+    llms = {k: vllm.LLM(model=d, **ENGINE, **engine_kwargs()) for k, d in gpu_model_dirs.items()}
+    yield llms
+    for llm in llms.values():
+        stop_llm(llm)
+
+
+def _hf_trainer(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+
+
+def _megatron_trainer(model_dir: str) -> list[torch.nn.Module]:
+    """A megatron-core GPTModel holding the checkpoint's weights, on the GPU (a world of one, NCCL, as a trainer
+    on a GPU runs; megatron_from_hf keeps a group that exists)."""
+    import torch.distributed as dist
+
+    from streamsync.models.megatron import megatron_from_hf
+
+    if not dist.is_initialized():
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    return [c.cuda() for c in megatron_from_hf(model_dir)]
+
+
+async def _hf_export(trainer: Any, model_dir: str) -> dict[str, torch.Tensor]:
+    """What a push of `trainer` must leave in the engine: its HF state (through the converter for megatron)."""
+    if isinstance(trainer, torch.nn.Module):
+        return dict(trainer.state_dict())
+    from streamsync.models.megatron import export_hf_async, hf_config
+
+    state = await export_hf_async(trainer, dtype=torch.bfloat16, hf_config=hf_config(model_dir))
+    assert state is not None
+    return state
+
+
+async def _assert_bit_exact(engine: VllmEngine, state: dict[str, torch.Tensor], tied: bool) -> None:
+    want = expected_digests(state, await engine.packed_modules(), tied=tied, digest=device_digest)
+    got = await engine.weight_digests(device=True)
+    assert set(got) == set(want)
+    assert got == want, sorted(k for k in want if got.get(k) != want[k])[:5]
+
+
+def _perturb_all(trainer: Any, step: int) -> None:
+    for m in trainer if isinstance(trainer, list) else [trainer]:
+        perturb(m, step)
+
+
+@pytest.mark.parametrize("tie", list(TIES))
+@pytest.mark.parametrize("kind", ["hf", "megatron"])
+@gpu
+async def test_colocated_cuda_ipc_pushes_are_bit_exact_three_times(kind, tie, gpu_llms, gpu_model_dirs):
+    model_dir = gpu_model_dirs[tie]
+    engine = VllmEngine(gpu_llms[tie], name=f"vllm-{tie}")
+    trainer = _hf_trainer(model_dir) if kind == "hf" else _megatron_trainer(model_dir)
+    options = {} if kind == "hf" else {"dtype": torch.bfloat16, "hf_config": _config(model_dir)}
+    sync = WeightSync([engine], transport="auto", chunk_bytes=1 << 20, source_options=options)
+    await sync.connect()
+    assert sync.transport is not None and sync.transport.name == "cuda_ipc"
+    for step in (1, 2, 3):
+        _perturb_all(trainer, step)
+        report = await sync.push(trainer)
+        assert report.chunks > 1 and await engine.get_version() == report.version
+        await _assert_bit_exact(engine, await _hf_export(trainer, model_dir), tied=TIES[tie])
+    await sync.close()
+
+
+def _config(model_dir: str) -> dict[str, Any]:
+    from streamsync.models.megatron import hf_config
+
+    return hf_config(model_dir)
+
+
+@gpu
+async def test_an_engine_pushed_version_n_generates_exactly_what_one_loaded_from_disk_generates(
+        gpu_llms, gpu_model_dirs, tmp_path):
+    """Tied (the head's kernel is rebuilt after a push), prompts asked before the push first (their prefixes
+    cached under the old weights); and an engine holding other weights fails the same check."""
+    model_dir = gpu_model_dirs["tied"]
+    pushed = VllmEngine(gpu_llms["tied"], name="pushed")
+    prompts = check_prompts(int(_config(model_dir)["vocab_size"]), count=3)
+    for p in prompts:
+        await pushed.greedy(p, 4)
+    trainer = _hf_trainer(model_dir)
+    perturb(trainer, 11)
+    sync = WeightSync([pushed], transport="auto", chunk_bytes=1 << 20)
+    await sync.push(trainer)
+    ckpt = save_checkpoint(trainer.state_dict(), like=model_dir, out=tmp_path / "pushed", dtype=torch.bfloat16)
+    llm = vllm.LLM(model=str(ckpt), **ENGINE, **engine_kwargs())
+    try:
+        loaded = VllmEngine(llm, name="loaded")
+        check = await compare_engines(pushed, loaded, prompts, as_served=True)
+        assert check.ok, check
+        perturb(trainer, 12)
+        await sync.push(trainer)
+        other = await compare_engines(pushed, loaded, prompts)
+        assert not other.ok, other
+    finally:
+        await sync.close()
+        stop_llm(llm)
+
+
+async def _pause_with_requests_in_flight(llm: Any, sync: WeightSync, trainer: Any, mode: str, vocab: int,
+                                         step: int) -> tuple[int, int, dict[int, Any]]:
+    """Four requests generating; `sync.paused(mode)` around a push. Returns (old version, new version, each
+    request's final output)."""
+    perturb(trainer, step)
+    old = (await sync.push(trainer)).version
+    params = vllm.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    prompts = check_prompts(vocab, count=4, length=40)
+    finals: dict[int, Any] = {}
+    started = [anyio.Event() for _ in range(4)]
+    finished: set[int] = set()
+
+    async def generate(j: int) -> None:
+        async for out in llm.generate({"prompt_token_ids": prompts[j]}, params, request_id=f"{mode}-{step}-{j}"):
+            finals[j] = out
+            started[j].set()
+        finished.add(j)
+
+    async with anyio.create_task_group() as tg:
+        for j in range(4):
+            tg.start_soon(generate, j)
+        for ev in started:
+            await ev.wait()
+        perturb(trainer, step + 1)
+        async with sync.paused(mode=mode):
+            if mode == "wait":  # drained: each completes while generation is paused, so on the old weights
+                with anyio.fail_after(60):
+                    while len(finished) < 4:
+                        await anyio.sleep(0.005)
+            new = (await sync.push(trainer)).version
+            if mode == "keep":
+                assert not finished  # frozen across the push, not ended
+    return old, new, finals
+
+
+@gpu
+async def test_paused_keep_abort_wait_with_requests_in_flight(gpu_model_dirs):
+    """An AsyncLLM with four requests generating when each pause begins. keep: they freeze and finish on the new
+    weights; abort: they end at the pause; wait: they finish on the old weights before the push. Tokens are
+    labelled with the version that sampled them (vLLM's labels where it keeps versions, else the rollout's)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from streamsync.rollout import StreamingRollout
+
+    _gpu_env()
+    model_dir = gpu_model_dirs["untied"]
+    vocab = int(_config(model_dir)["vocab_size"])
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE, **engine_kwargs()))
+    try:
+        engine = AsyncVllmEngine(llm, name="async")
+        trainer = _hf_trainer(model_dir)
+        sync = WeightSync([engine], transport="auto", chunk_bytes=1 << 20)
+        await sync.connect()
+        for i, mode in enumerate(("keep", "abort", "wait")):
+            old, new, finals = await _pause_with_requests_in_flight(llm, sync, trainer, mode, vocab, 20 + 2 * i)
+            for j, out in finals.items():
+                c = out.outputs[0]
+                if mode == "abort":
+                    assert c.finish_reason == "abort" and len(c.token_ids) < 400, (j, c.finish_reason)
+                    continue
+                assert len(c.token_ids) == 400 and c.finish_reason == "length"
+                if engine.native_versions:
+                    want = [str(old), str(new)] if mode == "keep" else [str(old)]
+                    assert [w.version for w in c.weight_versions] == want
+            assert await engine.get_version() == new
+        # the version labels of a streaming rollout across an update, on either kind of vLLM
+        rollout = StreamingRollout(sync, _prompts(vocab, 3), in_flight=3, max_tokens=200,
+                                   sampling={"temperature": 0.0, "ignore_eos": True}, pause_mode="keep")
+        async with rollout:
+            with anyio.fail_after(120):
+                while sum(len(s.tokens) >= 2 for s in rollout._live.values()) < 3:
+                    await anyio.sleep(0.002)
+            before = sync.version
+            perturb(trainer, 40)
+            update = await rollout.update(trainer)
+            samples = [await rollout.next() for _ in range(3)]
+        for s in samples:
+            assert len(s.tokens) == 200 and s.versions == [before, update.push.version], s.spans
+        await sync.close()
+    finally:
+        shutdown(llm)
+
+
+def _prompts(vocab: int, n: int) -> Any:
+    async def gen() -> Any:
+        for p in check_prompts(vocab, count=n, length=24):
+            yield p
+    return gen()
