@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..log import get_logger
 from ..pack import dtype_from_name
 from ..plan.chunking import layer_index
+from . import compat
 
 aten = torch.ops.aten
 Weights = Iterable[tuple[str, torch.Tensor]]
@@ -281,13 +282,12 @@ def _never_loaded() -> set[str]:
 
 def module_mode(mod: torch.nn.Module) -> tuple[Mode, str]:
     """How a module's pushes load (module doc), and why."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.platforms import current_platform
 
-    if is_deferred_attention_layer(mod):
+    if compat.deferred_attention(mod):
         return Mode.LAYERWISE, "attention layer (processed after every other layer)"
     method = getattr(mod, "quant_method", None)
     if method is None:
@@ -366,6 +366,7 @@ def build_plan(model: torch.nn.Module, traced: Traced) -> Plan:
     layers, any module outside them): those all load layerwise. A layerwise module's descendants load layerwise
     too (vLLM arms a module with its children)."""
     mods = dict(model.named_modules())
+    canonical = {id(m): n for n, m in mods.items()}
     targets = traced.targets
     modes = {name: module_mode(mod) for name, mod in mods.items()}
     # what each target's live tensor is now, for COPY views and the key
@@ -411,7 +412,8 @@ def build_plan(model: torch.nn.Module, traced: Traced) -> Plan:
         changed = False
         for mname, mod in mods.items():
             if modes[mname][0] is Mode.LAYERWISE:
-                for cname, _ in mod.named_modules(prefix=mname):
+                for child in mod.modules():
+                    cname = canonical[id(child)]  # a module shared by several layers (rotary) has one name
                     if modes[cname][0] is not Mode.LAYERWISE:
                         demote(cname, f"inside layerwise module {mname!r}")
                         changed = True
@@ -622,7 +624,8 @@ class FastRound:
                     if p is not None:
                         p.data.copy_(getattr(layer, name))
                 for name, b in kernel_buffers.items():
-                    if b is not None and name in layer._buffers and (name not in non_persistent or name in pend.buffers):
+                    made = name not in non_persistent or name in pend.buffers
+                    if b is not None and name in layer._buffers and made:
                         b.data.copy_(getattr(layer, name))
             finally:
                 _place(layer, kernel_params, kernel_buffers, non_persistent)
