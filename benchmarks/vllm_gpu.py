@@ -49,7 +49,7 @@ def _engine_args(args: argparse.Namespace, dummy: bool) -> dict[str, Any]:
     from streamsync.engines.vllm import engine_kwargs
 
     extra: dict[str, Any] = {"load_format": "dummy"} if dummy else {}
-    return dict(dtype="bfloat16", max_model_len=1024, enforce_eager=True, use_tqdm_on_load=False,
+    return dict(dtype="bfloat16", max_model_len=512, enforce_eager=True, use_tqdm_on_load=False,
                 gpu_memory_utilization=args.engine_memory, **extra, **engine_kwargs())
 
 

@@ -137,3 +137,62 @@ async def test_a_module_whose_loader_cannot_be_traced_loads_layerwise_and_exactl
     assert report.paths == {"llm": "fast"} and report.engine_rounds[0].traced
     await _exact(engine, trainer)
     await sync.close()
+
+
+@pytest.fixture(scope="module")
+def moe_llm(tmp_path_factory):
+    from streamsync.engines.vllm import engine_kwargs
+    from streamsync.models.tiny import make_tiny_qwen3_moe
+    from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, stop_llm
+
+    cpu_env()
+    model_dir = str(make_tiny_qwen3_moe(tmp_path_factory.mktemp("moe")))
+    # its own worker process: vLLM's parallel groups are per process, and the tied engine's are set up here
+    engine = vllm.LLM(model=model_dir, **ENGINE_ARGS, **engine_kwargs())
+    yield engine, model_dir
+    stop_llm(engine)
+
+
+def _checkpoint_trainer(model_dir: str, step: int) -> torch.nn.Module:
+    """The checkpoint's own tensors (one per expert, as vLLM loads them) after `step` stand-in training steps."""
+    from safetensors.torch import load_file
+
+    from streamsync.models.synthetic import StateModule
+    from streamsync.pack import dtype_name
+    from streamsync.testing.gpu import perturb
+
+    state = load_file(f"{model_dir}/model.safetensors")
+    model = StateModule([(n, dtype_name(t.dtype), list(t.shape)) for n, t in state.items()])
+    model.load_state_dict(state)
+    perturb(model, step)
+    return model
+
+
+async def test_stacked_experts_take_the_fast_path_and_land_as_layerwise_reload_lands_them(moe_llm):
+    """A Qwen3-MoE: the experts of each layer (FusedMoE `w13_weight` / `w2_weight`, rebuilt by the CPU backend)
+    are filled by the fast path's copies; every engine parameter then equals what layerwise reload of the same
+    weights leaves, and both generate the same tokens."""
+    llm, model_dir = moe_llm
+    prompt = llm.get_tokenizer().encode("the model weight sync push chunk")
+    trainer = _checkpoint_trainer(model_dir, step=1)
+    fast = VllmEngine(llm, name="moe")
+    sync = WeightSync([fast], chunk_bytes=1 << 20)
+    report = await sync.push(trainer, version=1)
+    (r,) = report.engine_rounds
+    assert report.paths == {"moe": "fast"} and r.rebuilt_modules > 0, r
+    # the stacked experts are a fusion the engine takes whole (its members: every expert's gate and up)
+    layout = await fast.fused_layout()
+    assert layout and any(n.startswith("model.layers.0.mlp.experts") and len(m) == 16 for n, (m, _) in layout.items())
+    fast_digests = await fast.weight_digests()
+    fast_tokens, _ = greedy(llm, prompt, 12)
+    await sync.close()
+
+    slow = VllmEngine(llm, name="moe", fast_path=False)
+    sync = WeightSync([slow], chunk_bytes=1 << 20)
+    await sync.push(_checkpoint_trainer(model_dir, step=2), version=2)
+    assert await slow.weight_digests() != fast_digests
+    report = await sync.push(trainer, version=3)
+    assert report.paths == {"moe": "layerwise"}
+    assert await slow.weight_digests() == fast_digests
+    assert greedy(llm, prompt, 12)[0] == fast_tokens
+    await sync.close()
