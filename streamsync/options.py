@@ -118,6 +118,9 @@ class Observers:
     on_push:    called with the `PushReport` after each successful push (every rank). A hook that raises is
                 logged as a warning; it does not fail the push.
     metrics:    where Prometheus metrics go (default `streamsync.metrics.DEFAULT`); None records none.
+    engine_stats: after each round, ask every engine what its workers did (`PushReport.engine_rounds`: the path
+                its tensors took, its timed phases, drawn in the trace, its extra memory): one call per engine
+                (default). False skips it.
     """
 
     trace_dir: Path | None = None
@@ -125,6 +128,7 @@ class Observers:
     on_chunk: Callable[[ChunkDone], object] | None = None
     on_push: Callable[[PushReport], object] | None = None
     metrics: Metrics | None = DEFAULT_METRICS
+    engine_stats: bool = True
 
     def __post_init__(self) -> None:
         if self.trace_dir is not None and not isinstance(self.trace_dir, Path):
@@ -151,6 +155,7 @@ class SyncKwargs(TypedDict, total=False):
     on_chunk: Callable[[ChunkDone], object] | None
     on_push: Callable[[PushReport], object] | None
     metrics: Metrics | None
+    engine_stats: bool
     faults: dict[str, int] | None
 
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .errors import ValidationError
 from .trace import Trace
-
-if TYPE_CHECKING:
-    pass
-
 
 MiB = 1 << 20
 
@@ -56,6 +54,70 @@ class DeltaReport:
         return self.changed / self.elements if self.elements else 0.0
 
 
+PATHS = ("fast", "layerwise", "mixed", "none")
+
+
+@dataclass(frozen=True)
+class EngineRound:
+    """What one worker of an engine did in a push's round, as it measured it (`Engine.round_stats`).
+
+    path:           "fast" (every tensor copied straight into the engine's tensors), "layerwise" (every tensor
+                    through vLLM's layerwise reload), "mixed" (counts below), "none" (no tensor arrived)
+    fast_tensors, layerwise_tensors, fast_bytes, layerwise_bytes: what went which way (a fused tensor counts once)
+    rebuilt_modules: modules whose kernels were derived again from their new tensors (`process_weights_after_loading`)
+    traced:         where each tensor goes was traced in this round (the engine's layout changed, or its first)
+    phase_ms:       milliseconds per phase in the worker (`streamsync.vllm.stats`: map, arm, load, process, finish)
+    extra_bytes:    memory the round took above what the worker held at its start (None: not measured); `memory`
+                    says how it was measured
+    """
+
+    engine: str
+    worker: int
+    path: str
+    fast_tensors: int
+    layerwise_tensors: int
+    fast_bytes: int
+    layerwise_bytes: int
+    rebuilt_modules: int
+    traced: bool
+    phase_ms: dict[str, float]
+    extra_bytes: int | None
+    memory: str
+    #: (phase, chunk or None, start, end): wall-clock seconds (`time.time`) in the worker
+    phases: tuple[tuple[str, int | None, float, float], ...] = field(default=(), repr=False)
+
+    @classmethod
+    def from_wire(cls, engine: str, d: Mapping[str, Any]) -> EngineRound:
+        """An engine's plain-data answer, checked field by field (it crossed a process boundary)."""
+        def num(key: str) -> int:
+            v = d.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValidationError(f"engine {engine!r} round stats: {key} must be an int >= 0, got {v!r:.40}")
+            return v
+
+        path = d.get("path")
+        if path not in PATHS:
+            raise ValidationError(f"engine {engine!r} round stats: path must be one of {PATHS}, got {path!r:.40}")
+        phases = []
+        for p in d.get("phases") or ():
+            if (not isinstance(p, list | tuple) or len(p) != 4 or not isinstance(p[0], str)
+                    or not (p[1] is None or isinstance(p[1], int))
+                    or not all(isinstance(x, int | float) for x in p[2:])):
+                raise ValidationError(f"engine {engine!r} round stats: malformed phase {p!r:.80}")
+            phases.append((p[0], p[1], float(p[2]), float(p[3])))
+        ms: dict[str, float] = {}
+        for name, _, a, b in phases:
+            ms[name] = ms.get(name, 0.0) + (b - a) * 1e3
+        extra = d.get("extra_bytes")
+        return cls(engine, num("rank"), path, num("fast_tensors"), num("layerwise_tensors"), num("fast_bytes"),
+                   num("layerwise_bytes"), num("rebuilt_modules"), bool(d.get("traced")), ms,
+                   extra if isinstance(extra, int) and not isinstance(extra, bool) else None,
+                   str(d.get("memory") or ""), tuple(phases))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "phases"}
+
+
 @dataclass
 class PushReport:
     """What one push did. `stage_seconds` is each stage's busy time (sum of its spans)."""
@@ -79,6 +141,9 @@ class PushReport:
     path: str = "single-sender"
     #: trainer ranks that sent bytes; `bytes` counts what this rank sent
     senders: int = 1
+    #: what each engine's workers did in the round, as they measured it (empty where engines cannot say, or
+    #: with `engine_stats=False`); `paths` sums it up per engine
+    engine_rounds: list[EngineRound] = field(default_factory=list)
     trace_path: str | None = None
     trace: Trace | None = field(default=None, repr=False)
     #: a sync that pushes deltas: what this push sent (None: delta pushes are off)
@@ -88,8 +153,18 @@ class PushReport:
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
+    @property
+    def paths(self) -> dict[str, str]:
+        """Engine -> the path its tensors took: "fast", "layerwise", "mixed" (or "none"), across its workers."""
+        out: dict[str, str] = {}
+        for r in self.engine_rounds:
+            prev = out.get(r.engine)
+            out[r.engine] = r.path if prev in (None, r.path) else "mixed"
+        return out
+
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("trace", "engine_rounds")}
+        out["engine_rounds"] = [r.to_dict() for r in self.engine_rounds]
         if self.delta is not None:
             out["delta"] = asdict(self.delta)
         return out
@@ -102,4 +177,5 @@ class PushReport:
                 + (f"; sharded from {self.senders} ranks" if self.path == "sharded" else "")
                 + (f"; {self.delta.mode} push, {self.delta.wire_bytes / MiB:.2f} MiB sent" if self.delta else "")
                 + (f"; garbage collection {self.gc_ms:.0f} ms" if self.gc_ms >= 1 else "")
+                + ("; engine paths " + ", ".join(f"{k} {v}" for k, v in self.paths.items()) if self.paths else "")
                 + (f"; trace {self.trace_path}" if self.trace_path else ""))

@@ -17,6 +17,8 @@ from .engines.base import Engine
 from .errors import PushError
 from .log import get_logger
 from .pipeline.stages import first_push_error
+from .report import EngineRound
+from .trace import Trace
 
 
 @dataclass
@@ -47,8 +49,9 @@ class EngineGroup:
                     maybe.add(e.name)
                 raise PushError(f"{what}: no reply in {self.timeout:.1f} s", stage=stage, receiver=e.name) from None
             except Exception as err:
-                leaf = first_push_error(err) if isinstance(err, ExceptionGroup) else err
-                raise PushError(f"{what}: engine {e.name!r}: {leaf}", stage=stage, receiver=e.name) from err
+                leaf = str(first_push_error(err) if isinstance(err, ExceptionGroup) else err)
+                named = leaf if f"{e.name!r}" in leaf else f"engine {e.name!r}: {leaf}"
+                raise PushError(f"{what}: {named}", stage=stage, receiver=e.name) from err
             except BaseException:
                 if maybe is not None:
                     maybe.add(e.name)
@@ -94,16 +97,20 @@ class EngineGroup:
                     tg.start_soon(one, e)
         return ended
 
-    async def reset_caches(self) -> dict[str, bool]:
+    async def reset_caches(self, trace: Trace | None = None) -> dict[str, bool]:
         """Reset every engine's prefix cache after a finished round. The new version is already in place, so a
-        failure here does not fail the push: it is reported (the result, a warning)."""
+        failure here does not fail the push: it is reported (the result, a warning). Each engine's reset is an
+        `engine.cache_reset` span of `trace` (timed here: the engine's scheduler does it, not a worker)."""
         done: dict[str, bool] = {}
         log = get_logger()
 
         async def one(e: Engine) -> None:
+            start = trace.now() if trace is not None else 0.0
             try:
                 with anyio.fail_after(self.timeout):
                     done[e.name] = await e.reset_cache()
+                if trace is not None:
+                    trace.add_span("engine.cache_reset", -1, start, trace.now(), 0, e.name)
             except Exception as err:
                 log.warning("prefix cache reset failed", engine=e.name, error=str(err))
                 done[e.name] = False
@@ -116,6 +123,34 @@ class EngineGroup:
             for e in self.engines:
                 tg.start_soon(one, e)
         return done
+
+    async def round_stats(self, trace: Trace | None = None) -> list[EngineRound]:
+        """What every engine's workers did in the round that just finished (`Engine.round_stats`), their phases
+        added to `trace` as engine spans. Observability only: an engine that cannot answer is logged, not
+        failed (the weights already moved)."""
+        out: list[EngineRound] = []
+        log = get_logger()
+
+        async def one(e: Engine) -> None:
+            try:
+                with anyio.fail_after(self.timeout):
+                    got = await e.round_stats()
+                rounds = [EngineRound.from_wire(e.name, d) for d in got or ()]
+            except Exception as err:
+                log.warning("engine round stats unavailable", engine=e.name, error=str(err))
+                return
+            out.extend(rounds)
+            if trace is not None:
+                for r in rounds:
+                    trace.engine_phases(r.engine if len(rounds) == 1 else f"{r.engine} w{r.worker}", r.phases)
+
+        async with anyio.create_task_group() as tg:
+            for e in self.engines:
+                tg.start_soon(one, e)
+        return sorted(out, key=lambda r: (self._order(r.engine), r.worker))
+
+    def _order(self, name: str) -> int:
+        return next((i for i, e in enumerate(self.engines) if e.name == name), len(self.engines))
 
     async def pause(self, mode: str, clear_cache: bool) -> None:
         await self.each("pause", lambda e: e.pause(mode, clear_cache), stage="pause")

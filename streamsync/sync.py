@@ -29,7 +29,7 @@ from .pipeline.stages import first_push_error
 from .plan.check import Expected, check_plan, nonfinite
 from .plan.chunk import ChunkPlan
 from .plan.chunking import split_layers
-from .report import ChunkDone, DeltaReport, GiB, MiB, PushReport
+from .report import ChunkDone, DeltaReport, EngineRound, GiB, MiB, PushReport
 from .rounds import EngineGroup, Rounds
 from .sources import Source, as_source
 from .sources.sharded import ShardedSource
@@ -464,6 +464,7 @@ class WeightSync:
         group = EngineGroup(self.engines, self.timeout, self.abort_timeout)
         rounds = Rounds()
         cache_reset: dict[str, bool] = {}
+        engine_rounds: list[EngineRound] = []
         limit = anyio.CancelScope(deadline=math.inf if time_limit is None else anyio.current_time() + time_limit)
         push_range = pipeline.ProfilerRange(f"streamsync.push v{version}").__enter__()
         try:
@@ -473,8 +474,7 @@ class WeightSync:
                     job.started = anyio.Event()
                     await self._run_started(job, group, rounds)
                     await group.finish(version, rounds)
-                    if self.checks.reset_prefix_cache:
-                        cache_reset = await group.reset_caches()
+                    cache_reset, engine_rounds = await self._after_round(group, trace)
                 else:
                     await pipeline.run(job)
         except BaseException as e:  # a PushError, or a cancellation: the rounds end either way
@@ -491,9 +491,28 @@ class WeightSync:
                 self.metrics.observe_failure(err.stage)
             await self._failed(err, job, group, rounds, trace)
             raise err
-        return self._succeeded(job, source, cache_reset)
+        return self._succeeded(job, source, cache_reset, engine_rounds)
 
-    def _succeeded(self, job: pipeline.Push, source: Source, cache_reset: dict[str, bool]) -> PushReport:
+    async def _after_round(self, group: EngineGroup, trace: Trace) -> tuple[dict[str, bool], list[EngineRound]]:
+        """Once every engine finished: reset their prefix caches and ask what their workers did, both at once."""
+        cache_reset: dict[str, bool] = {}
+        engine_rounds: list[EngineRound] = []
+
+        async def reset() -> None:
+            cache_reset.update(await group.reset_caches(trace))
+
+        async def stats() -> None:
+            engine_rounds.extend(await group.round_stats(trace))
+
+        async with anyio.create_task_group() as tg:
+            if self.checks.reset_prefix_cache:
+                tg.start_soon(reset)
+            if self.observers.engine_stats:
+                tg.start_soon(stats)
+        return cache_reset, engine_rounds
+
+    def _succeeded(self, job: pipeline.Push, source: Source, cache_reset: dict[str, bool],
+                   engine_rounds: list[EngineRound]) -> PushReport:
         log = get_logger()
         trace = job.trace
         seconds = trace.end()
@@ -505,11 +524,13 @@ class WeightSync:
             stage_seconds=trace.busy_seconds(), peak_bytes_inflight=job.peak_bytes,
             max_chunks_alive=trace.max_alive(), collectives=source.collectives,
             engines=[e.name for e in self.engines], cache_reset=cache_reset, trace=trace,
-            gc_ms=trace.counts.get("gc_us", 0) / 1e3, delta=delta,
+            gc_ms=trace.counts.get("gc_us", 0) / 1e3, delta=delta, engine_rounds=engine_rounds,
         )
         if isinstance(source, ShardedSource):
             report.path, report.senders = "sharded", source.senders
             trace.meta.update(path="sharded", senders=source.senders)
+        if engine_rounds:
+            trace.meta["engine_rounds"] = [r.to_dict() for r in engine_rounds]
         if report.gc_ms >= 20 and report.gc_ms > 0.2 * seconds * 1e3:
             log.warning("garbage collection paused this push", gc_ms=round(report.gc_ms, 1),
                         push_ms=round(seconds * 1e3, 1),

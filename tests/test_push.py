@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -118,16 +117,19 @@ async def test_shape_dtype_and_missing_parameters_are_refused_before_bytes_move(
 
 async def test_a_receiver_killed_mid_push_ends_the_push_within_its_timeout(qwen_specs_path, qwen_model, memfds):
     with ReceiverProcess(str(qwen_specs_path), delay=0.2, name="doomed") as rp:
-        sync = WeightSync([rp.engine(timeout=10)], chunk_bytes=CHUNK, timeout=10)
-        await sync.connect()
+        killed: list[int] = []
 
-        killer = threading.Timer(0.7, os.kill, (rp.pid, signal.SIGKILL))  # a real crash, mid-push
+        def kill(_):  # a real crash, mid-push: once the first chunk has landed
+            if not killed:
+                killed.append(rp.pid)
+                os.kill(rp.pid, signal.SIGKILL)
+
+        sync = WeightSync([rp.engine(timeout=10)], chunk_bytes=CHUNK, timeout=10, on_chunk=kill)
+        await sync.connect()
         t0 = time.monotonic()
-        killer.start()
         with pytest.raises(PushError) as err:
             await sync.push(qwen_model)
-        killer.join()
-        assert time.monotonic() - t0 < 10
+        assert killed and time.monotonic() - t0 < 10
         assert err.value.stage == "send" and err.value.receiver == "doomed"
         assert "died" in str(err.value)
         await sync.close()

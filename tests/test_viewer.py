@@ -122,8 +122,10 @@ async def test_flow_events_link_each_chunks_stages_from_gather_to_release(pushes
 
 async def test_each_engine_gets_a_send_span_per_chunk(pushes):
     spans = load(pushes.w4).spans
-    per_engine = Counter(s.receiver for s in spans if s.receiver is not None)
+    per_engine = Counter(s.receiver for s in spans if s.stage == "send" and s.receiver is not None)
     assert per_engine == {"rx-fast": pushes.chunks, "rx-slow": pushes.chunks}
+    # and each engine's own lane: its prefix-cache reset after the round (stand-in receivers time no phases)
+    assert Counter(s.receiver for s in spans if s.stage.startswith("engine.")) == {"rx-fast": 1, "rx-slow": 1}
 
 
 async def test_a_failed_push_records_stage_chunk_and_message(pushes):
@@ -197,7 +199,8 @@ async def test_a_push_lines_up_inside_a_torch_profiler_trace_of_it(tmp_path, qwe
     events = json.loads(merged.read_text())["traceEvents"]
     (outer,) = [e for e in events if e.get("name") == "trainer push" and e.get("ph") == "X"]
     ours = [e for e in events if e.get("cat") == "streamsync"]
-    assert len(ours) == report.chunks * (len(STAGES) + 1)
+    engine = [e for e in ours if e["name"].startswith("engine.")]
+    assert len(ours) - len(engine) == report.chunks * (len(STAGES) + 1) and len(engine) == 1  # its cache reset
     assert {e["pid"] for e in ours} == {outer["pid"]}
     # every stage span sits inside the trainer's profiler range around the push
     assert outer["ts"] <= min(e["ts"] for e in ours)
@@ -222,6 +225,7 @@ async def test_page_draws_a_bar_per_chunk_on_every_lane_and_the_jsons_numbers(pu
     page = await browser.page()
     await page.goto(f"{site}/view?f={pushes.w4.name}")
     want = {lane: pushes.chunks for lane in [*STAGES, "send → rx-fast", "send → rx-slow"]}
+    want |= {"engine rx-fast": 1, "engine rx-slow": 1}  # each engine's cache reset, on its own lane
     assert await page.eval(_bars()) == want
     # everything the page loaded came from the viewer itself: it works on machines without a network
     assert await page.eval("performance.getEntriesByType('resource').every(e => e.name.startsWith(location.origin))")
@@ -320,7 +324,7 @@ async def test_live_page_follows_a_push_while_it_runs(browser, qwen_specs_path, 
         report = await push
         await page.wait_for("document.body.dataset.state === 'done'")
         final = await page.eval(count)
-        assert mid < final == report.chunks * (len(STAGES) + 1)
+        assert mid < final == report.chunks * (len(STAGES) + 1) + 1  # and the engine's cache reset
         assert float(await page.eval(_field("wall") + ".dataset.value")) == report.seconds * 1e3
         # and it stays listed (with no trace_dir: from memory), to open and compare later
         await page.goto(sync.viewer_url.replace("/live", "/"))
@@ -348,7 +352,10 @@ async def test_a_vllm_push_draws_the_engine_send_lane(llm, model_dir, browser, t
         page = await browser.page()
         await page.goto(f"http://127.0.0.1:{tcp._server.sockets[0].getsockname()[1]}/view?f="
                         f"{Path(report.trace_path).name}")
-        assert await page.eval(_bars()) == {lane: report.chunks for lane in [*STAGES, "send → llm"]}
+        engine = report.trace.engine_spans()  # what the worker timed itself (per chunk: map, load, ...)
+        assert {s.stage for s in engine} >= {"engine.map", "engine.load", "engine.finish", "engine.cache_reset"}
+        assert await page.eval(_bars()) == {**{lane: report.chunks for lane in [*STAGES, "send → llm"]},
+                                            "engine llm": len(engine)}
         assert float(await page.eval(_field("wall") + ".dataset.value")) == report.seconds * 1e3
         await _screenshot(page, img / "viewer-vllm.png")
     finally:

@@ -68,6 +68,34 @@ async def test_llm_generations_match_a_reference_holding_the_trainer_weights(llm
     await sync.close()
 
 
+async def test_the_fast_path_and_layerwise_reload_leave_identical_weights_and_generations(llm, model_dir):
+    """Untied model (tests/test_vllm_fastpath.py: tied). Each push's report says which path it took and the
+    engine's extra memory; both paths leave every engine parameter bit-exact and generate the same tokens."""
+    prompt = llm.get_tokenizer().encode(PROMPT)
+    trainer = trainer_from(model_dir, step=40)
+    fast = VllmEngine(llm, name="llm")
+    sync = WeightSync([fast], chunk_bytes=1 << 20)
+    report = await sync.push(trainer, version=await _next_version(sync))
+    assert report.paths == {"llm": "fast"}
+    (r,) = report.engine_rounds
+    assert r.fast_tensors > 0 and r.layerwise_tensors == 0 and r.rebuilt_modules > 0  # CPU: oneDNN repacks
+    assert r.extra_bytes is not None and "VmHWM" in r.memory
+    assert "engine paths llm fast" in report.summary()
+    await _assert_bit_exact(fast, trainer)
+    fast_tokens, _ = _greedy(llm, prompt)
+    await sync.close()
+
+    slow = VllmEngine(llm, name="llm", fast_path=False)
+    sync = WeightSync([slow], chunk_bytes=1 << 20)
+    await sync.push(trainer_from(model_dir, step=41), version=await _next_version(sync))
+    report = await sync.push(trainer)
+    assert report.paths == {"llm": "layerwise"}
+    assert report.engine_rounds[0].fast_tensors == 0 and report.engine_rounds[0].extra_bytes is not None
+    await _assert_bit_exact(slow, trainer)
+    assert _greedy(llm, prompt)[0] == fast_tokens
+    await sync.close()
+
+
 async def _refused_before_any_byte_moves(engine, model_dir, bad, match):
     """`bad` is refused up front (ValidationError naming the tensor), the engine still holds and reports the
     previous push exactly, and the next good push lands."""

@@ -144,6 +144,12 @@ class Engine(ABC):
         tensors that makes up one of them as that one tensor (`WeightSync(engine_layout=True)`)."""
         return None
 
+    async def round_stats(self) -> list[dict[str, Any]] | None:
+        """What the engine's workers did in the round that just finished, one plain dict per worker
+        (`streamsync.report.EngineRound.from_wire`: the path its tensors took, its timed phases with wall-clock
+        stamps, its extra memory), or None where it cannot say. The sender asks once per push, after finish."""
+        return None
+
     async def reset_cache(self) -> bool:
         """Drop state computed under the previous weights (vLLM: the prefix cache), so no later request reuses
         it. False when the engine could not (vLLM: requests kept across the push still hold cache blocks).

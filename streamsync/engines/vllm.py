@@ -70,6 +70,9 @@ def shutdown(engine: Any, timeout: float | None = None) -> None:
 
 class _Guarded(Engine):
     timeout: float
+    #: the workers copy received tensors straight into the engine's tensors where they can
+    #: (`streamsync.vllm.fastpath`); False: every tensor goes through vLLM's layerwise reload
+    fast_path: bool = True
     #: an update reached the engine since the round began: an abort must then mark it mixed
     _touched: bool = False
     #: the engine's vLLM is this process's (an in-process LLM / AsyncLLM): its version is read here
@@ -268,6 +271,21 @@ class _Guarded(Engine):
     async def packed_modules(self) -> dict[str, list[str]]:
         return (await self.rpc("streamsync_packed_modules"))[0]
 
+    def _init_info(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        return {**init_info, "fast_path": self.fast_path}
+
+    async def fused_layout(self) -> dict[str, Any] | None:
+        """The tensors every worker takes as one (the fast path's fusions: `qkv_proj`, `gate_up_proj`, stacked
+        experts), or None where they differ or there are none."""
+        layouts = await self.rpc("streamsync_fused_layout")
+        first = layouts[0] if layouts else None
+        return first if first and all(x == first for x in layouts) else None
+
+    async def round_stats(self) -> list[dict[str, Any]] | None:
+        """What the last round did in each worker (`streamsync.vllm.stats`), or None before any."""
+        got = [x for x in await self.rpc("streamsync_round_stats") if isinstance(x, dict)]
+        return got or None
+
     async def received_digests(self) -> dict[str, str]:
         return (await self.rpc("streamsync_received_digests"))[0]
 
@@ -285,8 +303,9 @@ class VllmEngine(_Guarded):
 
     in_process = True
 
-    def __init__(self, llm: Any, *, name: str = "vllm", timeout: float = 300.0) -> None:
+    def __init__(self, llm: Any, *, name: str = "vllm", timeout: float = 300.0, fast_path: bool = True) -> None:
         self.llm = llm
+        self.fast_path = fast_path
         self.name = name
         self.timeout = timeout
         self.device = _device()
@@ -305,7 +324,8 @@ class VllmEngine(_Guarded):
         return await self._run(what, go)
 
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
-        await self._call("init", self.llm.init_weight_transfer_engine, {"init_info": {"streamsync": init_info}})
+        await self._call("init", self.llm.init_weight_transfer_engine,
+                         {"init_info": {"streamsync": self._init_info(init_info)}})
 
     async def _start(self) -> None:
         await self._call("start_weight_update", self.llm.start_weight_update)
@@ -355,8 +375,10 @@ class AsyncVllmEngine(_Guarded):
 
     in_process = True
 
-    def __init__(self, engine: Any, *, name: str = "async-vllm", timeout: float = 300.0) -> None:
+    def __init__(self, engine: Any, *, name: str = "async-vllm", timeout: float = 300.0,
+                 fast_path: bool = True) -> None:
         self.engine = engine
+        self.fast_path = fast_path
         self.name = name
         self.timeout = timeout
         self.device = _device()
@@ -364,7 +386,7 @@ class AsyncVllmEngine(_Guarded):
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        req = WeightTransferInitRequest(init_info={"streamsync": init_info})
+        req = WeightTransferInitRequest(init_info={"streamsync": self._init_info(init_info)})
         await self._run("init", self.engine.init_weight_transfer_engine, req)
 
     async def _start(self) -> None:
@@ -426,8 +448,9 @@ class VllmHttpEngine(_Guarded):
     `--middleware streamsync.vllm.auth.RequireApiKey` refuses the weight-transfer routes without it)."""
 
     def __init__(self, url: str, *, name: str | None = None, timeout: float = 300.0, device: str = "cpu",
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, fast_path: bool = True) -> None:
         self.url = url.rstrip("/")
+        self.fast_path = fast_path
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.name = name or self.url
         self.timeout = timeout
@@ -466,7 +489,8 @@ class VllmHttpEngine(_Guarded):
         return await self._run(f"{method} {path}", go)
 
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
-        await self._http("POST", "/init_weight_transfer_engine", json={"init_info": {"streamsync": init_info}})
+        await self._http("POST", "/init_weight_transfer_engine",
+                         json={"init_info": {"streamsync": self._init_info(init_info)}})
 
     async def _start(self) -> None:
         await self._http("POST", "/start_weight_update")

@@ -25,6 +25,11 @@ TINY_QWEN3 = dict(
     rope_theta=10000.0,
 )
 
+#: the same tiny shape as a Qwen3-MoE: every decoder layer's MLP is 8 experts (2 routed per token), so a push
+#: carries stacked experts (vLLM's FusedMoE `w13_weight` / `w2_weight`)
+TINY_QWEN3_MOE = dict(TINY_QWEN3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                      norm_topk_prob=True)
+
 WORDS = [
     "the",
     "a",
@@ -93,20 +98,31 @@ def default_cache() -> Path:
 
 def make_tiny_qwen3(cache: str | os.PathLike | None = None, seed: int = 0, **overrides: object) -> Path:
     """Build (or reuse) a tiny Qwen3 checkpoint directory that vLLM and transformers both load."""
-    cfg: dict[str, Any] = {**TINY_QWEN3, **overrides}
-    key = hashlib.sha1(json.dumps([cfg, seed], sort_keys=True).encode()).hexdigest()[:10]
-    out = Path(cache or default_cache()) / f"tiny-qwen3-{key}"
+    return _make(cache, seed, "qwen3", {**TINY_QWEN3, **overrides})
+
+
+def make_tiny_qwen3_moe(cache: str | os.PathLike | None = None, seed: int = 0, **overrides: object) -> Path:
+    """Build (or reuse) a tiny Qwen3-MoE checkpoint directory (`TINY_QWEN3_MOE`)."""
+    return _make(cache, seed, "qwen3_moe", {**TINY_QWEN3_MOE, **overrides})
+
+
+def _make(cache: str | os.PathLike | None, seed: int, arch: str, cfg: dict[str, Any]) -> Path:
+    key = hashlib.sha1(json.dumps([cfg, seed] if arch == "qwen3" else [arch, cfg, seed],
+                                  sort_keys=True).encode()).hexdigest()[:10]
+    out = Path(cache or default_cache()) / f"tiny-{arch.replace('_', '-')}-{key}"
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                             "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[arch]
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = Qwen3Config(**{**cfg, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-                            "pad_token_id": 0})
-    model: Any = Qwen3ForCausalLM(config)
+    config = config_cls(**{**cfg, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+                           "pad_token_id": 0})
+    model: Any = model_cls(config)
     model = model.to(torch.bfloat16)
     with torch.no_grad():  # larger init than HF's default, so greedy decoding has clear winners
         for name, p in model.named_parameters():

@@ -1,10 +1,11 @@
 """Spans per chunk and stage, counters, and Chrome-trace export (opens in Perfetto and the viewer).
 
 A span is one stage's work on one chunk; `send` also gets one span per engine (`receiver` set), so a slow
-engine shows on its own lane. Counters sample the pipeline's state (chunks alive, bytes alive, queue depths)
-whenever it changes. Times are seconds on `time.perf_counter` relative to `t0`, the push start; `epoch0` is
-the wall-clock time of `t0`, so exported timestamps are epoch microseconds and line up with other pushes and
-with `torch.profiler` traces of the same process (`pid`).
+engine shows on its own lane, and each engine's own phases (`engine.*`, `receiver` the engine: what its
+workers timed themselves, and its cache reset) get a lane of their own. Counters sample the pipeline's state
+(chunks alive, bytes alive, queue depths) whenever it changes. Times are seconds on `time.perf_counter`
+relative to `t0`, the push start; `epoch0` is the wall-clock time of `t0`, so exported timestamps are epoch
+microseconds and line up with other pushes and with `torch.profiler` traces of the same process (`pid`).
 
 `begin()` and `end()` bracket the push exactly as `PushReport.seconds` measures it (the report takes its
 number from `end()`), so the viewer's wall time and the report's are one number. A failed push records its
@@ -18,13 +19,16 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 STAGES = ("gather", "convert", "pack", "send", "release")
+#: what an engine did in its own process, drawn on its own lane ("engine <name>"): its workers' phases
+#: (`streamsync.vllm.stats`) and the prefix-cache reset (timed by the sender: the scheduler does it)
+ENGINE_STAGES = ("engine.map", "engine.arm", "engine.load", "engine.process", "engine.finish", "engine.cache_reset")
 
 
 @dataclass(slots=True)
@@ -106,6 +110,13 @@ class Trace:
         with self._lock:
             self.spans.append(Span(self.push_id, chunk, stage, start, end, nbytes, receiver))
 
+    def engine_phases(self, engine: str, phases: Iterable[tuple[str, int | None, float, float]]) -> None:
+        """An engine's own phases, stamped with its wall clock (`time.time`), as `engine.<phase>` spans."""
+        with self._lock:
+            for phase, chunk, a, b in phases:
+                self.spans.append(Span(self.push_id, -1 if chunk is None else chunk, f"engine.{phase}",
+                                       a - self.epoch0, b - self.epoch0, 0, engine))
+
     def sample(self, name: str, value: float) -> None:
         with self._lock:
             self.samples.append(Sample(name, self.now(), value))
@@ -117,8 +128,12 @@ class Trace:
     # -- summaries -------------------------------------------------------------------------------------
 
     def stage_spans(self) -> list[Span]:
-        """One span per (chunk, stage): the per-engine send spans left out."""
+        """One span per (chunk, stage): the per-engine send spans and the engines' own phases left out."""
         return [s for s in self.spans if s.receiver is None]
+
+    def engine_spans(self) -> list[Span]:
+        """The engines' own phases (`ENGINE_STAGES`)."""
+        return [s for s in self.spans if s.stage.startswith("engine.")]
 
     def busy_seconds(self) -> dict[str, float]:
         out = {s: 0.0 for s in STAGES}
@@ -130,6 +145,8 @@ class Trace:
         """Per chunk: first span start to last span end (alive from its gather to its release)."""
         life: dict[int, tuple[float, float]] = {}
         for sp in self.spans:
+            if sp.stage.startswith("engine."):  # the engine's own work: not a chunk alive in the pipeline
+                continue
             a, b = life.get(sp.chunk, (sp.start, sp.end))
             life[sp.chunk] = (min(a, sp.start), max(b, sp.end))
         return life
@@ -171,7 +188,8 @@ class Trace:
             tid(s)
         by_chunk: dict[int, list[tuple[Span, int]]] = {}
         for sp in sorted(self.spans, key=lambda s: s.start):
-            lane = sp.stage if sp.receiver is None else f"send → {sp.receiver}"
+            lane = (sp.stage if sp.receiver is None else f"engine {sp.receiver}" if sp.stage.startswith("engine.")
+                    else f"send → {sp.receiver}")
             events.append({
                 "ph": "X", "pid": pid, "tid": tid(lane), "name": f"{sp.stage} #{sp.chunk}", "cat": "streamsync",
                 "ts": us + sp.start * 1e6, "dur": max(sp.end - sp.start, 0.0) * 1e6,

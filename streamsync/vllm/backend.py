@@ -32,6 +32,8 @@ from ..checksum import tensor_digest
 from ..plan.chunking import layer_index
 from ..receiver.state import WeightReceiver
 from . import compat
+from .fastpath import FastPath, FastRound
+from .stats import RoundLog
 
 
 @dataclass
@@ -64,7 +66,18 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.rx = WeightReceiver(device)
         self.record_digests = False
         self.received_digests: dict[str, str] = {}
+        #: copy received tensors straight into the engine's tensors where they can go (`fastpath`); False:
+        #: every tensor through vLLM's layerwise reload
+        self.fast_path = True
+        self.fast = FastPath(model)
+        self.log = RoundLog(torch.device(device))
+        self.last_round: dict[str, Any] | None = None
+        self._round: FastRound | None = None
+        self._armed = False  # layerwise reload armed for (some of) the model this round
         self._reloading = False
+        self._traced = False
+        self._shared: tuple[object, list[tuple[str, torch.nn.Module]]] | None = None
+        self._counts: dict[str, list[int]] = {"fast": [0, 0], "layerwise": [0, 0]}  # path -> [tensors, bytes]
         #: the worker keeps the weight version (vLLM keeps none, or WORKER_VERSIONS_ENV asks for it)
         self.keeps_version = not compat.native_weight_version()
         self.weight_version = "default"  # vLLM's own initial version string
@@ -87,14 +100,28 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
     def init_transfer_engine(self, init_info: StreamSyncInitInfo) -> None:
         info = dict(init_info.streamsync)
         self.record_digests = bool(info.pop("record_digests", False))
+        self.fast_path = bool(info.pop("fast_path", True))
         info.pop("owner", None)  # vLLM guards its rounds itself; updates carry the owner (see start)
         self.rx.init(info)
+        if self.fast_path:  # trace where each tensor goes now, while connecting, not in the first push
+            self.fast.known(self._checkpoint())
+            self.fast.ensure()
+
+    def _checkpoint(self) -> dict[str, tuple[str, list[int]]] | None:
+        from .extension import checkpoint_weights
+
+        mc: Any = self.model_config
+        return checkpoint_weights(mc.model, mc.dtype, bool(getattr(mc.hf_config, "tie_word_embeddings", False)))
+
+    def fused_layout(self) -> dict[str, list[Any]]:
+        """The fused tensors this worker takes (`Engine.fused_layout`): none without the fast path."""
+        return self.fast.fused_layout() if self.fast_path else {}
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if self._reloading:  # a previous round failed half-way; its buffered layers are dropped
-            self._finalize()
+            self.last_round = self._report(self._end_round())
         if self.rx.updating:  # vLLM ended that round (an update raised): it is over here too
             self.rx.abort()
         # vLLM refuses a start while a round is active, so a second WeightSync cannot open one; the round's
@@ -102,8 +129,17 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.rx.start()
         self.received_digests = {}
         self._round_version = None
-        with compat.vllm_config_set(self.vllm_config):
-            initialize_layerwise_reload(self.model)
+        self._counts = {"fast": [0, 0], "layerwise": [0, 0]}
+        self.log.begin()
+        with self.log.phase("map"):
+            plan, self._traced = self.fast.ensure() if self.fast_path else (None, False)
+        with self.log.phase("arm"), compat.vllm_config_set(self.vllm_config):
+            if plan is None:
+                initialize_layerwise_reload(self.model)
+            for mod in plan.arm if plan is not None else ():
+                initialize_layerwise_reload(mod)  # arms it and its children, which the plan keeps layerwise too
+        self._armed = plan is None or bool(plan.arm)
+        self._round = FastRound(plan) if plan is not None else None
         self._reloading = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -118,6 +154,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
     def receive_weights(self, update_info: StreamSyncUpdateInfo) -> None:
         hold = set(update_info.streamsync.get("hold") or ())
+        chunk = update_info.streamsync.get("chunk")
+        chunk = chunk if isinstance(chunk, int) else None
 
         def keep(name: str) -> bool:
             # Layerwise reload buffers a layer's tensors until the layer is complete, and defers some layers
@@ -127,29 +165,81 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             return name in hold or layer_index(name) is None
 
         def load(weights: Any) -> None:
-            weights = ((n, t.clone() if keep(n) else t) for n, t in weights)
+            weights = list(weights)
             if self.record_digests:
-                weights = list(weights)
                 self.received_digests.update((n, tensor_digest(t)) for n, t in weights)
-            with compat.mtp_check_disabled():
-                self.model.load_weights(weights)  # type: ignore[operator]  # nn.Module attribute
+            rnd = self._round
+            with self.log.phase("map", chunk):
+                fast: list[Any]
+                if rnd is None:
+                    self.fast.learn(weights)
+                    fast, slow = [], weights
+                else:
+                    fast, slow = rnd.split(weights)
+                self._count("fast", [t for _, t in fast])
+                self._count("layerwise", [t for _, t in slow])
+                slow = self.fast.unfuse(slow)
+            with self.log.phase("load", chunk):
+                complete = rnd.load(fast) if rnd is not None and fast else []
+                if slow:
+                    self._load_layerwise([(n, t.clone() if keep(n) else t) for n, t in slow])
+            if complete:
+                assert rnd is not None
+                with self.log.phase("process", chunk):
+                    rnd.process(complete)
 
         self.rx.update(update_info.streamsync, load)
 
+    def _load_layerwise(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        with compat.mtp_check_disabled():
+            self.model.load_weights(weights)  # type: ignore[operator]  # nn.Module attribute
+
     def finish_weight_update(self) -> None:
-        self._finalize()
+        with self.log.phase("finish"):
+            rnd = self._end_round()
+        self.last_round = self._report(rnd)
         self.rx.finish(None)
         if self.keeps_version and self._round_version is not None and not self.rx.dirty:
             self.weight_version = self._round_version  # the round ended whole (a cut-short one stays dirty)
         self._round_version = None
 
-    def _finalize(self) -> None:
+    def _end_round(self) -> FastRound | None:
+        """Finish what the round left: modules a failed round did not complete keep their old weights; layerwise
+        reload is finalized where it was armed; kernels derived from a shared tensor are rebuilt."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         self._reloading = False
+        rnd, self._round = self._round, None
+        left = rnd.drop() if rnd is not None else []
+        if left:
+            logging.getLogger(__name__).warning("streamsync: %d module(s) not completely received keep their old "
+                                                "weights: %s", len(left), ", ".join(left[:5]))
         with compat.vllm_config_set(self.vllm_config):
-            finalize_layerwise_reload(self.model, self.model_config)
-            refresh_shared_kernels(self.model)
+            if self._armed:
+                finalize_layerwise_reload(self.model, self.model_config)
+            self._armed = False
+            plan = rnd.plan if rnd is not None else None
+            if plan is None:
+                refresh_shared_kernels(self.model)
+            else:  # the modules to refresh are found once per plan (a walk over every module)
+                if self._shared is None or self._shared[0] is not plan:
+                    self._shared = (plan, shared_kernel_modules(self.model))
+                refresh(self._shared[1])
+        return rnd
+
+    def _report(self, rnd: FastRound | None) -> dict[str, Any]:
+        """The round as plain data for the sender (`streamsync.vllm.stats`, `report.EngineRound`)."""
+        fast, slow = self._counts["fast"][0], self._counts["layerwise"][0]
+        return self.log.report(
+            path="fast" if fast and not slow else "layerwise" if slow and not fast else "mixed" if fast else "none",
+            fast_tensors=fast, layerwise_tensors=slow, fast_bytes=self._counts["fast"][1],
+            layerwise_bytes=self._counts["layerwise"][1], rebuilt_modules=rnd.rebuilt if rnd is not None else 0,
+            traced=self._traced, fast_path=self.fast_path)
+
+    def _count(self, path: str, tensors: list[torch.Tensor]) -> None:
+        c = self._counts[path]
+        c[0] += len(tensors)
+        c[1] += sum(t.numel() * t.element_size() for t in tensors)
 
     def shutdown(self) -> None:
         self.rx.close()
@@ -158,25 +248,29 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 def refresh_shared_kernels(model: torch.nn.Module) -> list[str]:
     """Rebuild what a module derives from a Parameter it shares with another module (a tied lm_head).
 
-    Layerwise reload processes a module only when weights arrive for it. A tied lm_head gets none: its
-    Parameter is the embedding's, whose data the embedding's reload overwrote, and reload puts that same
-    Parameter back, but the head's own weight processing is never re-run. On CPU that processing packs the
-    weight into a oneDNN copy that the output matmul uses, so the engine kept generating with the old head.
-    Unquantized embedding/head processing is a pure function of the weight (re-running it is safe); a
-    quantized tied head would need its scales reloaded and is refused loudly instead of served stale.
-    Returns the names of the modules refreshed.
+    Layerwise reload processes a module only when weights arrive for it, and so does the fast path. A tied
+    lm_head gets none: its Parameter is the embedding's, whose data the embedding's load overwrote, but the
+    head's own weight processing is never re-run. On CPU that processing packs the weight into a oneDNN copy
+    that the output matmul uses, so the engine kept generating with the old head. Unquantized embedding/head
+    processing is a pure function of the weight (re-running it is safe); a quantized tied head would need its
+    scales reloaded and is refused loudly instead of served stale. Returns the names of the modules refreshed.
     """
+    return refresh(shared_kernel_modules(model))
+
+
+def shared_kernel_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules `refresh_shared_kernels` rebuilds (found once per model layout: a walk over every module)."""
     owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
     for mod_name, mod in model.named_modules():
         for p in mod.parameters(recurse=False):
             owners.setdefault(id(p), []).append((mod_name, mod))
-    refreshed: list[str] = []
+    out: list[tuple[str, torch.nn.Module]] = []
     for mods in owners.values():
         if len(mods) < 2:
             continue
         for mod_name, mod in mods:
             method = getattr(mod, "quant_method", None)
-            if method is None or mod_name in refreshed:
+            if method is None or any(n == mod_name for n, _ in out):
                 continue
             kind = type(method).__name__
             if kind == "UnquantizedLinearMethod":  # its CPU processing empties the weight: not re-runnable
@@ -184,9 +278,14 @@ def refresh_shared_kernels(model: torch.nn.Module) -> list[str]:
             if not kind.startswith("Unquantized"):
                 raise RuntimeError(f"module {mod_name!r} shares its weight with another module and is quantized "
                                    f"({kind}): streamsync cannot rebuild its kernel after a push")
-            method.process_weights_after_loading(mod)
-            refreshed.append(mod_name)
-    return refreshed
+            out.append((mod_name, mod))
+    return out
+
+
+def refresh(modules: list[tuple[str, torch.nn.Module]]) -> list[str]:
+    for _, mod in modules:
+        mod.quant_method.process_weights_after_loading(mod)  # type: ignore[union-attr,operator]
+    return [n for n, _ in modules]
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"

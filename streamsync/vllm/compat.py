@@ -11,6 +11,8 @@ capability, never a version string:
   applies (`capabilities()`), so trainer and workers agree on one answer.
 * **the MTP completeness check** (`model_loader.mtp_validation`, 0.32+): disabled around a push's partial
   loads where it exists (`mtp_check_disabled`), nothing to disable on 0.25.x.
+* **deferred attention layers** (processed after every other layer at a reload's finish): 0.32 asks
+  `is_deferred_attention_layer`, 0.25.x checks the `Attention` / `MLAAttention` classes (`deferred_attention`).
 * **trainer_send_weights** is an abstract static method of 0.25.x's `WeightTransferEngine`; the backend
   defines it (it points at `streamsync.WeightSync`).
 
@@ -97,6 +99,17 @@ def vllm_config_set(vllm_config: Any) -> contextlib.AbstractContextManager[Any]:
     if get_current_vllm_config_or_none() is not None:
         return contextlib.nullcontext()
     return set_current_vllm_config(vllm_config)
+
+
+def deferred_attention(layer: Any) -> bool:
+    """Whether layerwise reload processes `layer` only at its finish, after every other layer (attention)."""
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:  # vLLM 0.25.x: its reload defers exactly these classes
+        from vllm.model_executor.layers.attention import Attention, MLAAttention
+
+        return isinstance(layer, Attention | MLAAttention)
+    return bool(is_deferred_attention_layer(layer))
 
 
 def capabilities() -> dict[str, Any]:

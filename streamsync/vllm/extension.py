@@ -133,6 +133,14 @@ def _kv_tensors(caches: object) -> list[torch.Tensor]:
     return []
 
 
+def _backend(worker: object) -> Any:
+    """The worker's streamsync backend, or None (another backend, or none configured)."""
+    from .backend import StreamSyncWeightTransferEngine
+
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return engine if isinstance(engine, StreamSyncWeightTransferEngine) else None
+
+
 class StreamSyncWorkerExtension:
     """Mixed into vLLM's worker class; methods run in each worker via collective_rpc."""
 
@@ -161,6 +169,18 @@ class StreamSyncWorkerExtension:
     def streamsync_packed_modules(self) -> dict[str, list[str]]:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         return {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()}
+
+    def streamsync_fused_layout(self) -> dict[str, list[Any]]:
+        """The fused tensors this worker takes as one (`Engine.fused_layout`; {} without the fast path)."""
+        engine = _backend(self)
+        return engine.fused_layout() if engine is not None else {}
+
+    def streamsync_round_stats(self) -> dict[str, Any] | None:
+        """What the last round did in this worker (`streamsync.vllm.stats`): the path its tensors took, its
+        phases, its extra memory; None before the first round."""
+        engine = _backend(self)
+        last = engine.last_round if engine is not None else None
+        return None if last is None else {**last, "rank": int(getattr(self, "rank", 0))}
 
     def streamsync_received_digests(self) -> dict[str, str]:
         engine = getattr(self, "weight_transfer_engine", None)

@@ -1,0 +1,86 @@
+"""What one round did inside a vLLM worker: its phases, timed where they run, and the memory it took.
+
+The worker times its own phases (the sender sees only how long each call took, round trip included) and keeps
+them with wall-clock timestamps, so the sender can draw them in the push's trace on the same axis as its own
+spans (`time.time`: one clock on one host; an engine on another host is drawn with that host's clock):
+
+    map      start: checking (or tracing) where each tensor goes; per chunk: looking each tensor up
+    arm      start: arming vLLM's layerwise reload for the modules that need it
+    load     per chunk: the fast path's copies, and `load_weights` for the layerwise rest
+    process  per chunk: rebuilt modules processed (`process_weights_after_loading`) once complete
+    finish   finish: layerwise finalize and shared-kernel refresh (nothing when every tensor took the fast path)
+
+Extra memory is what the round allocated above what the worker held when it began: on CUDA the allocator's
+peak (`torch.cuda.max_memory_allocated`, its peak counter reset at the round's start); on CPU the process's
+peak resident memory (Linux `VmHWM`, reset through /proc/self/clear_refs), which also counts the pages of
+mapped chunk buffers the worker read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+PHASES = ("map", "arm", "load", "process", "finish")
+
+
+def _status_kib(*keys: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in keys:
+                out[k] = int(v.split()[0])
+    return out
+
+
+class RoundLog:
+    """One round's phases and memory (module doc); `report()` is the plain data the sender reads."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.phases: list[list[Any]] = []
+        self._base: int | None = None
+        self._how = ""
+
+    def begin(self) -> None:
+        self.phases = []
+        self._base, self._how = None, ""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+                self._base = torch.cuda.memory_allocated(self.device)
+                self._how = "torch.cuda.max_memory_allocated above the round's start"
+            else:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # reset the peak resident set (VmHWM); changes nothing else
+                self._base = _status_kib("VmRSS")["VmRSS"] << 10
+                self._how = ("peak resident memory above the round's start (Linux VmHWM; counts the pages of "
+                             "mapped chunk buffers the worker read)")
+        except (OSError, KeyError, RuntimeError) as e:
+            self._how = f"not measured: {type(e).__name__}: {e}"
+
+    @contextmanager
+    def phase(self, name: str, chunk: int | None = None) -> Iterator[None]:
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.phases.append([name, chunk, t0, time.time()])
+
+    def extra_bytes(self) -> int | None:
+        if self._base is None:
+            return None
+        try:
+            if self.device.type == "cuda":
+                return max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
+            return max(0, (_status_kib("VmHWM")["VmHWM"] << 10) - self._base)
+        except (OSError, KeyError, RuntimeError):
+            return None
+
+    def report(self, **fields: Any) -> dict[str, Any]:
+        return {"phases": list(self.phases), "extra_bytes": self.extra_bytes(), "memory": self._how, **fields}
