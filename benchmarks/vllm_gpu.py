@@ -11,7 +11,7 @@ Cases (`--cases`, in this order by default):
         (the vLLM 0.25.1 bundle built with `--moe`, docs/gpu.md).
 
 Reported per case: first push, steady push (median), floor, steady/floor and first/steady; per push, what the
-engine's workers say the round did (`PushReport.paths` and `PushReport.engine_rounds`: the path its tensors
+engine's workers say the round did (`PushReport.engine_paths` and `PushReport.engine_rounds`: the path its tensors
 took, fast path or layerwise reload, its timed phases and its extra device memory) and how the push reached
 the engine (transport, one-copy counts); after the last push, for dense models, whether every engine parameter
 equals the trainer's HF export bit for bit (device digests on both sides, `streamsync_weight_digests`).
@@ -56,7 +56,7 @@ def _engine_args(args: argparse.Namespace, dummy: bool) -> dict[str, Any]:
 def _summary(report: Any, engine: str) -> dict[str, Any]:
     """The path the push took into `engine` and the most extra memory any of its workers took."""
     extra = [r.extra_bytes for r in report.engine_rounds if r.extra_bytes is not None]
-    return {"path": report.paths.get(engine), "engine_extra_bytes": max(extra) if extra else None}
+    return {"path": report.engine_paths.get(engine), "engine_extra_bytes": max(extra) if extra else None}
 
 
 async def _bit_exact(engine: Any, model: torch.nn.Module, kind: str, shape: dict[str, Any] | None) -> bool | None:

