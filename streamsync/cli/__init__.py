@@ -1,5 +1,5 @@
 """Command line: `streamsync run PIPELINE.toml`, `python -m benchmarks`, `streamsync serve MODEL`,
-`streamsync trace serve FILE`.
+`streamsync trace serve FILE`, `streamsync plan MODEL --trainer ... --engines ...`.
 
 Also `python -m streamsync`. Errors are one line on stderr and exit status 2 (bad spec or arguments, a
 failed connect or push); no traceback for what streamsync can name."""
@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--json", type=Path, help="write the push reports as JSON here")
     run_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a spec key, e.g. --set sync.max_inflight=2 (repeatable)")
+
+    from .plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
 
     sub.add_parser("bench", help="where the benchmarks are (python -m benchmarks, from the repository root)")
 
@@ -64,6 +68,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .runner import run_spec
 
         return run_spec(args.spec, json_path=args.json, overrides=args.overrides)
+    if args.cmd == "plan":
+        from .plan import run as run_plan
+
+        return run_plan(args)
     if args.cmd == "serve":
         import os
 

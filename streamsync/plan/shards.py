@@ -69,11 +69,17 @@ class Box:
                 and all(s >= 0 and s + n <= d for s, n, d in zip(self.start, self.size, shape, strict=True)))
 
     def intersect(self, other: Box) -> Box | None:
-        start = tuple(max(a, b) for a, b in zip(self.start, other.start, strict=True))
-        end = tuple(min(a, b) for a, b in zip(self.end, other.end, strict=True))
-        if any(e <= s for s, e in zip(start, end, strict=True)):
-            return None
-        return Box(start, tuple(e - s for s, e in zip(start, end, strict=True)))
+        if len(self.start) != len(other.start):
+            raise ValueError(f"boxes {self} and {other} differ in rank")
+        start: list[int] = []
+        size: list[int] = []
+        for a, n, b, m in zip(self.start, self.size, other.start, other.size, strict=True):  # hot loop
+            lo, hi = max(a, b), min(a + n, b + m)
+            if hi <= lo:
+                return None
+            start.append(lo)
+            size.append(hi - lo)
+        return Box(tuple(start), tuple(size))
 
     def relative_to(self, outer: Box) -> Box:
         """This box in the coordinates of `outer` (which contains it)."""
@@ -306,14 +312,21 @@ def plan_transfers(haves: Iterable[Have], layouts: Sequence[EngineLayout],
                                   f"{list(spec[1])}")
         if h.box.numel:
             by_name.setdefault(h.name, {}).setdefault(h.box, []).append(h.rank)
+    needs: list[dict[str, list[Need]]] = []  # per layout, name -> its needs (one pass, not one per tensor)
+    for layout in layouts:
+        mine: dict[str, list[Need]] = {}
+        for n in layout.needs:
+            if n.box.numel:
+                mine.setdefault(n.name, []).append(n)
+        needs.append(mine)
     sent: dict[int, int] = {}
     pieces: list[Piece] = []
     for name in sorted(tensors, key=order_key):
-        held = by_name.get(name, {})
-        for layout in layouts:
-            for need in (n for n in layout.needs if n.name == name and n.box.numel):
+        held = sorted(by_name.get(name, {}).items())
+        for mine in needs:
+            for need in mine.get(name, ()):
                 covered = 0
-                for box, ranks in sorted(held.items()):
+                for box, ranks in held:
                     cut = need.box.intersect(box)
                     if cut is None:
                         continue

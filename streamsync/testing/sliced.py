@@ -6,7 +6,8 @@
 * `WorkerGroup`: receiver processes as the workers of one engine (one version, every round on all of them).
 * `vllm_layout`: the boxes each worker of a vLLM-style engine holds for a Qwen/Llama-shaped checkpoint at
   tensor parallel size `tp` (experts over the workers when `expert_parallel`): q/k/v rows (k/v replicated where
-  `tp` exceeds the kv heads), o_proj and down_proj columns, gate/up rows, the padded vocabulary's rows.
+  `tp` exceeds the kv heads; MLA's q_b_proj / kv_b_proj rows by heads), o_proj and down_proj columns, gate/up
+  rows, the padded vocabulary's rows.
 
     python -m streamsync.receiver.process --specs model.json --module streamsync.testing.sliced:sliced_module \\
         --module-args '{"holds": [[name, [[start...], [size...]]], ...]}'
@@ -148,6 +149,9 @@ def vllm_layout(specs: Iterable[Spec], tp: int, *, heads: int, kv_heads: int, he
                 box = Box.rows(shape, w * nh * head_dim, nh * head_dim)
             elif re.search(r"\.[kv]_proj\.(weight|bias)$", name):
                 box = Box.rows(shape, (w // rep) * nkv * head_dim, nkv * head_dim)
+            elif re.search(r"\.(q_b_proj|kv_b_proj)\.weight$", name):  # MLA: column parallel, by heads
+                n = shape[0] // tp
+                box = Box.rows(shape, w * n, n)
             elif name.endswith(".o_proj.weight"):
                 box = Box.rows(shape, w * nh * head_dim, nh * head_dim, dim=1)
             elif split_mlp and re.search(r"\.(gate_proj|up_proj)\.weight$", name):

@@ -1,0 +1,72 @@
+"""`streamsync plan`: the sharded push a model shape, a trainer layout and engine layouts give, and its
+predicted time (`plan.scale`). Shapes only: no tensor is allocated."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..plan.scale import Engines, Links, Prediction, Trainer, predict
+from ..plan.shapes import PRESETS, Shape, load_shape
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan a sharded push for a model shape and layouts; print bytes and time",
+                       description="Plans a sharded push (transport 'p2p') from shapes alone and predicts its time "
+                       "as the busiest link's bytes / rate (docs/scale.md). Presets: " + ", ".join(PRESETS))
+    p.add_argument("model", help="an HF config.json path or a preset name")
+    p.add_argument("--trainer", default="tp=1", help="'tp=8,pp=4,ep=8,dp=8' (or ranks=N) or 'fsdp=N'")
+    p.add_argument("--trainer-per-node", type=int, default=8, help="trainer GPUs per node")
+    p.add_argument("--engines", type=int, default=1, help="engines (model replicas)")
+    p.add_argument("--engine-tp", type=int, default=1)
+    p.add_argument("--engine-ep", type=int, default=1, help="expert parallel size (vLLM: EP = DP x TP)")
+    p.add_argument("--engine-per-node", type=int, default=8, help="engine GPUs per node")
+    p.add_argument("--colocated", action="store_true", help="engine GPUs are the trainer's GPUs (worker g on rank g)")
+    p.add_argument("--nic-gbit", "--nic-gbps", dest="nic_gbit", type=float, default=400.0,
+                   help="NIC rate per GPU, gigabits/s per direction (400 = 50 GB/s)")
+    p.add_argument("--nvlink-gbyte", type=float, default=450.0, help="NVLink per GPU, GB/s per direction")
+    p.add_argument("--copy-gbyte", type=float, default=1000.0, help="same-GPU copy rate (colocated), GB/s")
+    p.add_argument("--host-gbyte", type=float, default=None,
+                   help="cap on what one node's processes move together, GB/s (a CPU host); unset: none")
+    p.add_argument("--bucket-latency-us", type=float, default=0.0, help="fixed cost per bucket (lock-step rounds)")
+    p.add_argument("--bucket-mib", type=float, default=256.0, help="bytes per sender per bucket, MiB")
+    p.add_argument("--dtype", default=None, help="wire dtype instead of the config's (e.g. float8_e4m3fn)")
+    p.add_argument("--full", action="store_true", help="plan every layer (default: one layer per kind and stage)")
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_shape(args.model)
+    if args.dtype:
+        cfg["torch_dtype"] = args.dtype
+    pred = predict(Shape(cfg), Trainer.parse(args.trainer, args.trainer_per_node),
+                   Engines(args.engines, args.engine_tp, args.engine_ep, args.engine_per_node),
+                   Links(args.nic_gbit, args.nvlink_gbyte, args.copy_gbyte, args.host_gbyte, args.bucket_latency_us,
+                         args.colocated),
+                   name=args.model, bucket_bytes=int(args.bucket_mib * (1 << 20)), full=args.full)
+    print(json.dumps(pred.summary(), indent=2) if args.json else render(pred))
+    return 0
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:,.2f} GB"
+
+
+def render(p: Prediction) -> str:
+    s = p.summary()
+    sent, recv = s["sent_per_rank"], s["received_per_worker"]
+    assert isinstance(sent, dict) and isinstance(recv, dict)
+    b = p.bound
+    how = "every layer" if p.planned_layers == p.layers else "one per kind and stage, counted per layer"
+    lines = [f"model {p.shape}: {_gb(p.model_bytes)}; trainer {p.trainer}; engines {p.engines}",
+             f"planned {p.planned_layers} of {p.layers} layers ({how}), "
+             f"{p.pieces} pieces, ~{p.buckets:g} buckets",
+             f"bytes moved      {_gb(p.plan_bytes)} ({p.plan_bytes / p.model_bytes:.2f} x the model)",
+             f"sent per rank    max {_gb(sent['max'])}  mean {_gb(sent['mean'])}  min {_gb(sent['min'])}",
+             f"recv per worker  max {_gb(recv['max'])}  mean {_gb(recv['mean'])}  min {_gb(recv['min'])}",
+             "per link class   " + "  ".join(f"{k} {_gb(v)}" for k, v in p.link_bytes.items()),
+             f"bounding link    {b['kind']} of {b['who']}: {_gb(float(b['bytes']))} in {float(b['seconds']):.3f} s",  # type: ignore[arg-type]
+             f"predicted push   {p.seconds:.3f} s (every link busy at once; a prediction from link rates, not a "
+             "measurement)",
+             f"lock-step bound  {p.lockstep_seconds:.3f} s (buckets one after another, each its busiest link)"]
+    return "\n".join(lines)

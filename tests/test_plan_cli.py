@@ -1,0 +1,82 @@
+"""`streamsync plan`: a sharded push planned from shapes alone, its bytes, bounding link and refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from streamsync.cli import main
+from streamsync.plan.scale import Engines, Links, Trainer, predict
+from streamsync.plan.shapes import PRESETS, Shape
+
+TINY_MOE = {"model_type": "qwen3_moe", "num_hidden_layers": 6, "hidden_size": 64, "num_attention_heads": 8,
+            "num_key_value_heads": 4, "head_dim": 16, "intermediate_size": 128, "moe_intermediate_size": 32,
+            "num_experts": 8, "vocab_size": 1000, "torch_dtype": "bfloat16"}
+
+
+def test_cli_json_bytes_add_up_to_the_model_times_the_engines(capsys):
+    assert main(["plan", "qwen3-8b", "--trainer", "tp=4,pp=2,dp=2", "--engines", "3", "--engine-tp", "2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = Shape(PRESETS["qwen3-8b"]).parameters() * 2
+    assert out["model_bytes"] == model
+    # every engine receives the model once; TP2 workers each hold the norms whole (a few KB more)
+    assert 3 * model <= out["plan_bytes"] <= 3 * model * 1.001
+    assert out["received_per_worker"]["mean"] * 6 == pytest.approx(out["plan_bytes"])
+    assert out["bound"]["kind"] in ("nic-tx", "nic-rx") and out["bound"]["who"]
+    # the busiest link's bytes at 50 GB/s is the prediction
+    assert out["predicted_s"] == pytest.approx(out["bound"]["bytes"] / 50e9)
+
+
+def test_cli_text_names_the_bounding_link():
+    r = subprocess.run([sys.executable, "-m", "streamsync", "plan", "qwen3-30b-a3b", "--trainer",
+                        "tp=4,pp=2,ep=4,dp=2", "--engines", "2", "--engine-tp", "2", "--engine-ep", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "bounding link" in r.stdout and "predicted push" in r.stdout
+    assert "engine e" in r.stdout or "trainer rank" in r.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--trainer", "tp=3"], ["tp=3", "kv heads"]),
+    (["--trainer", "tp=2,ep=3"], ["ep=3", "8 experts"]),
+    (["--engine-tp", "3"], ["engine tp=3"]),
+    (["--engine-tp", "2", "--engine-ep", "3"], ["ep=3", "tp=2"]),
+    (["--trainer", "tp=2,zz=1"], ["zz=1", "KEY=N"]),
+])
+def test_bad_layouts_are_refused_naming_what_is_wrong(tmp_path, capsys, args, words):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY_MOE))
+    assert main(["plan", str(cfg), *args]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_unknown_model_is_refused(capsys):
+    assert main(["plan", "no-such-model"]) == 2
+    assert "qwen3-8b" in capsys.readouterr().err
+
+
+def test_layer_repetition_matches_planning_every_layer():
+    shape = Shape(TINY_MOE)
+    for trainer, engines in [(Trainer(tp=2, pp=2, ep=2, dp=2), Engines(2, 2, 4)),
+                             (Trainer(fsdp=4), Engines(1, 2)), (Trainer(tp=4, pp=3), Engines(3, 4))]:
+        fast = predict(shape, trainer, engines, Links(), bucket_bytes=1 << 14)
+        full = predict(shape, trainer, engines, Links(), bucket_bytes=1 << 14, full=True)
+        assert fast.planned_layers < full.planned_layers == 6
+        assert fast.plan_bytes == full.plan_bytes >= shape.parameters() * 2 * engines.count
+        assert fast.received == full.received
+        assert sum(fast.sent.values()) == sum(full.sent.values())
+        # replicas break ties per planned layer: the busiest link may differ a little, never much
+        assert fast.seconds == pytest.approx(full.seconds, rel=0.1)
+
+
+def test_presets_have_their_published_sizes():
+    sizes = {n: Shape(c).parameters() / 1e9 for n, c in PRESETS.items()}
+    assert sizes["qwen3-8b"] == pytest.approx(8.2, abs=0.1)
+    assert sizes["qwen3-235b-a22b"] == pytest.approx(235, abs=1)
+    assert sizes["deepseek-v3"] == pytest.approx(671, abs=1)
+    assert sizes["kimi-k2"] == pytest.approx(1026, abs=5)
