@@ -342,6 +342,7 @@ def plan_transfers(haves: Iterable[Have], layouts: Sequence[EngineLayout],
                     raise ValidationError(f"trainer ranks hold overlapping but different slices of {name!r} (need "
                                           f"{need.box} of engine {need.engine!r} worker {need.worker} is covered "
                                           "twice): a source must declare its shards exactly")
+    pieces = _interleave(pieces)
     buckets = _buckets(pieces, bucket_bytes)
     plan = ShardPlan(pieces, buckets, dict(tensors), sent_bytes=sent)
     for p in pieces:
@@ -349,6 +350,29 @@ def plan_transfers(haves: Iterable[Have], layouts: Sequence[EngineLayout],
     plan.digest = hashlib.blake2b(json.dumps([[p.to_json() for p in pieces], buckets]).encode(),
                                   digest_size=12).hexdigest()
     return plan
+
+
+def _interleave(pieces: list[Piece]) -> list[Piece]:
+    """Pieces ordered so that every sender progresses through its own bytes at the same pace: a unit (one
+    worker's slice of one tensor, all of its pieces) is placed by how far through its senders' bytes it starts.
+    In layer order a pipeline-parallel trainer's stages would send one after another (bucket after bucket holds
+    the layers of one stage, its ranks busy and the others waiting); interleaved, each bucket carries a share of
+    every rank's bytes and all links work at once."""
+    total: dict[int, int] = {}
+    for p in pieces:
+        total[p.src] = total.get(p.src, 0) + p.nbytes
+    units: dict[tuple[str, str, int], list[Piece]] = {}
+    for p in pieces:
+        units.setdefault((p.name, p.engine, p.worker), []).append(p)
+    done: dict[int, int] = {}
+    keyed: list[tuple[float, int, list[Piece]]] = []
+    for n, unit in enumerate(units.values()):
+        start = max(done.get(p.src, 0) / total[p.src] if total[p.src] else 0.0 for p in unit)
+        for p in unit:
+            done[p.src] = done.get(p.src, 0) + p.nbytes
+        keyed.append((start, n, unit))
+    keyed.sort(key=lambda k: (k[0], k[1]))
+    return [p for _, _, unit in keyed for p in unit]
 
 
 def _buckets(pieces: Sequence[Piece], budget: int) -> list[list[int]]:
