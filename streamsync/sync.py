@@ -89,6 +89,10 @@ class WeightSync:
         self._expected: dict[str, Expected] = {}
         self._messages = Messages([None] * len(self.engines))
         self._lock = anyio.Lock()
+        #: engines found paused at connect, by another client (a trainer that died inside `paused()`): resumed
+        #: after the next successful push, so they never hang their requests silently
+        self._stale_paused: set[str] = set()
+        self._pausing = False  # inside `paused()`: its exit resumes every engine
         self._loop: object | None = None  # the event loop `connect` ran in
 
     # -- options, as attributes (each assignment re-checks its group) ----------------------------------
@@ -187,6 +191,13 @@ class WeightSync:
         with anyio.fail_after(self.timeout):
             state = await e.state()
         self.versions.seen(e.name, state)
+        if state.paused:
+            self._stale_paused.add(e.name)
+            self.log.warning("engine is paused, and not by this sync (a trainer that paused it is gone?): it is "
+                             "resumed after the next successful push", engine=e.name, version=state.version,
+                             mixed=state.mixed)
+        else:
+            self._stale_paused.discard(e.name)
         if self.metrics is not None and state.version is not None:
             self.metrics.engine_version.labels(engine=e.name).set(state.version)
         return fusions_from_json(layout) if layout else None
@@ -491,7 +502,18 @@ class WeightSync:
                 self.metrics.observe_failure(err.stage)
             await self._failed(err, job, group, rounds, trace)
             raise err
-        return self._succeeded(job, source, cache_reset, engine_rounds)
+        report = self._succeeded(job, source, cache_reset, engine_rounds)
+        if self._stale_paused and not self._pausing:
+            await self._resume_stale()
+        return report
+
+    async def _resume_stale(self) -> None:
+        """Resume the engines found paused at connect, now that they hold a whole version; a resume that
+        fails raises naming the engine (its requests would hang)."""
+        stale = [e for e in self.engines if e.name in self._stale_paused]
+        await EngineGroup(stale, self.timeout, self.abort_timeout).resume()
+        self.log.info("resumed engines found paused at connect", engines=[e.name for e in stale])
+        self._stale_paused.clear()
 
     async def _after_round(self, group: EngineGroup, trace: Trace) -> tuple[dict[str, bool], list[EngineRound]]:
         """Once every engine finished: reset their prefix caches and ask what their workers did, both at once."""
@@ -647,10 +669,12 @@ class WeightSync:
                     self.log.warning("resume after a failed pause failed", error=str(err))
             raise
         failed = True
+        self._pausing = True
         try:
             yield
             failed = False
         finally:
+            self._pausing = False
             with anyio.CancelScope(shield=True):
                 keep = set() if not failed or resume_on_failure else set(self.mixed) | self.open_rounds
                 if keep:
@@ -658,6 +682,7 @@ class WeightSync:
                                      "a successful push and resume(), or resume_on_failure=True, serves again",
                                      engines=sorted(keep))
                 await group.resume([e for e in self.engines if e.name not in keep])
+                self._stale_paused -= {e.name for e in self.engines if e.name not in keep}
 
 
 def _call_hook(hook: Callable[[Any], object], arg: object, name: str) -> None:

@@ -50,12 +50,15 @@ class EngineState:
               The next successful push clears it (every tensor is overwritten).
     failed_version: the version of the push that left it mixed, where known
     updating: a round is open (None: the engine cannot say)
+    paused:   generation is paused (None: the engine cannot say). An engine found paused at connect was
+              paused by another client, often a trainer that died inside `paused()`.
     """
 
     version: int | None
     mixed: bool = False
     failed_version: int | None = None
     updating: bool | None = None
+    paused: bool | None = None
 
 
 def parse_version(v: object) -> EngineState:

@@ -149,7 +149,8 @@ class ReceiverEngine(Engine):
 
     async def state(self) -> EngineState:
         st = await self.call("status")
-        return EngineState(st["version"], mixed=bool(st.get("mixed")), updating=bool(st["updating"]))
+        return EngineState(st["version"], mixed=bool(st.get("mixed")), updating=bool(st["updating"]),
+                           paused=bool(st.get("paused")))
 
     async def delta_base(self) -> tuple[int, str] | None:
         held = (await self.call("delta_base"))["held"]

@@ -463,8 +463,11 @@ class VllmHttpEngine(_Guarded):
         import aiohttp
 
         if self._session is None:
+            # vLLM's server (uvicorn) closes a connection idle for 5 s; a pooled connection kept longer is reset
+            # on its next request, so idle connections are dropped here first
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                                  headers=self.headers)
+                                                  headers=self.headers,
+                                                  connector=aiohttp.TCPConnector(keepalive_timeout=2.0))
         return self._session
 
     async def served_model(self) -> str:
@@ -543,6 +546,10 @@ class VllmHttpEngine(_Guarded):
 
     async def is_paused(self) -> bool:
         return bool((await self._http("GET", "/is_paused"))["is_paused"])
+
+    async def state(self) -> EngineState:
+        held = parse_version(await self._raw_version())
+        return EngineState(held.version, held.mixed, held.failed_version, held.updating, await self.is_paused())
 
     async def rpc(self, method: str, *args: str) -> list[Any]:
         body: dict[str, Any] = {"method": method}

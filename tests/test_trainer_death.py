@@ -1,0 +1,86 @@
+"""A trainer that dies inside `paused()` (SIGKILL, or Ctrl-C mid-push) leaves its engine paused; the next
+trainer process finds it so at connect, continues the version numbers, and resumes the engine once its push
+succeeds, so generation answers again. Real processes: a `vllm serve` engine and trainer subprocesses."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import anyio
+import pytest
+
+from streamsync import WeightSync
+from streamsync.engines.vllm import VllmHttpEngine
+from streamsync.testing.vllm import trainer_from
+
+pytestmark = pytest.mark.vllm
+
+TRAINER = textwrap.dedent("""
+    import sys, time, anyio
+    from streamsync import WeightSync
+    from streamsync.engines.vllm import VllmHttpEngine
+    from streamsync.testing.vllm import trainer_from
+
+    url, model_dir = sys.argv[1], sys.argv[2]
+
+    def stall(chunk):  # the signal lands mid-push: a chunk is in the engine, the round is open
+        print("CHUNK", flush=True)
+        time.sleep(8)  # Ctrl-C cancels the push when the event loop runs again
+
+    async def main():
+        sync = WeightSync([VllmHttpEngine(url, name="serve")], chunk_bytes=256 << 10, on_chunk=stall)
+        async with sync.paused(mode="keep"):
+            await sync.push(trainer_from(model_dir, step=50))
+
+    anyio.run(main)
+""")
+
+
+def _kill_mid_push(tmp_path, url: str, model_dir: str, sig: int) -> None:
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    proc = subprocess.Popen([sys.executable, str(script), url, model_dir], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("CHUNK"):
+                break
+            assert time.monotonic() < deadline, "the trainer never reached its first chunk"
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+async def test_a_trainer_dead_inside_paused_leaves_nothing_hanging_for_the_next(server, model_dir, tmp_path, sig,
+                                                                                caplog):
+    engine = VllmHttpEngine(server.url, name="serve")
+    before = await engine.get_version()
+    _kill_mid_push(tmp_path, server.url, model_dir, sig)
+    assert await engine.is_paused()  # what the dead trainer left
+
+    # A new trainer process (this one). A round left open by a SIGKILLed owner is taken over once it has been
+    # idle longer than the sync's timeout.
+    sync = WeightSync([VllmHttpEngine(server.url, name="serve", timeout=5)], timeout=5, chunk_bytes=1 << 20)
+    await sync.connect()
+    assert "serve" in sync._stale_paused and "not by this sync" in caplog.text
+    if sig == signal.SIGKILL:
+        await anyio.sleep(6)
+    report = await sync.push(trainer_from(model_dir, step=51))
+    if before is not None:  # numbers move on; a round ended as mixed:N (SIGINT) has N taken too
+        assert report.version > before + (1 if sig == signal.SIGINT else 0)
+    assert not await engine.is_paused()
+    with anyio.fail_after(60):  # generation answers, no silent hang
+        tokens, _ = await engine.greedy([1, 2, 3, 4], 4)
+    assert len(tokens) == 4
+    assert await engine.get_version() == report.version
+    await sync.close()
+    await engine.close()
