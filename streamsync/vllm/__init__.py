@@ -20,6 +20,20 @@ def register() -> None:
     if BACKEND not in WeightTransferEngineFactory._registry:  # registering twice raises in vLLM
         WeightTransferEngineFactory.register_engine(BACKEND, "streamsync.vllm.backend",
                                                     "StreamSyncWeightTransferEngine")
+    register_trainer()
+
+
+def register_trainer() -> bool:
+    """Add "streamsync" to vLLM's trainer-side registry (`WeightTransferTrainerFactory`, vLLM 0.32+; a lazy
+    import path, `streamsync.vllm.trainer`), so code that picks vLLM's trainer engine by name switches by the
+    name; False where the installed vLLM has no such registry (0.25.x: `trainer_send_weights` instead)."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError:
+        return False
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, "streamsync.vllm.trainer", "StreamSyncTrainerEngine")
+    return True
 
 
 def _request_amx() -> None:

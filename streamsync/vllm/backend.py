@@ -85,11 +85,12 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
     @staticmethod
     def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
-        """vLLM 0.25.x declares this trainer-side entry point on every backend class (a class without it cannot
-        be built). streamsync's sending side is a `WeightSync`, which plans, packs and streams the chunks."""
-        raise NotImplementedError(
-            "the streamsync backend is pushed to through streamsync.WeightSync (sync = WeightSync(engines=["
-            "VllmEngine(llm)]); await sync.push(model)), not through WeightTransferEngine.trainer_send_weights")
+        """vLLM 0.25.x's trainer-side entry point on the backend class: push `iterator`'s (name, tensor) pairs
+        through streamsync (`streamsync.vllm.trainer.send_weights`: `trainer_args` is a BlockingWeightSync, or
+        {"sync": one} or {"engines": [...]})."""
+        from .trainer import send_weights
+
+        send_weights(iterator, trainer_args)
 
     def set_weight_version(self, version: str) -> None:
         """Set the worker's version now (a failed round's "mixed:N" mark, or a client's explicit version); the

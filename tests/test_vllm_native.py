@@ -1,0 +1,82 @@
+"""Code written for vLLM's own trainer-side weight-transfer API switches to streamsync by the backend's name:
+vLLM's `WeightTransferTrainerFactory` builds streamsync's trainer engine, which pushes through vLLM's own HTTP
+client into a real `vllm serve` engine; and the 0.25-shaped `trainer_send_weights(iterator, trainer_args)`."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from streamsync import ValidationError
+from streamsync.engines.vllm import VllmHttpEngine
+from streamsync.testing.vllm import trainer_from
+
+pytestmark = pytest.mark.vllm
+
+factory = pytest.importorskip("vllm.distributed.weight_transfer.factory")
+base = pytest.importorskip("vllm.distributed.weight_transfer.base")
+if not hasattr(factory, "WeightTransferTrainerFactory"):
+    pytest.skip("this vLLM has no trainer-side registry", allow_module_level=True)
+
+
+class _Pairs(base.WeightSource):
+    """vLLM's WeightSource over a module's state dict."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def metadata(self):
+        return [base.ParamMeta(n, t.dtype, tuple(t.shape))
+                for n, t in self.module.state_dict().items()]
+
+    def __iter__(self):
+        return iter(self.module.state_dict().items())
+
+
+async def _holds(url: str, trainer: torch.nn.Module) -> bool:
+    from streamsync.vllm.extension import expected_digests
+
+    engine = VllmHttpEngine(url, name="check")
+    try:  # every parameter the engine computes with, bit for bit
+        return await engine.weight_digests() == expected_digests(trainer.state_dict(), await engine.packed_modules())
+    finally:
+        await engine.close()
+
+
+async def test_vllms_trainer_factory_builds_streamsync_by_name_and_pushes_bit_exact(server, model_dir):
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from streamsync.vllm.trainer import StreamSyncTrainerInitInfo
+
+    assert "streamsync" in factory.WeightTransferTrainerFactory._registry
+    trainer = trainer_from(model_dir, step=60)
+    engine = await anyio.to_thread.run_sync(lambda: factory.WeightTransferTrainerFactory.trainer_init(
+        StreamSyncTrainerInitInfo(rank=0, device="cpu"), client=HTTPVLLMWeightSyncClient(server.url),
+        source=_Pairs(trainer)))
+    try:
+        for step in (61, 62):  # every round re-reads the source
+            trainer.load_state_dict(trainer_from(model_dir, step=step).state_dict())
+            await anyio.to_thread.run_sync(engine.send_weights)
+            assert await _holds(server.url, trainer)
+    finally:
+        await anyio.to_thread.run_sync(engine.shutdown)
+
+
+async def test_the_trainer_send_weights_shape_pushes_an_iterator(server, model_dir):
+    from streamsync.vllm.backend import StreamSyncWeightTransferEngine
+
+    trainer = trainer_from(model_dir, step=63)
+    args = {"engines": [VllmHttpEngine(server.url, name="serve")]}
+    await anyio.to_thread.run_sync(StreamSyncWeightTransferEngine.trainer_send_weights,
+                                   iter(trainer.state_dict().items()), args)
+    assert await _holds(server.url, trainer)
+    with pytest.raises(ValidationError, match=r"trainer_args must be a streamsync\.BlockingWeightSync"):
+        StreamSyncWeightTransferEngine.trainer_send_weights(iter(()), {"nothing": 1})
+
+
+def test_a_client_without_the_four_methods_is_refused_naming_them():
+    from streamsync.vllm.trainer import ClientEngine
+
+    with pytest.raises(ValidationError, match=r"has no start_weight_update\(\)"):
+        ClientEngine(type("Half", (), {"init_weight_transfer_engine": lambda self, i: None})())
