@@ -235,7 +235,7 @@ def _megatron_boxes(shape: Shape, name: str, shp: tuple[int, ...], tp: int, r: i
 
 def engine_layouts(shape: Shape, specs: Sequence[Spec], e: Engines) -> list[EngineLayout]:
     """The engines' layouts (module doc)."""
-    from ..testing.sliced import vllm_layout
+    from .vllm_layout import vllm_layout
 
     if e.ep > 1 and e.ep % e.tp:
         raise ValidationError(f"engine ep={e.ep} is not a multiple of engine tp={e.tp} (vLLM: EP = DP x TP)")
