@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from streamsync import ValidationError
 from streamsync.vllm import compat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,8 @@ def test_the_worker_versions_variable_turns_vllm_s_own_versions_off(monkeypatch)
 
 def test_the_backend_defines_every_abstract_method_vllm_0_25_declares():
     """0.25's WeightTransferEngine also declares the static `trainer_send_weights` abstract: without it the
-    worker dies at load ("Can't instantiate abstract class"). Defined, it points at WeightSync."""
+    worker dies at load ("Can't instantiate abstract class"). Defined, it pushes through streamsync and names
+    what trainer_args must be."""
     from streamsync.vllm.backend import StreamSyncWeightTransferEngine
 
     assert not StreamSyncWeightTransferEngine.__abstractmethods__
@@ -73,7 +75,7 @@ def test_the_backend_defines_every_abstract_method_vllm_0_25_declares():
                         "start_weight_update", "trainer_send_weights"}
     assert declared_by_0_25 <= set(vars(StreamSyncWeightTransferEngine))
     assert isinstance(vars(StreamSyncWeightTransferEngine)["trainer_send_weights"], staticmethod)
-    with pytest.raises(NotImplementedError, match=r"streamsync\.WeightSync"):
+    with pytest.raises(ValidationError, match=r"trainer_args must be a streamsync\.BlockingWeightSync"):
         StreamSyncWeightTransferEngine.trainer_send_weights(iter([]), {})
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..message import UpdateMessage
@@ -58,7 +58,7 @@ class EngineState:
     mixed: bool = False
     failed_version: int | None = None
     updating: bool | None = None
-    paused: bool | None = None
+    paused: bool | None = field(default=None, compare=False)  # beside what it holds: not part of equality
 
 
 def parse_version(v: object) -> EngineState:

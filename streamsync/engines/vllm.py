@@ -463,11 +463,12 @@ class VllmHttpEngine(_Guarded):
         import aiohttp
 
         if self._session is None:
-            # vLLM's server (uvicorn) closes a connection idle for 5 s; a pooled connection kept longer is reset
-            # on its next request, so idle connections are dropped here first
+            # A connection per request: vLLM's server (uvicorn) closes idle connections and the one that served
+            # an error, and a pooled connection it closed fails the next request ("Server disconnected",
+            # "Connection reset by peer") with no way to tell whether that request ran
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
                                                   headers=self.headers,
-                                                  connector=aiohttp.TCPConnector(keepalive_timeout=2.0))
+                                                  connector=aiohttp.TCPConnector(force_close=True))
         return self._session
 
     async def served_model(self) -> str:
