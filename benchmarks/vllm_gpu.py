@@ -76,6 +76,31 @@ async def _bit_exact(engine: Any, model: torch.nn.Module, kind: str, shape: dict
     return got == want
 
 
+async def _round_trips(engine: Any, n: int = 20) -> dict[str, float]:
+    """Median milliseconds of a call that does nothing in the workers (`streamsync_capabilities`) and of a
+    prefix-cache reset: what each engine call of a push costs before it does any work."""
+    out: dict[str, float] = {}
+    for what, call in (("worker_rpc", lambda: engine.rpc("streamsync_capabilities")),
+                       ("cache_reset", engine.reset_cache)):
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await call()
+            times.append(time.perf_counter() - t0)
+        out[what] = statistics.median(times) * 1e3
+    return out
+
+
+def _timeline(report: Any) -> list[list[Any]]:
+    """The push's spans as [stage, chunk, receiver, start ms, end ms] from its start (and its end as the last
+    row): where a short push waits."""
+    trace = report.trace
+    if trace is None:
+        return []
+    rows = [[s.stage, s.chunk, s.receiver, round(s.start * 1e3, 3), round(s.end * 1e3, 3)] for s in trace.spans]
+    return [*rows, ["end", -1, None, round(report.seconds * 1e3, 3), round(report.seconds * 1e3, 3)]]
+
+
 async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path) -> dict[str, Any]:
     """Start the case's engine, build its trainer, push (first, then steady), check, stop the engine."""
     import vllm
@@ -112,13 +137,16 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
         t0 = time.perf_counter()
         await sync.connect()
         connect = time.perf_counter() - t0
+        rtt = await _round_trips(engine)
         for i in range(1 + args.warmup + args.repeat):
             bc._perturb(trainer, i)
             report = await sync.push(trainer)
             pushes.append({"seconds": report.seconds, "bytes": report.bytes, "chunks": report.chunks,
                            "transport": sync.transport.name if sync.transport else None,
                            "refs": ref_counts(report), "gc_ms": report.gc_ms, **_summary(report, case),
-                           "engine_rounds": [r.to_dict() for r in report.engine_rounds]})
+                           "engine_rounds": [r.to_dict() for r in report.engine_rounds],
+                           "stage_ms": {k: round(v * 1e3, 3) for k, v in report.stage_seconds.items()},
+                           "timeline": _timeline(report) if case == "tiny" else None})
         exact = await _bit_exact(engine, trainer, kind, shape)
     finally:
         await sync.close()
@@ -129,7 +157,8 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
     med = statistics.median(steady)
     floor = 2 * nbytes / rate  # one copy: every byte read once and written once
     row = {"case": case, "label": label, "trainer": kind, "bytes": nbytes, "engine_start_s": started,
-           "connect_ms": connect * 1e3, "first_push_ms": pushes[0]["seconds"] * 1e3, "steady_push_ms": med * 1e3,
+           "connect_ms": connect * 1e3, "round_trip_ms": rtt, "first_push_ms": pushes[0]["seconds"] * 1e3,
+           "steady_push_ms": med * 1e3,
            "one_copy_floor_ms": floor * 1e3, "steady_over_floor": med / floor,
            "first_over_steady": pushes[0]["seconds"] / med, "bit_exact": exact,
            "path": [p["path"] for p in pushes], "engine_extra_bytes": [p["engine_extra_bytes"] for p in pushes],

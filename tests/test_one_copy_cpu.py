@@ -255,3 +255,24 @@ async def test_one_copy_into_a_vllm_cpu_engine_is_bit_exact_and_generates(llm, m
     check = generation_matches_reference(llm, model_dir, trainer, prompt, before)
     assert check.ok, f"steps {check.mismatches} differ; max logprob diff {check.max_logprob_diff:.4f}"
     await sync.close()
+
+
+def test_a_blocked_reference_is_read_afresh_by_every_push_into_a_loader_that_takes_hf_shapes():
+    # Q of megatron's interleaved QKV arrives as a blocked (groups, rows, hidden) view of the trainer's storage;
+    # vLLM's loaders take HF shapes, so the receiver reshapes it into a copy: that copy must be made again each
+    # push (a join cached with it fed every later push the first push's Q).
+    from streamsync.pack import Layout, TensorMeta
+    from streamsync.receiver.loaders import FunctionLoader
+    from streamsync.receiver.state import WeightReceiver
+
+    qkv = torch.arange(2 * 6 * 4, dtype=torch.float32).reshape(2, 6, 4)  # 2 groups of [4 q rows; k; v]
+    q, k = qkv[:, :4], qkv[:, 4:5]
+    refs = [(TensorMeta("q", "float32", (8, 4), 0, 128), q), (TensorMeta("k", "float32", (2, 4), 0, 32), k)]
+    rx, layout, loader = WeightReceiver(), Layout((), 0), FunctionLoader(lambda weights: None)
+    packed: list = []  # the transport's cached views of the chunk's packed part (none here)
+    for step in range(3):
+        qkv.add_(step + 1)  # an optimizer step in place
+        views, metas, _ = rx._join(layout, packed, refs, loader)
+        got = dict(views)
+        assert [m.name for m in metas] == ["q", "k"]
+        assert torch.equal(got["q"], q.reshape(8, 4)) and torch.equal(got["k"], k.reshape(2, 4)), step

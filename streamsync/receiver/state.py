@@ -209,11 +209,22 @@ class WeightReceiver:
         hit = self._joined.get(layout)
         if hit is not None and hit[0] is views and hit[1] is refs and hit[2] == blocked:
             return hit[3], hit[4], hit[5]
-        fixed = refs if blocked else [(m, t if t.shape == m.shape else t.reshape(m.shape)) for m, t in refs]
+        # A blocked view the HF shape cannot view (Q of an interleaved QKV) is reshaped into a copy: a copy of
+        # this push's bytes, so a join that made one is never cached (a later push would read the old copy).
+        copied = False
+        fixed = refs
+        if not blocked:
+            fixed = []
+            for m, t in refs:
+                if t.shape != m.shape:
+                    r = t.reshape(m.shape)
+                    copied = copied or r.data_ptr() != t.data_ptr()
+                    t = r
+                fixed.append((m, t))
         joined = [*views, *((m.name, t) for m, t in fixed)]
         metas = (*layout.metas, *(m for m, _ in fixed))
         parts = any(m.part is not None for m in metas)
-        if isinstance(views, list):  # a transport's cached views (a fresh generator is never cached)
+        if isinstance(views, list) and not copied:  # a transport's cached views (a fresh generator never is)
             self._joined[layout] = (views, refs, blocked, joined, metas, parts)
         return joined, metas, parts
 
