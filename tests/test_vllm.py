@@ -402,3 +402,65 @@ async def test_where_vllm_keeps_no_weight_version_the_workers_keep_it(loaded_ser
     assert (await engine._http("GET", "/weight_info"))["weight_version"] == "default"  # vLLM's own: untouched
     await sync.close()
     await failing.close()
+
+
+def _pool_after(ops_reset) -> tuple[list, list, bool]:
+    """A KV block pool with hashed blocks (one of them holding two hashes), all freed, then reset by
+    `ops_reset(pool)`: (each block's hash, the free queue's block order, the reset's result)."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=16)
+    blocks = pool.get_new_blocks(6)
+    for i, b in enumerate(blocks[:4]):
+        pool._insert_block_hash(make_block_hash_with_group_id(BlockHash(bytes([i + 1]) * 32), 0), b, None)
+    pool._insert_block_hash(make_block_hash_with_group_id(BlockHash(b"\x09" * 32), 0), blocks[0], None)
+    pool.free_blocks(reversed(blocks))
+    ok = ops_reset(pool)
+    return ([b.block_hash for b in pool.blocks], [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+            ok)
+
+
+def test_the_prefix_cache_reset_visits_only_hashed_blocks_and_ends_where_vllms_ends():
+    from vllm.v1.core.block_pool import BlockPool
+
+    from streamsync.vllm import prefix_cache
+
+    assert prefix_cache.install() and prefix_cache.install()  # idempotent: wrapped once
+    fast = BlockPool.reset_prefix_cache
+    assert fast.__streamsync__ and not getattr(fast.__wrapped__, "__streamsync__", False)
+    visited: list[int] = []
+    iterate = prefix_cache.HashedBlocks.__iter__
+
+    def counted(self):
+        visited.append(len(self.hashed))
+        return iterate(self)
+
+    prefix_cache.HashedBlocks.__iter__ = counted
+    try:
+        got = _pool_after(lambda pool: pool.reset_prefix_cache())
+    finally:
+        prefix_cache.HashedBlocks.__iter__ = iterate
+    want = _pool_after(lambda pool: fast.__wrapped__(pool))  # vLLM's own method on the same pool
+    assert got == want and got[2] is True and not any(got[0])
+    assert visited == [4]  # the four hashed blocks, not the pool's 64
+
+
+async def test_after_a_push_a_repeated_prompt_finds_nothing_in_the_prefix_cache(llm, model_dir):
+    import vllm as _vllm
+
+    engine = VllmEngine(llm, name="llm")
+    prompt = llm.get_tokenizer().encode(" ".join([PROMPT] * 60))  # several KV blocks
+    params = _vllm.SamplingParams(temperature=0, max_tokens=2)
+
+    def cached() -> int:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        return int(out.num_cached_tokens or 0)
+
+    cached()
+    assert cached() > 0  # the second time the prompt's blocks come from the prefix cache
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    report = await sync.push(trainer_from(model_dir, step=11), version=await _next_version(sync))
+    assert report.cache_reset == {"llm": True}
+    assert cached() == 0  # the push's reset (the engine core's, shortened) left no block hashed
+    await sync.close()

@@ -2,7 +2,9 @@
 
 `register()` is the `vllm.general_plugins` entry point: vLLM calls it in every process (frontend, engine
 core, each worker), so `weight_transfer_config={"backend": "streamsync"}` resolves everywhere. It only
-records a lazy import path; nothing of streamsync's backend is imported until a worker builds it.
+records a lazy import path; nothing of streamsync's backend is imported until a worker builds it. In the
+engine core it also shortens vLLM's prefix-cache reset, which a push ends with, to the blocks that hold a
+hash (`streamsync.vllm.prefix_cache`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ WORKER_EXTENSION = "streamsync.vllm.extension.StreamSyncWorkerExtension"
 
 def register() -> None:
     _request_amx()
+    from .prefix_cache import install
+
+    install()
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # a vLLM without weight transfer: nothing to register
