@@ -69,6 +69,7 @@ class EngineRound:
     phase_ms:       milliseconds per phase in the worker (`streamsync.vllm.stats`: map, arm, load, process, finish)
     extra_bytes:    memory the round took above what the worker held at its start (None: not measured); `memory`
                     says how it was measured
+    replayed_chunks: chunks whose fast-path copies were one replayed CUDA graph (`fastpath.CapturedLoads`)
     """
 
     engine: str
@@ -85,6 +86,7 @@ class EngineRound:
     memory: str
     #: (phase, chunk or None, start, end): wall-clock seconds (`time.time`) in the worker
     phases: tuple[tuple[str, int | None, float, float], ...] = field(default=(), repr=False)
+    replayed_chunks: int = 0
 
     @classmethod
     def from_wire(cls, engine: str, d: Mapping[str, Any]) -> EngineRound:
@@ -112,7 +114,7 @@ class EngineRound:
         return cls(engine, num("rank"), path, num("fast_tensors"), num("layerwise_tensors"), num("fast_bytes"),
                    num("layerwise_bytes"), num("rebuilt_modules"), bool(d.get("traced")), ms,
                    extra if isinstance(extra, int) and not isinstance(extra, bool) else None,
-                   str(d.get("memory") or ""), tuple(phases))
+                   str(d.get("memory") or ""), tuple(phases), num("replayed_chunks"))
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "phases"}

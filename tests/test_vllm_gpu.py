@@ -128,6 +128,8 @@ async def test_colocated_cuda_ipc_pushes_are_bit_exact_three_times(kind, tie, gp
         (r,) = report.engine_rounds
         assert report.engine_paths == {engine.name: "fast"} and r.layerwise_tensors == 0, r
         assert r.rebuilt_modules == 0 and r.extra_bytes is not None, r
+        if kind == "hf" and step == 3:  # seen, captured, replayed: every chunk's copies are one graph launch
+            assert r.replayed_chunks == report.chunks, r
         await _assert_bit_exact(engine, await _hf_export(trainer, model_dir), tied=TIES[tie])
     await sync.close()
     # and layerwise reload (fast_path=False) still lands exactly
@@ -264,3 +266,40 @@ def _prompts(vocab: int, n: int) -> Any:
         for p in check_prompts(vocab, count=n, length=24):
             yield p
     return gen()
+
+
+@pytest.mark.parametrize("tie", list(TIES))
+@gpu
+async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_weights(tie, gpu_model_dirs, tmp_path):
+    """`quantization="fp8"` (vLLM quantizes bf16 weights as it loads them): two pushes from a bf16 trainer, then
+    every engine tensor (fp8 weights and their scales included) equal to those of an fp8 engine that loaded the
+    pushed weights from disk, and the same greedy tokens."""
+    model_dir = gpu_model_dirs[tie]
+    _gpu_env()
+    fp8 = dict(ENGINE, quantization="fp8")
+    llm = vllm.LLM(model=model_dir, **fp8, **engine_kwargs())
+    loaded_llm = None
+    sync = None
+    try:
+        engine = VllmEngine(llm, name=f"fp8-{tie}")
+        trainer = _hf_trainer(model_dir)
+        sync = WeightSync([engine], transport="auto", chunk_bytes=1 << 20)
+        for step in (21, 22):  # the second lands on layers already quantized by the first
+            perturb(trainer, step)
+            report = await sync.push(trainer)
+            assert await engine.get_version() == report.version
+        ckpt = save_checkpoint(trainer.state_dict(), like=model_dir, out=tmp_path / f"fp8-{tie}", dtype=torch.bfloat16)
+        loaded_llm = vllm.LLM(model=str(ckpt), **fp8, **engine_kwargs())
+        loaded = VllmEngine(loaded_llm, name=f"fp8-{tie}-loaded")
+        got, want = await engine.weight_digests(device=True), await loaded.weight_digests(device=True)
+        assert any(v.startswith("float8") for v in want.values()), want  # the engine computes in fp8
+        assert set(got) == set(want) and got == want, sorted(k for k in want if got.get(k) != want[k])[:5]
+        check = await compare_engines(engine, loaded, check_prompts(int(_config(model_dir)["vocab_size"]), count=3),
+                                      as_served=True)
+        assert check.ok, check
+    finally:
+        if sync is not None:
+            await sync.close()
+        for x in (llm, loaded_llm):
+            if x is not None:
+                stop_llm(x)

@@ -78,6 +78,7 @@ class _Guarded(Engine):
     #: the engine's vLLM is this process's (an in-process LLM / AsyncLLM): its version is read here
     in_process: bool = False
     _info: VllmInfo | None = None
+    _stats: list[dict[str, Any]] | None = None  # what the workers said the round did, from its finish
 
     async def locate(self) -> None:
         """At connect: learn the engine's vLLM (`vllm_info`), refusing one outside the supported range."""
@@ -156,7 +157,10 @@ class _Guarded(Engine):
         push_version = version is not None and version.isdigit()
         if version is not None and not push_version:
             await self._set_version(version)
-        await self._vllm_finish(None)
+        # vLLM's finish, called in the workers by streamsync's extension, which answers with what the round did
+        # there (`round_stats` then asks nothing): one call into the engine where two were
+        got = await self.rpc("streamsync_finish_update")
+        self._stats = [x for x in got if isinstance(x, dict)] or None
         if version is not None and push_version and not self._touched:
             await self._set_version(version)
 
@@ -282,7 +286,11 @@ class _Guarded(Engine):
         return first if first and all(x == first for x in layouts) else None
 
     async def round_stats(self) -> list[dict[str, Any]] | None:
-        """What the last round did in each worker (`streamsync.vllm.stats`), or None before any."""
+        """What the last round did in each worker (`streamsync.vllm.stats`), or None before any: as the round's
+        finish answered it, where it did."""
+        if self._stats is not None:
+            got, self._stats = self._stats, None
+            return got
         got = [x for x in await self.rpc("streamsync_round_stats") if isinstance(x, dict)]
         return got or None
 

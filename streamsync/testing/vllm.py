@@ -68,11 +68,15 @@ def generation_matches_reference(llm: Any, model_dir: str | os.PathLike, trainer
 
 def shaped_checkpoint(out: str | os.PathLike, *, arch: str = "qwen3", vocab: int, hidden: int, layers: int,
                       heads: int, kv_heads: int, head_dim: int, ffn: int, experts: int = 0, moe_ffn: int = 0,
-                      tie: bool = False, **_: Any) -> str:
+                      tie: bool = False, names: bool = False, **_: Any) -> str:
     """A checkpoint folder holding a Qwen3 / Qwen3-MoE config of these shapes and a word-level tokenizer, and no
     weights: a vLLM engine starts on it with `load_format="dummy"` (random weights), which is how the GPU
     benchmarks get an 8B-shaped engine without a download or 16 GB written to disk. (The keywords are those of
-    `benchmarks.cuda.SHAPES` entries; others are ignored.)"""
+    `benchmarks.cuda.SHAPES` entries; others are ignored.)
+
+    `names`: also a `model.safetensors` whose header lists every HF tensor (bf16) and whose data is a hole
+    (a sparse file: nothing written, nothing read by the dummy loader), so the engine's worker knows at start
+    what a checkpoint of these shapes holds, as one started on real weights does (`checkpoint_weights`)."""
     import json
     from pathlib import Path
 
@@ -96,7 +100,34 @@ def shaped_checkpoint(out: str | os.PathLike, *, arch: str = "qwen3", vocab: int
         raise ValueError(f"shaped_checkpoint makes qwen3 and qwen3-moe configs, not {arch!r}")
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     save_word_tokenizer(folder, vocab)
+    if names:
+        from ..models.megatron import TinyModel
+
+        tiny = TinyModel(arch, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                         head_dim=head_dim, ffn=ffn, experts=experts, moe_ffn=moe_ffn, tie=tie)
+        sparse_safetensors(folder / "model.safetensors", [(n, tuple(shape)) for n, _, shape in tiny.hf_specs()])
     return str(folder)
+
+
+def sparse_safetensors(path: str | os.PathLike, tensors: list[tuple[str, tuple[int, ...]]]) -> int:
+    """A valid bf16 safetensors file of these tensors whose data is a hole (`truncate` past the header: no
+    bytes written); returns its size."""
+    import json
+    import math
+    import struct
+
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape in tensors:
+        n = math.prod(shape) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    return 8 + len(raw) + offset
 
 
 def stop_llm(llm: Any) -> None:

@@ -32,7 +32,7 @@ from ..checksum import tensor_digest
 from ..plan.chunking import layer_index
 from ..receiver.state import WeightReceiver
 from . import compat
-from .fastpath import FastPath, FastRound
+from .fastpath import CapturedLoads, FastPath, FastRound
 from .stats import RoundLog
 
 
@@ -70,6 +70,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         #: every tensor through vLLM's layerwise reload
         self.fast_path = True
         self.fast = FastPath(model)
+        self.graphs = CapturedLoads()  # chunks of COPY modules only, replayed as CUDA graphs
+        self._replayed0 = 0
         self.log = RoundLog(torch.device(device))
         self.last_round: dict[str, Any] | None = None
         self._round: FastRound | None = None
@@ -131,9 +133,12 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.received_digests = {}
         self._round_version = None
         self._counts = {"fast": [0, 0], "layerwise": [0, 0]}
+        self._replayed0 = self.graphs.replayed
         self.log.begin()
         with self.log.phase("map"):
             plan, self._traced = self.fast.ensure() if self.fast_path else (None, False)
+        if self._traced:
+            self.graphs.clear()  # captured against the plan traced before
         with self.log.phase("arm"), compat.vllm_config_set(self.vllm_config):
             if plan is None:
                 initialize_layerwise_reload(self.model)
@@ -150,13 +155,21 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             self._round_version = str(info.streamsync["version"])
         with compat.vllm_config_set(self.vllm_config):
             self.receive_weights(info)
-        if self.device.type != "cpu":
+        # CUDA IPC orders on the device (the chunk's ready and release events; the round's finish synchronizes
+        # before the version is reported): waiting here would only keep the next chunk's call from overlapping
+        # this one's copies. Other transports' buffers are reused once the update returns.
+        transport = self.rx.transport
+        if self.device.type != "cpu" and (transport is None or transport.name != "cuda_ipc"):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: StreamSyncUpdateInfo) -> None:
-        hold = set(update_info.streamsync.get("hold") or ())
-        chunk = update_info.streamsync.get("chunk")
+        info = update_info.streamsync
+        hold = set(info.get("hold") or ())
+        chunk = info.get("chunk")
         chunk = chunk if isinstance(chunk, int) else None
+        handle = info.get("handle")
+        # the chunk as the receiver caches it: its layout, the buffer it arrived in, the trainer storages it names
+        key = (info.get("layout_key"), handle.get("token"), handle.get("refs_id")) if isinstance(handle, dict) else None
 
         def keep(name: str) -> bool:
             # Layerwise reload buffers a layer's tensors until the layer is complete, and defers some layers
@@ -181,7 +194,12 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                 self._count("layerwise", [t for _, t in slow])
                 slow = self.fast.unfuse(slow)
             with self.log.phase("load", chunk):
-                complete = rnd.load(fast) if rnd is not None and fast else []
+                complete: list[int] = []
+                if rnd is not None and fast:
+                    graphed = (self.device.type == "cuda" and not slow and key is not None
+                               and self.graphs.load(key, rnd, fast))
+                    if not graphed:
+                        complete = rnd.load(fast)
                 if slow:
                     self._load_layerwise([(n, t.clone() if keep(n) else t) for n, t in slow])
             if complete:
@@ -235,7 +253,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             path="fast" if fast and not slow else "layerwise" if slow and not fast else "mixed" if fast else "none",
             fast_tensors=fast, layerwise_tensors=slow, fast_bytes=self._counts["fast"][1],
             layerwise_bytes=self._counts["layerwise"][1], rebuilt_modules=rnd.rebuilt if rnd is not None else 0,
-            traced=self._traced, fast_path=self.fast_path)
+            traced=self._traced, fast_path=self.fast_path, replayed_chunks=self.graphs.replayed - self._replayed0)
 
     def _count(self, path: str, tensors: list[torch.Tensor]) -> None:
         c = self._counts[path]

@@ -182,6 +182,12 @@ class StreamSyncWorkerExtension:
         last = engine.last_round if engine is not None else None
         return None if last is None else {**last, "rank": int(getattr(self, "rank", 0))}
 
+    def streamsync_finish_update(self) -> dict[str, Any] | None:
+        """vLLM's `finish_weight_update` in this worker, answered with what the round did here
+        (`streamsync_round_stats`): the sender's finish and its question in one call."""
+        self.finish_weight_update()  # type: ignore[attr-defined]  # the worker's own method
+        return self.streamsync_round_stats()
+
     def streamsync_received_digests(self) -> dict[str, str]:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "received_digests", {}) or {})

@@ -280,6 +280,12 @@ def _never_loaded() -> set[str]:
     return set(getattr(meta, "SKIP_LOAD_TENSORS", None) or meta.SKIP_TENSORS) - {"bias"}
 
 
+#: vLLM's unquantized fused-MoE backends whose kernels read the experts as loaded on CUDA: their processing after
+#: a weight update makes the tensors contiguous (they are) and copies them onto themselves (vLLM's
+#: `convert_to_unquantized_kernel_format`); others shuffle, swap or pad them (AITER, FlashInfer, ROCm padding)
+_PLAIN_MOE_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON"})
+
+
 def module_mode(mod: torch.nn.Module) -> tuple[Mode, str]:
     """How a module's pushes load (module doc), and why."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
@@ -298,7 +304,10 @@ def module_mode(mod: torch.nn.Module) -> tuple[Mode, str]:
             return Mode.COPY, f"{kind.__name__}: processing is a no-op on this platform"
         return Mode.REBUILD, f"{kind.__name__}: processing derives the kernel's weights on this platform"
     if kind is UnquantizedFusedMoEMethod:
-        return Mode.REBUILD, f"{kind.__name__}: its backend may convert the experts"
+        backend = getattr(getattr(method, "unquantized_backend", None), "name", None)
+        if backend in _PLAIN_MOE_BACKENDS and current_platform.is_cuda() and method.moe_kernel is not None:
+            return Mode.COPY, f"{kind.__name__} ({backend}): processing after a load is a no-op on CUDA"
+        return Mode.REBUILD, f"{kind.__name__} ({backend}): its backend may convert the experts"
     return Mode.LAYERWISE, f"{kind.__name__}: quantized or not known to the fast path"
 
 
@@ -346,7 +355,7 @@ class Plan:
             now: torch.Tensor | None = mod._parameters.get(name)
             if now is None:
                 now = mod._buffers.get(name)
-            if now is not t or t.data_ptr() != ptr or tuple(t.shape) != shape or tuple(t.stride()) != stride:
+            if now is not t or t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
                 return False
         return all(type(getattr(mod, "quant_method", None)) is kind for mod, kind in self.methods)
 
@@ -638,6 +647,84 @@ class FastRound:
         left = [self.plan.rebuilt[i].name for i in self.pending]
         self.pending.clear()
         return left
+
+
+@dataclass(slots=True)
+class _Capture:
+    plan: Plan
+    sources: tuple[int, ...]  # each source tensor's address when the graph was captured
+    graph: torch.cuda.CUDAGraph | None  # None: seen once (loaded plainly)
+    failed: bool = False  # cannot be captured: always loaded plainly
+
+
+class CapturedLoads:
+    """A chunk whose copies all go straight into live tensors (COPY modules only), pushed again from the same
+    addresses, is loaded by replaying a CUDA graph of its copies: one launch instead of a Python call and a
+    launch per write (an MoE chunk makes thousands). The graph is captured the second time the chunk arrives (a
+    one-off chunk never costs a capture). A graph copies from and to addresses: it is replayed only while the
+    plan (so every destination) is the one it was captured with and every source tensor is at the address it
+    had then, which is checked each push; anything else loads plainly."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self._seen: dict[object, _Capture] = {}
+        self._stream: torch.cuda.Stream | None = None
+        self.limit = limit
+        self.replayed = 0
+        self.captured = 0
+
+    @staticmethod
+    def capturable(fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]]) -> bool:
+        return all(src.is_cuda and src.is_contiguous() and all(op.dst is not None for op in ops)
+                   for ops, src in fast)
+
+    def load(self, key: object, rnd: FastRound, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]]) -> bool:
+        """Load `fast` by a graph (True), or return False for the caller to load it plainly."""
+        sources = tuple(src.data_ptr() for _, src in fast)
+        seen = self._seen.get(key)
+        if seen is not None and seen.plan is rnd.plan and seen.sources == sources:
+            if seen.failed:
+                return False
+            if seen.graph is not None:
+                seen.graph.replay()
+                self.replayed += 1
+                return True
+            return self._capture(key, rnd, fast, sources)
+        if len(self._seen) >= self.limit:
+            self._seen.clear()
+        self._seen[key] = _Capture(rnd.plan, sources, None)
+        return False
+
+    def _capture(self, key: object, rnd: FastRound, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]],
+                 sources: tuple[int, ...]) -> bool:
+        if not self.capturable(fast):
+            self._seen[key] = _Capture(rnd.plan, sources, None, failed=True)
+            return False
+        device = fast[0][1].device
+        stream = torch.cuda.current_stream(device)
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        side = self._stream
+        side.wait_stream(stream)  # the chunk's ready event, waited on by the current stream, comes first
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    rnd.load(fast)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as e:  # a copy this build cannot capture: this chunk loads plainly from now on
+            get_logger().info("vllm fast path: a chunk's copies could not be captured", error=str(e))
+            self._seen[key] = _Capture(rnd.plan, sources, None, failed=True)
+            return False
+        stream.wait_stream(side)
+        self._seen[key] = _Capture(rnd.plan, sources, graph)
+        self.captured += 1
+        graph.replay()  # capturing recorded the copies without making them
+        return True
+
+    def clear(self) -> None:
+        self._seen.clear()
 
 
 def _materialize(layer: torch.nn.Module) -> _Pending:
