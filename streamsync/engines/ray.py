@@ -11,6 +11,11 @@ Two halves, both thin, around the in-process engines of `streamsync.engines.vllm
   `Engine` whose every call is `actor.streamsync_call.remote(...)` awaited under the sync's timeout. A dead
   actor fails the call at once with an EngineError naming the engine ("engine actor died"), not at the
   timeout: Ray fails the pending call when it learns of the death.
+* A plain vLLM actor works too, as vLLM's own Ray examples make it (`ray.remote(vllm.LLM).remote(model, ...,
+  **engine_kwargs())`): `RayVllmEngine` then drives the `LLM`'s own methods (`init_weight_transfer_engine`,
+  `start_weight_update`, `update_weights`, `finish_weight_update`, `collective_rpc`, `sleep`, `wake_up`,
+  `reset_prefix_cache`) through `VllmEngine`'s code, each call one `actor.<method>.remote(...)`; where it runs
+  is asked through Ray's `__ray_call__`. Only an `LLM` actor (an `AsyncLLM` needs an async actor of the user's).
 
 Placement picks the transport (`transport="auto"`): before the transport is chosen `locate()` asks the actor
 for its Ray node and GPUs. An actor on the sender's node (and, for GPU engines, its GPU) is reached through
@@ -143,8 +148,76 @@ def _workers(engine: Any) -> int:
     return int(getattr(cfg, "world_size", 1) or 1)
 
 
+def _plain_placement(llm: Any) -> dict[str, Any]:
+    """Run in a plain `vllm.LLM` actor (`__ray_call__`): where it runs, its vLLM workers, its device."""
+    import torch
+
+    place = node_placement()
+    place.update(incarnation=f"{os.getpid()}-{id(llm):x}", workers=_workers_of(llm),
+                 device="cuda" if torch.cuda.is_available() else "cpu")
+    return place
+
+
+def _workers_of(llm: Any) -> int:
+    cfg = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "parallel_config", None)
+    return int(getattr(cfg, "world_size", 1) or 1)
+
+
+class _ActorLLM:
+    """A plain `vllm.LLM` actor as the blocking `LLM` that `VllmEngine` calls: each method is a remote call
+    waited for at most `timeout` (VllmEngine runs it in a worker thread, one at a time)."""
+
+    def __init__(self, actor: Any, timeout: float) -> None:
+        self._actor = actor
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        method = getattr(self._actor, name)
+
+        def call(*args: Any, **kw: Any) -> Any:
+            ray = _ray()
+            ref = method.remote(*args, **kw)
+            try:
+                return ray.get(ref, timeout=self._timeout)
+            except ray.exceptions.GetTimeoutError:
+                _cancel(ray, ref)
+                raise TimeoutError(f"{name}: no reply from the actor in {self._timeout:.1f} s") from None
+            except ray.exceptions.RayTaskError as e:  # the call raised in the actor: its own message
+                raise RuntimeError(f"{type(e.cause).__name__}: {_first_line(e.cause)}") from None
+            except ray.exceptions.RayActorError as e:
+                raise EngineError("", f"{name} failed: engine actor died ({_first_line(e)})",
+                                  unresponsive=True) from None
+
+        call.__name__ = name
+        return call
+
+
+def _plain_engine(actor: Any, name: str, timeout: float) -> Any:
+    """`VllmEngine` over a plain `LLM` actor (not in this process: its vLLM version is the worker's)."""
+    from .vllm import VllmEngine
+
+    class PlainActorEngine(VllmEngine):
+        in_process = False
+
+        async def _dead(self) -> str | None:
+            return None  # Ray fails a dead actor's calls itself
+
+        async def _run(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+            try:
+                return await super()._run(what, fn, *args, **kw)
+            except EngineError as e:
+                if not e.engine:  # raised by _ActorLLM (the actor died): name the engine
+                    raise EngineError(self.name, e.message, unresponsive=e.unresponsive) from None
+                raise
+
+    return PlainActorEngine(_ActorLLM(actor, timeout), name=name, timeout=timeout)
+
+
 class RayVllmEngine(Engine):
-    """A vLLM engine in a Ray actor whose class mixes in `StreamsyncEngineMixin`.
+    """A vLLM engine in a Ray actor: one whose class mixes in `StreamsyncEngineMixin`, or a plain `vllm.LLM`
+    actor (`ray.remote(vllm.LLM).remote(model, **engine_kwargs())`; module doc).
 
     actor:     the actor's handle (it may be passed into another actor: a trainer that is a Ray actor)
     placement: "auto" (same Ray node -> colocated transport, else collective), or "local" / "remote" to force
@@ -166,12 +239,17 @@ class RayVllmEngine(Engine):
         self.timeout = timeout
         self.placement = placement
         self.where: dict[str, Any] | None = None  # the actor's answer to `locate`
+        # a plain LLM actor (no mixin): driven through VllmEngine's code, one remote call per LLM method
+        self._plain = None if _has_method(actor, "streamsync_call") else _plain_engine(actor, self.name, timeout)
 
     # -- placement ----------------------------------------------------------------------------------------
 
     async def locate(self) -> None:
         """Ask the actor where it runs; decide whether it is colocated with this (the sending) process."""
-        where = self.where = await self._remote("placement", self.actor.streamsync_placement)
+        if self._plain is not None:
+            where = self.where = await self._remote("placement", self.actor.__ray_call__, _plain_placement)
+        else:
+            where = self.where = await self._remote("placement", self.actor.streamsync_placement)
         me = node_placement()
         self.workers = int(where.get("workers") or 1)
         self.rendezvous_addr = me["node_ip"]
@@ -189,6 +267,13 @@ class RayVllmEngine(Engine):
     # -- calls --------------------------------------------------------------------------------------------
 
     async def _call(self, method: str, *args: Any) -> Any:
+        if self._plain is not None:
+            if method not in CALLS:
+                raise ValidationError(f"{method!r} is not an engine call; known: {sorted(CALLS)}")
+            self._plain.name, self._plain.owner = self.name, self.owner
+            if self.where is not None:
+                self._plain.device = self.device
+            return await getattr(self._plain, method)(*args)
         return await self._remote(method, self.actor.streamsync_call, method, list(args), name=self.name,
                                   owner=self.owner)
 
@@ -280,6 +365,14 @@ class RayVllmEngine(Engine):
 
     async def rpc(self, method: str, *args: str) -> list[Any]:
         return await self._call("rpc", method, *args)
+
+
+def _has_method(actor: Any, name: str) -> bool:
+    try:
+        getattr(actor, name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _first_line(e: BaseException) -> str:
