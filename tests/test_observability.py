@@ -54,6 +54,33 @@ async def test_a_garbage_collection_during_a_push_is_in_its_report(mixed_model):
     await other.close()
 
 
+def test_a_collection_that_starts_while_the_trace_is_being_written_does_not_deadlock():
+    """A garbage collection can start inside any allocation, also one made while the trace holds its lock (adding
+    an engine's phases, say); its callback counts into the same trace from the same thread. With a plain lock
+    that thread waited on itself forever (seen: a push hung in `Trace.engine_phases`)."""
+    import threading
+
+    from streamsync import trace as tracing
+
+    trace = tracing.Trace("p")
+    done = threading.Event()
+
+    def write() -> None:
+        with trace._lock:  # a span being added when a collection starts and ends (the callback's calls, made here)
+            tracing._on_gc("start", {"generation": 2})
+            tracing._on_gc("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+        done.set()
+
+    tracing._gc_traces.append(trace)  # as `watching_gc` registers a running push's trace
+    try:
+        threading.Thread(target=write, daemon=True).start()
+        ok = done.wait(10)
+    finally:  # a deadlocked thread keeps the lock: no later collection may count into this trace
+        tracing._gc_traces.remove(trace)
+    assert ok, "the trace's own lock deadlocked the collection's callback"
+    assert trace.counts.get("gc_gen2", 0) >= 1 and "gc_us" in trace.counts
+
+
 async def test_a_failing_hook_is_logged_and_does_not_fail_the_push(mixed_model):
     def broken(_: object) -> None:
         raise RuntimeError("dashboard down")

@@ -73,7 +73,9 @@ class Trace:
     meta: dict[str, object] = field(default_factory=dict)
     wall: float | None = None  # seconds from begin() to end(): the report's `seconds`
     error: TraceError | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # re-entrant: a garbage collection can start inside any allocation, also one made while this lock is held,
+    # and its callback (`_on_gc`) counts into the trace from the same thread
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
