@@ -99,6 +99,29 @@ async def _round_trips(engine: Any, n: int = 20) -> dict[str, float]:
     return out
 
 
+def _trainer_side_quantization(trainer: torch.nn.Module) -> dict[str, Any]:
+    """The other place fp8 quantization could happen: on the trainer's GPU before sending, halving the bytes. Times
+    vLLM's own per-tensor kernel (`scaled_fp8_quant`, dynamic scale) over every weight an fp8 engine quantizes
+    (the decoder's linear and expert weights; not embeddings, head, norms or router), median of 5: with the
+    one-copy floor of the fp8 bytes it bounds from below what that path could take."""
+    from vllm import _custom_ops as ops
+
+    skip = ("embed", "output_layer", "lm_head", "norm", "router", "mlp.gate.")
+    weights = [p for n, p in trainer.named_parameters() if p.dim() >= 2 and not any(k in n for k in skip)]
+    times = []
+    for _ in range(5):
+        bc._sync()
+        t0 = time.perf_counter()
+        for w in weights:
+            ops.scaled_fp8_quant(w.reshape(-1, w.shape[-1]))
+        bc._sync()
+        times.append(time.perf_counter() - t0)
+    fp8_bytes = sum(p.numel() for p in weights) + 4 * len(weights)  # one byte per weight, an fp32 scale each
+    rest = sum(p.numel() * p.element_size() for p in trainer.parameters()) - sum(
+        p.numel() * p.element_size() for p in weights)  # sent as they are
+    return {"tensors": len(weights), "quant_ms": statistics.median(times) * 1e3, "fp8_bytes": fp8_bytes + rest}
+
+
 def _timeline(report: Any) -> list[list[Any]]:
     """The push's spans as [stage, chunk, receiver, start ms, end ms] from its start (and its end as the last
     row): where a short push waits."""
@@ -150,10 +173,20 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
         await sync.connect()
         connect = time.perf_counter() - t0
         rtt = await _round_trips(engine)
+        calls: list[str] = []  # the calls a push makes into the engine (each a round trip into its core)
+        plain_call = engine._call
+
+        async def counted(what: str, fn: Any, *a: Any, **kw: Any) -> Any:
+            calls.append(what)
+            return await plain_call(what, fn, *a, **kw)
+
+        engine._call = counted  # type: ignore[method-assign]
         for i in range(1 + args.warmup + args.repeat):
             bc._perturb(trainer, i)
+            calls.clear()
             report = await sync.push(trainer)
             pushes.append({"seconds": report.seconds, "bytes": report.bytes, "chunks": report.chunks,
+                           "engine_calls": list(calls),
                            "transport": sync.transport.name if sync.transport else None,
                            "refs": ref_counts(report), "gc_ms": report.gc_ms, **_summary(report, case),
                            "engine_rounds": [r.to_dict() for r in report.engine_rounds],
@@ -162,6 +195,7 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
         # a quantized engine holds what it made of the weights: tests/test_vllm_gpu.py checks that against an
         # engine that loaded them from disk
         exact = None if quant else await _bit_exact(engine, trainer, kind, shape)
+        on_trainer = _trainer_side_quantization(trainer) if quant and not args.smoke else None
     finally:
         await sync.close()
         stop_llm(llm)
@@ -176,10 +210,18 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
            "one_copy_floor_ms": floor * 1e3, "steady_over_floor": med / floor,
            "first_over_steady": pushes[0]["seconds"] / med, "bit_exact": exact,
            "path": [p["path"] for p in pushes], "engine_extra_bytes": [p["engine_extra_bytes"] for p in pushes],
+           "engine_calls": len(pushes[-1]["engine_calls"]),
+           **({"trainer_side": {**on_trainer, "one_copy_floor_ms": 2 * on_trainer["fp8_bytes"] / rate * 1e3}}
+              if on_trainer else {}),
            "pushes": pushes}
     bc.log(f"  first {row['first_push_ms']:.1f} ms, steady {row['steady_push_ms']:.1f} ms (median of "
            f"{len(steady)}), floor {row['one_copy_floor_ms']:.2f} ms: {row['steady_over_floor']:.2f}x; "
            f"bit-exact {exact}; paths {sorted({str(p) for p in row['path']})}")
+    if on_trainer:
+        t = row["trainer_side"]
+        bc.log(f"  trainer-side fp8 instead: {t['tensors']} weights quantized in {t['quant_ms']:.1f} ms, "
+               f"{t['fp8_bytes'] / 1e9:.2f} GB to send (one-copy floor {t['one_copy_floor_ms']:.2f} ms), against "
+               f"{row['steady_push_ms']:.1f} ms for the engine's own reload")
     return row
 
 
@@ -189,16 +231,17 @@ def table(rows: list[dict[str, Any]]) -> str:
         return f"{max(vals) / 2**20:.0f}" if vals else "-"
 
     head = ["case", "GB", "first ms", "steady ms", "floor ms", "steady/floor", "first/steady", "bit-exact",
-            "path", "engine extra MiB"]
+            "path", "engine calls", "engine extra MiB"]
     lines = [head]
     for r in rows:
         if "error" in r:
-            lines.append([r["case"], "-", "-", "-", "-", "-", "-", "-", "-", r["error"][:40]])
+            lines.append([r["case"], "-", "-", "-", "-", "-", "-", "-", "-", "-", r["error"][:40]])
             continue
         paths = "/".join(sorted({str(p) for p in r["path"]}))
         lines.append([r["case"], f"{r['bytes'] / 1e9:.2f}", f"{r['first_push_ms']:.1f}",
                       f"{r['steady_push_ms']:.1f}", f"{r['one_copy_floor_ms']:.2f}", f"{r['steady_over_floor']:.2f}x",
-                      f"{r['first_over_steady']:.2f}x", str(r["bit_exact"]), paths, mb(r["engine_extra_bytes"])])
+                      f"{r['first_over_steady']:.2f}x", str(r["bit_exact"]), paths, str(r.get("engine_calls", "-")),
+                      mb(r["engine_extra_bytes"])])
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines)
 

@@ -70,8 +70,15 @@ class EngineGroup:
         """Open a round on every engine. Shielded: a pipeline failure or a cancellation must not cut an
         engine's start in half (the abort that follows would meet a half-opened round)."""
         with anyio.CancelScope(shield=True):
-            await self.each("start_update", lambda e: e.start_update(), stage="start", done=rounds.opened,
-                            maybe=rounds.opened)
+            await self.each("start_update", _start, stage="start", done=rounds.opened, maybe=rounds.opened)
+
+    def prepare(self, last_chunk: int | None, reset_cache: bool) -> None:
+        """Before a push: engines that can end the round in the call that brings the last chunk, where a push goes
+        to one engine (`Engine.end_with_chunk`), and reset their caches in the call that ends it
+        (`Engine.reset_with_finish`; `reset_caches(after_finish=True)` then asks only the rest), do."""
+        for e in self.engines:
+            e.reset_with_finish(reset_cache)
+            e.end_with_chunk(last_chunk if len(self.engines) == 1 else None)
 
     async def finish(self, version: int, rounds: Rounds) -> None:
         await self.each("finish_update", lambda e: e.finish_update(version), stage="finish", done=rounds.finished)
@@ -97,20 +104,25 @@ class EngineGroup:
                     tg.start_soon(one, e)
         return ended
 
-    async def reset_caches(self, trace: Trace | None = None) -> dict[str, bool]:
+    async def reset_caches(self, trace: Trace | None = None, after_finish: bool = False) -> dict[str, bool]:
         """Reset every engine's prefix cache after a finished round. The new version is already in place, so a
         failure here does not fail the push: it is reported (the result, a warning). Each engine's reset is an
-        `engine.cache_reset` span of `trace` (timed here: the engine's scheduler does it, not a worker)."""
+        `engine.cache_reset` span of `trace` (timed here where the sender calls it; an engine whose finish did
+        the reset, `after_finish`, is not called again and its round stats time the reset where it ran)."""
         done: dict[str, bool] = {}
         log = get_logger()
 
         async def one(e: Engine) -> None:
+            fused = e.finished_reset() if after_finish else None
             start = trace.now() if trace is not None else 0.0
             try:
-                with anyio.fail_after(self.timeout):
-                    done[e.name] = await e.reset_cache()
-                if trace is not None:
-                    trace.add_span("engine.cache_reset", -1, start, trace.now(), 0, e.name)
+                if fused is not None:
+                    done[e.name] = fused
+                else:
+                    with anyio.fail_after(self.timeout):
+                        done[e.name] = await e.reset_cache()
+                    if trace is not None:
+                        trace.add_span("engine.cache_reset", -1, start, trace.now(), 0, e.name)
             except Exception as err:
                 log.warning("prefix cache reset failed", engine=e.name, error=str(err))
                 done[e.name] = False
@@ -157,3 +169,9 @@ class EngineGroup:
 
     async def resume(self, engines: Sequence[Engine] | None = None) -> None:
         await self.each("resume", lambda e: e.resume(), stage="resume", engines=engines)
+
+
+async def _start(e: Engine) -> None:
+    """A push's start: engines that open the round with its first chunk (`Engine.defer_start`) are not called."""
+    if not e.defer_start():
+        await e.start_update()

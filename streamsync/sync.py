@@ -483,6 +483,7 @@ class WeightSync:
                 if source.is_sender and self.engines:
                     # Gathers and packs need no engine: they start while the engines open the round.
                     job.started = anyio.Event()
+                    group.prepare(plans[-1].index if plans else None, self.checks.reset_prefix_cache)
                     await self._run_started(job, group, rounds)
                     await group.finish(version, rounds)
                     cache_reset, engine_rounds = await self._after_round(group, trace)
@@ -521,7 +522,7 @@ class WeightSync:
         engine_rounds: list[EngineRound] = []
 
         async def reset() -> None:
-            cache_reset.update(await group.reset_caches(trace))
+            cache_reset.update(await group.reset_caches(trace, after_finish=True))
 
         async def stats() -> None:
             engine_rounds.extend(await group.round_stats(trace))

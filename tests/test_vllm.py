@@ -404,6 +404,34 @@ async def test_where_vllm_keeps_no_weight_version_the_workers_keep_it(loaded_ser
     await failing.close()
 
 
+async def test_where_the_workers_keep_the_version_the_finish_carries_the_prefix_cache_reset(loaded_server, model_dir):
+    """One call into the engine ends the round and resets the prefix cache (`streamsync.vllm.core_rpc`, in the
+    server's engine core): the sender never calls its own reset, the push reports the engine core's answer and
+    the trace draws the reset the engine core timed; without the reset check the finish leaves the cache alone."""
+    engine = VllmHttpEngine(loaded_server.url, name="loaded")
+    own_resets = 0
+    plain_reset = engine.reset_cache
+
+    async def counted() -> bool:
+        nonlocal own_resets
+        own_resets += 1
+        return await plain_reset()
+
+    engine.reset_cache = counted  # type: ignore[method-assign]
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    report = await sync.push(trainer_from(model_dir, step=40), version=await _next_version(sync))
+    assert report.cache_reset == {"loaded": True} and own_resets == 0
+    (round_,) = report.engine_rounds
+    assert round_.phase_ms.get("cache_reset", -1) >= 0
+    assert any(s.stage == "engine.cache_reset" and s.receiver == "loaded" for s in report.trace.spans)
+    unchecked = WeightSync([engine], chunk_bytes=1 << 20, reset_prefix_cache=False)
+    report = await unchecked.push(trainer_from(model_dir, step=41), version=await _next_version(unchecked))
+    assert report.cache_reset == {} and "cache_reset" not in report.engine_rounds[0].phase_ms and own_resets == 0
+    assert await sync.reset_caches() == {"loaded": True} and own_resets == 1  # asked outside a push: its own call
+    await sync.close()
+    await unchecked.close()
+
+
 def _pool_after(ops_reset) -> tuple[list, list, bool]:
     """A KV block pool with hashed blocks (one of them holding two hashes), all freed, then reset by
     `ops_reset(pool)`: (each block's hash, the free queue's block order, the reset's result)."""
@@ -460,7 +488,21 @@ async def test_after_a_push_a_repeated_prompt_finds_nothing_in_the_prefix_cache(
     cached()
     assert cached() > 0  # the second time the prompt's blocks come from the prefix cache
     sync = WeightSync([engine], chunk_bytes=1 << 20)
-    report = await sync.push(trainer_from(model_dir, step=11), version=await _next_version(sync))
-    assert report.cache_reset == {"llm": True}
+    version = await _next_version(sync)
+    calls: list[str] = []
+    plain_call = engine._call
+
+    async def counted(what, fn, *args, **kwargs):
+        calls.append(what)
+        return await plain_call(what, fn, *args, **kwargs)
+
+    engine._call = counted  # type: ignore[method-assign]
+    report = await sync.push(trainer_from(model_dir, step=11), version=version)
+    # one call into the engine per chunk and none else: the first opens the round, the last ends it, sets vLLM's
+    # version and resets the prefix cache (streamsync.vllm.core_rpc in the engine core)
+    n = report.chunks
+    assert n > 2 and calls == ["streamsync_update", *["update_weights"] * (n - 2), "streamsync_update"], calls
+    assert report.cache_reset == {"llm": True} and "cache_reset" in report.engine_rounds[0].phase_ms
     assert cached() == 0  # the push's reset (the engine core's, shortened) left no block hashed
+    assert llm.get_weight_version() == str(version) and await engine.get_version() == version
     await sync.close()

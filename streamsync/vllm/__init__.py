@@ -4,7 +4,7 @@
 core, each worker), so `weight_transfer_config={"backend": "streamsync"}` resolves everywhere. It only
 records a lazy import path; nothing of streamsync's backend is imported until a worker builds it. In the
 engine core it also shortens vLLM's prefix-cache reset, which a push ends with, to the blocks that hold a
-hash (`streamsync.vllm.prefix_cache`).
+hash (`streamsync.vllm.prefix_cache`), and lets a round's finish carry that reset (`streamsync.vllm.core_rpc`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ WORKER_EXTENSION = "streamsync.vllm.extension.StreamSyncWorkerExtension"
 
 def register() -> None:
     _request_amx()
-    from .prefix_cache import install
+    from . import core_rpc, prefix_cache
 
-    install()
+    prefix_cache.install()
+    core_rpc.install()
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # a vLLM without weight transfer: nothing to register

@@ -112,9 +112,58 @@ def deferred_attention(layer: Any) -> bool:
     return bool(is_deferred_attention_layer(layer))
 
 
-def capabilities() -> dict[str, Any]:
-    """What this process's vLLM offers weight sync, as plain data (a worker's answer to the sender)."""
-    return {"vllm_version": installed_version(), "native_weight_version": native_weight_version()}
+#: vLLM quantization methods that take a push of unquantized (bf16/fp16/fp32) weights: they quantize weights as
+#: they load them ("online", from an unquantized checkpoint), so a reload makes what loading the same weights from
+#: disk makes (checked bit for bit on the H200: tests/test_vllm_gpu.py). "fp8_per_tensor" is vLLM 0.32's name for
+#: the same method. Every other method, and these from a checkpoint already quantized, is refused: most load
+#: quantized tensors only; vLLM's other online methods have not been checked against a load from disk.
+ONLINE_QUANTIZATION = ("fp8", "fp8_per_tensor")
+
+
+def capabilities(model_config: Any = None, model: Any = None) -> dict[str, Any]:
+    """What this process's vLLM offers weight sync, as plain data (a worker's answer to the sender); with the
+    worker's model config and model, also how it quantizes (`quantization`)."""
+    caps: dict[str, Any] = {"vllm_version": installed_version(), "native_weight_version": native_weight_version()}
+    if model_config is not None:
+        caps["quantization"] = quantization(model_config, model)
+    return caps
+
+
+def quantization(model_config: Any, model: Any = None) -> dict[str, Any]:
+    """The engine's quantization: vLLM's method (None: unquantized), the method its checkpoint was quantized
+    with (None: an unquantized checkpoint) and the first tensor the method quantizes (a name to refuse by)."""
+    method = getattr(model_config, "quantization", None)
+    qc = getattr(getattr(model_config, "hf_config", None), "quantization_config", None)
+    pre = (qc.get("quant_method") or "unnamed") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    tensor = None
+    if method is not None and model is not None:
+        for name, mod in model.named_modules():
+            kind = type(getattr(mod, "quant_method", None)).__name__
+            if kind != "NoneType" and not kind.startswith("Unquantized"):
+                first = next((n for n, _ in mod.named_parameters(recurse=False)), "weight")
+                tensor = f"{name}.{first}" if name else first
+                break
+    # whether any layer is quantized (None: not looked at); a method that quantizes none of this model's layers
+    # (too small for its kernels, or none on this platform) leaves every tensor as a push brings it
+    quantized = None if method is None or model is None else tensor is not None
+    return {"method": None if method is None else str(method), "checkpoint": None if pre is None else str(pre),
+            "tensor": tensor, "quantized": quantized}
+
+
+def quantization_refusal(q: Mapping[str, Any] | None) -> str | None:
+    """Why a push cannot go into an engine quantized as `q` (`quantization`), or None where it can."""
+    q = q or {}
+    method, pre, tensor = q.get("method"), q.get("checkpoint"), q.get("tensor")
+    if method is None or (pre is None and (method in ONLINE_QUANTIZATION or q.get("quantized") is False)):
+        return None
+    how = f"quantization {method!r}" + (f" of a checkpoint quantized with {pre!r}" if pre is not None else "")
+    what = ("its layers load quantized tensors only" if pre is not None else
+            "what its reload makes of unquantized weights has not been checked against a load from disk")
+    return (f"the engine runs {how} ({tensor or 'its quantized layers'} among the tensors it quantizes): a push "
+            f"carries the trainer's unquantized weights, and {what}. streamsync pushes into unquantized engines "
+            f"and into vLLM's online quantization ({', '.join(ONLINE_QUANTIZATION)}) of an unquantized checkpoint: "
+            f"start the engine from the trainer's bf16 checkpoint with quantization=None or "
+            f"{ONLINE_QUANTIZATION[0]!r}")
 
 
 @dataclass(frozen=True)
@@ -123,11 +172,14 @@ class VllmInfo:
 
     version:         vLLM's version string
     native_versions: vLLM keeps the weight version (0.32+); False: the streamsync workers keep it
+    quantization:    how the engine quantizes (`quantization()`): its method, its checkpoint's, a tensor
     """
 
     version: str
     native_versions: bool
+    quantization: Mapping[str, Any] | None = None  # `quantization()`, where the worker said
 
     @classmethod
     def from_worker(cls, caps: Mapping[str, Any]) -> VllmInfo:
-        return cls(str(caps["vllm_version"]), bool(caps["native_weight_version"]))
+        q = caps.get("quantization")
+        return cls(str(caps["vllm_version"]), bool(caps["native_weight_version"]), q if isinstance(q, dict) else None)

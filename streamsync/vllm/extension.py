@@ -12,6 +12,7 @@ entry point (extensions are imported before the worker is built).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -182,9 +183,23 @@ class StreamSyncWorkerExtension:
         last = engine.last_round if engine is not None else None
         return None if last is None else {**last, "rank": int(getattr(self, "rank", 0))}
 
-    def streamsync_finish_update(self) -> dict[str, Any] | None:
+    def streamsync_update(self, update_info: dict[str, Any] | str, open_: str = "", end: str = "",
+                          *asks: str) -> dict[str, Any] | None:
+        """vLLM's `update_weights` in this worker. `open_` "open": its `start_weight_update` first, so a push's
+        first chunk opens the round in the same call (vLLM refuses an open round as its start would); `end`
+        "end": its finish after, answered as `streamsync_finish_update` answers (`asks`: for the engine core,
+        `core_rpc`). Strings, as collective_rpc over HTTP passes them."""
+        if isinstance(update_info, str):  # over HTTP: JSON
+            update_info = json.loads(update_info)
+        if open_ == "open":
+            self.start_weight_update()  # type: ignore[attr-defined]  # the worker's own methods
+        self.update_weights(update_info)  # type: ignore[attr-defined]
+        return self.streamsync_finish_update() if end == "end" else None
+
+    def streamsync_finish_update(self, *asks: str) -> dict[str, Any] | None:
         """vLLM's `finish_weight_update` in this worker, answered with what the round did here
-        (`streamsync_round_stats`): the sender's finish and its question in one call."""
+        (`streamsync_round_stats`): the sender's finish and its question in one call. `asks` are for the engine
+        core, which does them once the workers answered (`core_rpc`: vLLM's version, the prefix-cache reset)."""
         self.finish_weight_update()  # type: ignore[attr-defined]  # the worker's own method
         return self.streamsync_round_stats()
 
@@ -193,9 +208,10 @@ class StreamSyncWorkerExtension:
         return dict(getattr(engine, "received_digests", {}) or {})
 
     def streamsync_capabilities(self) -> dict[str, Any]:
-        """This worker's vLLM version and what it offers weight sync (`compat.capabilities`): the sender picks
-        its path from this answer, once, at connect."""
-        return compat.capabilities()
+        """This worker's vLLM version, what it offers weight sync and how it quantizes (`compat.capabilities`):
+        the sender picks its path from this answer, once, at connect, and refuses a quantization no push fits."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        return compat.capabilities(runner.model_config, runner.get_model())
 
     def streamsync_weight_version(self) -> str | None:
         """The weight version this worker keeps (where vLLM keeps none); None before the backend is built."""

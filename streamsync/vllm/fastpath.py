@@ -655,6 +655,7 @@ class _Capture:
     sources: tuple[int, ...]  # each source tensor's address when the graph was captured
     graph: torch.cuda.CUDAGraph | None  # None: seen once (loaded plainly)
     failed: bool = False  # cannot be captured: always loaded plainly
+    counts: tuple[int, int] = (0, 0)  # the chunk's tensors and bytes, all copied by the graph
 
 
 class CapturedLoads:
@@ -676,6 +677,22 @@ class CapturedLoads:
     def capturable(fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]]) -> bool:
         return all(src.is_cuda and src.is_contiguous() and all(op.dst is not None for op in ops)
                    for ops, src in fast)
+
+    def ready(self, key: object, rnd: FastRound, weights: Sequence[tuple[str, torch.Tensor]]) -> _Capture | None:
+        """The chunk `key` again, every tensor at the address it was captured from, under the same plan: its
+        capture, to `replay` before anything else is looked at (no tensor is matched to its copies again: an MoE
+        chunk has thousands); None: not such a chunk (`load` decides)."""
+        seen = self._seen.get(key)
+        if seen is None or seen.graph is None or seen.plan is not rnd.plan or len(seen.sources) != len(weights):
+            return None
+        return seen if seen.sources == tuple(t.data_ptr() for _, t in weights) else None
+
+    def replay(self, seen: _Capture) -> tuple[int, int]:
+        """Replay a capture `ready` returned; its chunk's (tensors, bytes)."""
+        assert seen.graph is not None
+        seen.graph.replay()
+        self.replayed += 1
+        return seen.counts
 
     def load(self, key: object, rnd: FastRound, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]]) -> bool:
         """Load `fast` by a graph (True), or return False for the caller to load it plainly."""
@@ -718,7 +735,8 @@ class CapturedLoads:
             self._seen[key] = _Capture(rnd.plan, sources, None, failed=True)
             return False
         stream.wait_stream(side)
-        self._seen[key] = _Capture(rnd.plan, sources, graph)
+        counts = (len(fast), sum(src.numel() * src.element_size() for _, src in fast))
+        self._seen[key] = _Capture(rnd.plan, sources, graph, counts=counts)
         self.captured += 1
         graph.replay()  # capturing recorded the copies without making them
         return True
