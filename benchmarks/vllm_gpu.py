@@ -27,6 +27,7 @@ Prints a table, writes JSON (`--json`).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import tempfile
@@ -156,6 +157,9 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
                    else bc.build_module(shape))
     bc._sync()
     built = time.perf_counter() - t0
+    # as the push's own warning advises a trainer (a megatron model is many Python objects; a full collection
+    # mid-push scans them all): objects alive now are not scanned again
+    gc.freeze()
     nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
     bc.log(f"{case}: {label}, trainer {kind} built in {built:.1f} s, {nbytes / 1e9:.2f} GB; starting the engine")
     t0 = time.perf_counter()
@@ -200,6 +204,8 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
         await sync.close()
         stop_llm(llm)
         del llm, trainer
+        gc.unfreeze()  # and collect now: the trainer's frozen cycles would otherwise keep its memory to the next case
+        gc.collect()
         bc._free_cached()
     steady = [p["seconds"] for p in pushes[1 + args.warmup:]]
     med = statistics.median(steady)
