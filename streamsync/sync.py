@@ -31,7 +31,7 @@ from .plan.chunk import ChunkPlan
 from .plan.chunking import split_layers
 from .report import ChunkDone, DeltaReport, EngineRound, GiB, MiB, PushReport
 from .rounds import EngineGroup, Rounds
-from .sources import Source, as_source
+from .sources import GatheredElsewhere, Source, as_source, unwrap
 from .sources.sharded import ShardedSource
 from .trace import Trace, watching_gc
 from .transports.base import Transport, transport_class, transport_for
@@ -312,16 +312,20 @@ class WeightSync:
         ref_bytes = self.transport.ref_chunk_bytes if self.transport is not None else None
         key = (tuple(map(id, model)) if isinstance(model, list | tuple) else (id(model),)) + (self.chunk_bytes,
                                                                                                ref_bytes)
-        if self.options.reuse_plan and self._plan_cache is not None and self._plan_cache[0] == key:
+        # an FSDP1 model's tensors are gathered afresh by every push (`as_source`): nothing of it is kept
+        reuse = self.options.reuse_plan and type(unwrap(model)).__name__ != "FullyShardedDataParallel"
+        if reuse and self._plan_cache is not None and self._plan_cache[0] == key:
             _, _, source, plans = self._plan_cache
             return source, plans
         source = as_source(model, **self.options.source_options)
+        if isinstance(source, GatheredElsewhere):  # a rank whose tensors another rank gathered and sends
+            return source, []
         budget = self.chunk_bytes or (GiB if source.device.type == "cuda" else 64 * MiB)
         if self.transport is not None:  # sharded sending: what this rank sends of it (collective there)
             source = self.transport.source_for(source, budget)
         plans = source.plan(budget, ref_bytes=max(ref_bytes, budget) if ref_bytes else None)
         check_plan(source.delivers(plans), self._expected, once=not isinstance(source, ShardedSource))
-        if self.options.reuse_plan:  # the model itself is kept too, so its id cannot be reused by another object
+        if reuse:  # the model itself is kept too, so its id cannot be reused by another object
             self._plan_cache = (key, model, source, plans)
         return source, plans
 

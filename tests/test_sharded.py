@@ -87,6 +87,16 @@ def test_fsdp2_through_a_single_sender(tmp_path):
     assert out[0]["exact"] == [True, True, True]
 
 
+def test_fsdp1_on_two_ranks_through_its_full_state_dict(tmp_path):
+    """An FSDP1 model (flat parameters, sharded across both ranks): every rank pushes, FSDP's full state dict
+    gathers the tensors to rank 0, which sends them; bit-exact three times."""
+    tiny = TinyModel("qwen3", vocab=256, layers=2)
+    specs = save_specs(tiny.hf_specs(), tmp_path / "s.json")
+    with ReceiverProcess(str(specs), threads=1) as rp:
+        out = launch(run_fsdp_single_sender, 2, tiny, rp.port, rp.secret, 3, "fsdp1", timeout=300)
+    assert out[0]["exact"] == [True, True, True]
+
+
 def test_a_worker_that_dies_fails_the_push_on_every_rank_within_the_timeout(tmp_path):
     case = ShardedCase("kill", TinyModel("qwen3", vocab=256, layers=2), tp=2, engines=(EngineShape("k"),),
                        pushes=2, timeout=10.0, kill=(0, 1))

@@ -74,19 +74,26 @@ def _wrapped(kind, module):
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         module.requires_grad_(True)  # DDP wraps a model that trains
         return torch.nn.parallel.DistributedDataParallel(module)
+    if kind == "fsdp1":  # flat parameters: pushed by the full state dict FSDP gathers
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return FullyShardedDataParallel(module, device_id=torch.device("cpu"), use_orig_params=True)
     return torch.nn.DataParallel(torch.compile(module))  # wrappers nest
 
 
-@pytest.mark.parametrize("kind", ["state dict", "pairs", "compiled", "ddp", "nested"])
+@pytest.mark.parametrize("kind", ["state dict", "pairs", "compiled", "ddp", "nested", "fsdp1"])
 async def test_push_takes_state_dicts_pairs_and_wrapped_modules_bit_exact(served, kind):
     from streamsync.checksum import digests
 
     rp, module = served
     engine = rp.engine()
+    want = digests(module.state_dict().items())
     async with WeightSync([engine], metrics=None) as sync:
         report = await sync.push(_wrapped(kind, module))
         assert report.bytes > 0
-        assert await engine.checksums() == digests(module.state_dict().items())
+        assert await engine.checksums() == want
 
 
 async def test_a_dtype_mismatch_names_the_option_and_a_dtype_name_fixes_it(served):

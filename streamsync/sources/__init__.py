@@ -15,13 +15,17 @@ def as_source(model: object, **kwargs: object) -> Source:
     """Pick the source for `model`: a Source as is, a megatron-core model (or its list of virtual-pipeline
     chunks) through MegatronSource, any other `nn.Module` through ModuleSource (DDP, DataParallel and
     `torch.compile` wrappers unwrapped: their parameters are the wrapped module's), a state dict or an iterable
-    of (name, tensor) pairs (vLLM's own `load_weights` input) as named tensors. `dtype` may be a torch dtype
-    or its name ("bfloat16")."""
+    of (name, tensor) pairs (vLLM's own `load_weights` input) as named tensors, and an FSDP1 model by its full
+    state dict (`_fsdp1_state`). `dtype` may be a torch dtype or its name ("bfloat16")."""
     if isinstance(model, Source):
         return model
     if "dtype" in kwargs:
         kwargs = {**kwargs, "dtype": as_dtype(kwargs["dtype"])}
     model = unwrap(model)
+    if type(model).__name__ == "FullyShardedDataParallel":
+        model = _fsdp1_state(model)
+        if not model:  # a rank other than 0: its part was the gather
+            return GatheredElsewhere()
     if _is_megatron(model):
         from .megatron import MegatronSource
 
@@ -53,8 +57,8 @@ def as_dtype(dtype: object) -> object:
 
 def unwrap(model: object) -> object:
     """The module a training wrapper holds: DistributedDataParallel / DataParallel (`.module`) and
-    `torch.compile` (`._orig_mod`), nested in any order. FSDP1 is refused: its flat parameters are not the
-    model's tensors."""
+    `torch.compile` (`._orig_mod`), nested in any order. FSDP1 stays wrapped (its flat parameters are not the
+    model's tensors): `as_source` takes its full state dict (`_fsdp1_state`)."""
     import torch
 
     for _ in range(8):
@@ -64,11 +68,45 @@ def unwrap(model: object) -> object:
             model = model._orig_mod
         else:
             break
-    if type(model).__name__ == "FullyShardedDataParallel":
-        raise ValidationError("an FSDP1 (FullyShardedDataParallel) model cannot be pushed: its parameters are flat "
-                              "shards. Use FSDP2 (torch.distributed.fsdp.fully_shard), or push "
-                              "model.state_dict() taken under FULL_STATE_DICT")
     return model
+
+
+def _fsdp1_state(model: Any) -> dict[str, Any]:
+    """An FSDP1 (`FullyShardedDataParallel`) model's weights: its flat parameters are shards of no HF tensor, so
+    its full state dict is gathered, as FSDP's own FULL_STATE_DICT does it (a collective: every rank pushes, as
+    with a Megatron model; rank 0 gets the tensors, on the model's device, and sends them; the other ranks get
+    none and pass `engines=[]`). Rank 0 holds one full copy of the weights for the push; FSDP2
+    (`fully_shard`) needs none."""
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+    cfg = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+        state = model.state_dict()
+    return {k: v for k, v in state.items() if hasattr(v, "is_floating_point")}
+
+
+class GatheredElsewhere(Source):
+    """A rank whose tensors another rank sends (FSDP1's full state dict is gathered on rank 0): nothing to plan,
+    gather or send here."""
+
+    @property
+    def device(self) -> Any:
+        import torch
+
+        return torch.device("cpu")
+
+    def plan(self, chunk_bytes: int, *, ref_bytes: int | None = None) -> list[ChunkPlan]:
+        return []
+
+    async def gather(self, chunk: ChunkPlan) -> object:
+        raise AssertionError("a rank that sends nothing gathers nothing")
+
+    async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Any:
+        raise AssertionError("a rank that sends nothing converts nothing")
+
+    @property
+    def is_sender(self) -> bool:
+        return False
 
 
 def _named_tensors(model: object) -> dict[str, Any] | None:
@@ -99,4 +137,4 @@ def _is_megatron(model: object) -> bool:
     return type(first).__module__.startswith("megatron.")
 
 
-__all__ = ["ChunkPlan", "ModuleSource", "Source", "as_source"]
+__all__ = ["ChunkPlan", "GatheredElsewhere", "ModuleSource", "Source", "as_source", "unwrap"]

@@ -41,7 +41,7 @@ class EngineShape:
 class ShardedCase:
     name: str
     model: TinyModel
-    trainer: str = "megatron"  # "megatron", "fsdp2" (every rank one shard of every tensor), "module"
+    trainer: str = "megatron"  # "megatron", "fsdp2" (every rank one shard of every tensor), "fsdp1", "module"
     tp: int = 1
     pp: int = 1
     ep: int = 1
@@ -113,6 +113,15 @@ def _build(case: ShardedCase, seed: int) -> tuple[object, Any]:
         def load(state: dict[str, torch.Tensor]) -> None:
             module.load_state_dict(state)
         return module, load
+    if case.trainer == "fsdp1":  # flat parameters, one shard of the flattened layer per rank
+        from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+        wrapped = FullyShardedDataParallel(module, device_id=torch.device("cpu"), use_orig_params=True)
+
+        def load_fsdp1(state: dict[str, torch.Tensor]) -> None:
+            with FullyShardedDataParallel.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT):
+                wrapped.load_state_dict(state)
+        return wrapped, load_fsdp1
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -201,17 +210,17 @@ def run_sharded(rank: int, world_size: int, case: ShardedCase,
 
 
 def run_fsdp_single_sender(rank: int, world_size: int, model: TinyModel, port: int, secret: str,
-                           pushes: int = 3) -> dict[str, Any]:
-    """`launch` worker: an FSDP2 model over every rank pushed through a single sender (global rank 0, the
-    default transport) into one plain receiver; the other ranks take part in the gathers. Rank 0 returns
-    whether the receiver held the HF state bit for bit after each push."""
+                           pushes: int = 3, trainer: str = "fsdp2") -> dict[str, Any]:
+    """`launch` worker: an FSDP2 (or FSDP1: `trainer`) model over every rank pushed through a single sender
+    (global rank 0, the default transport) into one plain receiver; the other ranks take part in the gathers.
+    Rank 0 returns whether the receiver held the HF state bit for bit after each push."""
     import anyio
 
     from ..checksum import digests
     from ..engines.receiver import ReceiverEngine
     from ..sync import WeightSync
 
-    case = ShardedCase("fsdp-single", model, trainer="fsdp2")
+    case = ShardedCase("fsdp-single", model, trainer=trainer)
     module, load = _build(case, seed=0)
     exact: list[bool] = []
 
