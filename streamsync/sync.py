@@ -31,7 +31,7 @@ from .plan.chunk import ChunkPlan
 from .plan.chunking import split_layers
 from .report import ChunkDone, DeltaReport, EngineRound, GiB, MiB, PushReport
 from .rounds import EngineGroup, Rounds
-from .sources import GatheredElsewhere, Source, as_source, unwrap
+from .sources import GatheredElsewhere, Source, as_source, is_fsdp1
 from .sources.sharded import ShardedSource
 from .trace import Trace, watching_gc
 from .transports.base import Transport, transport_class, transport_for
@@ -313,7 +313,7 @@ class WeightSync:
         key = (tuple(map(id, model)) if isinstance(model, list | tuple) else (id(model),)) + (self.chunk_bytes,
                                                                                                ref_bytes)
         # an FSDP1 model's tensors are gathered afresh by every push (`as_source`): nothing of it is kept
-        reuse = self.options.reuse_plan and type(unwrap(model)).__name__ != "FullyShardedDataParallel"
+        reuse = self.options.reuse_plan and not is_fsdp1(model)
         if reuse and self._plan_cache is not None and self._plan_cache[0] == key:
             _, _, source, plans = self._plan_cache
             return source, plans

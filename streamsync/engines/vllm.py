@@ -271,21 +271,18 @@ class _Guarded(Engine):
         info = wire(message)
         opening, self._open_pending = self._open_pending, False
         ending = self._end_at is not None and info.get("chunk") == self._end_at
-        if not opening and not ending:
-            await self._update(info)
-            return
         if opening:
             try:
-                await self._fused(info, opening, ending)
+                await self._fused(info, True, ending)
                 return
             except EngineError as e:  # vLLM refused to open it (nothing was applied): start_update's recovery
                 if "already active" not in str(e):
                     raise
             await self.start_update()
-            if not ending:
-                await self._update(info)
-                return
-        await self._fused(info, False, ending)
+        if ending:
+            await self._fused(info, False, True)
+        else:
+            await self._update(info)
 
     async def _fused(self, info: dict[str, Any], opening: bool, ending: bool) -> None:
         """One chunk through the extension's `streamsync_update`: the round opened before it and/or ended after

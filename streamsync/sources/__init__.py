@@ -22,7 +22,7 @@ def as_source(model: object, **kwargs: object) -> Source:
     if "dtype" in kwargs:
         kwargs = {**kwargs, "dtype": as_dtype(kwargs["dtype"])}
     model = unwrap(model)
-    if type(model).__name__ == "FullyShardedDataParallel":
+    if is_fsdp1(model):
         model = _fsdp1_state(model)
         if not model:  # a rank other than 0: its part was the gather
             return GatheredElsewhere()
@@ -71,6 +71,11 @@ def unwrap(model: object) -> object:
     return model
 
 
+def is_fsdp1(model: object) -> bool:
+    """An FSDP1 (`FullyShardedDataParallel`) model, once training wrappers are taken off (`unwrap`)."""
+    return type(unwrap(model)).__name__ == "FullyShardedDataParallel"
+
+
 def _fsdp1_state(model: Any) -> dict[str, Any]:
     """An FSDP1 (`FullyShardedDataParallel`) model's weights: its flat parameters are shards of no HF tensor, so
     its full state dict is gathered, as FSDP's own FULL_STATE_DICT does it (a collective: every rank pushes, as
@@ -82,7 +87,9 @@ def _fsdp1_state(model: Any) -> dict[str, Any]:
     cfg = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
     with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
         state = model.state_dict()
-    return {k: v for k, v in state.items() if hasattr(v, "is_floating_point")}
+    import torch
+
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}  # not FSDP's extra state
 
 
 class GatheredElsewhere(Source):
@@ -137,4 +144,4 @@ def _is_megatron(model: object) -> bool:
     return type(first).__module__.startswith("megatron.")
 
 
-__all__ = ["ChunkPlan", "GatheredElsewhere", "ModuleSource", "Source", "as_source", "unwrap"]
+__all__ = ["ChunkPlan", "GatheredElsewhere", "ModuleSource", "Source", "as_source", "is_fsdp1", "unwrap"]
