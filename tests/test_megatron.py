@@ -245,3 +245,43 @@ def test_a_megatron_ddp_trainer_is_sent_by_reference_from_its_parameter_buffers(
     assert out["exact"] == [True, True, True], out
     # (a parameter whose HF tensor is cast, or not sent, is not referenced: its storage is not exported)
     assert out["referenced"] > 0 and 1 <= out["exports"] <= out["storages"] < out["params"], out
+
+
+_FROM_HF = """
+import sys
+import torch
+from safetensors.torch import load_file
+from streamsync.models.megatron import export_hf, hf_config, megatron_from_hf
+d = sys.argv[1]
+state = export_hf(megatron_from_hf(d), dtype=torch.bfloat16, hf_config=hf_config(d))
+want = load_file(d + "/model.safetensors")
+assert set(state) == set(want), sorted(set(state) ^ set(want))[:5]
+bad = [k for k in want if not torch.equal(state[k], want[k])]
+assert not bad, bad[:5]
+print("exact", len(state))
+"""
+
+
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+def test_megatron_from_hf_builds_a_trainer_holding_the_checkpoint(tmp_path, arch):
+    # the trainer the CLI's --trainer megatron and the GPU tests build from an HF checkpoint, dense and MoE: its
+    # HF export is the checkpoint, bit for bit (a world of one in its own process, as those callers run it)
+    import subprocess
+    import sys
+
+    from streamsync.models.tiny import make_tiny_qwen3, make_tiny_qwen3_moe
+
+    model_dir = (make_tiny_qwen3 if arch == "dense" else make_tiny_qwen3_moe)(tmp_path, tie_word_embeddings=True)
+    out = subprocess.run([sys.executable, "-c", _FROM_HF, str(model_dir)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[0] == "exact", out.stdout
+
+
+def test_megatron_from_hf_names_what_its_builder_cannot_make(tmp_path):
+    from streamsync.models.megatron import _tiny_from_config
+
+    with pytest.raises(ValueError, match="num_experts_per_tok=8"):
+        _tiny_from_config({"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8})
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        _tiny_from_config({"model_type": "gpt2"})

@@ -58,6 +58,15 @@ def gpu_model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+def gpu_moe_dirs(tmp_path_factory) -> dict[str, str]:
+    """Tiny Qwen3-MoE checkpoints (8 experts a layer: vLLM's FusedMoE, its kernels carried by the GPU bundle)."""
+    from streamsync.models.tiny import make_tiny_qwen3_moe
+
+    cache = tmp_path_factory.mktemp("gpu-moe-models")
+    return {k: str(make_tiny_qwen3_moe(cache, tie_word_embeddings=tie)) for k, tie in TIES.items()}
+
+
+@pytest.fixture(scope="module")
 def gpu_llms(gpu_model_dirs):
     """One `vllm.LLM` per tiny checkpoint (untied, tied), on the GPU, receiving through streamsync."""
     _gpu_env()
@@ -269,19 +278,23 @@ def _prompts(vocab: int, n: int) -> Any:
 
 
 @pytest.mark.parametrize("tie", list(TIES))
+@pytest.mark.parametrize("arch", ["dense", "moe"])
 @gpu
-async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_weights(tie, gpu_model_dirs, tmp_path):
-    """`quantization="fp8"` (vLLM quantizes bf16 weights as it loads them): two pushes from a bf16 HF module, a
-    third from a bf16 megatron-core model, then every engine tensor (fp8 weights and their scales included) equal
-    to those of an fp8 engine that loaded the pushed weights from disk, and the same greedy tokens."""
-    model_dir = gpu_model_dirs[tie]
+async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_weights(arch, tie, gpu_model_dirs,
+                                                                                       gpu_moe_dirs, tmp_path):
+    """`quantization="fp8"` (vLLM quantizes bf16 weights as it loads them), dense and MoE (fp8 stacked experts):
+    two pushes from a bf16 HF module, a third from a bf16 megatron-core model, then every engine tensor (fp8
+    weights and their scales included) equal to those of an fp8 engine that loaded the pushed weights from disk,
+    and the same greedy tokens."""
+    model_dir = (gpu_model_dirs if arch == "dense" else gpu_moe_dirs)[tie]
+    label = f"{arch}-{tie}"
     _gpu_env()
     fp8 = dict(ENGINE, quantization="fp8")
     llm = vllm.LLM(model=model_dir, **fp8, **engine_kwargs())
     loaded_llm = None
     sync = None
     try:
-        engine = VllmEngine(llm, name=f"fp8-{tie}")
+        engine = VllmEngine(llm, name=f"fp8-{label}")
         trainer = _hf_trainer(model_dir)
         sync = WeightSync([engine], transport="auto", chunk_bytes=1 << 20)
         for step in (21, 22):  # the second lands on layers already quantized by the first
@@ -295,10 +308,10 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
                           source_options={"dtype": torch.bfloat16, "hf_config": _config(model_dir)})
         report = await sync.push(mcore)
         assert await engine.get_version() == report.version
-        ckpt = save_checkpoint(await _hf_export(mcore, model_dir), like=model_dir, out=tmp_path / f"fp8-{tie}",
+        ckpt = save_checkpoint(await _hf_export(mcore, model_dir), like=model_dir, out=tmp_path / f"fp8-{label}",
                                dtype=torch.bfloat16)
         loaded_llm = vllm.LLM(model=str(ckpt), **fp8, **engine_kwargs())
-        loaded = VllmEngine(loaded_llm, name=f"fp8-{tie}-loaded")
+        loaded = VllmEngine(loaded_llm, name=f"fp8-{label}-loaded")
         got, want = await engine.weight_digests(device=True), await loaded.weight_digests(device=True)
         assert any(v.startswith("float8") for v in want.values()), want  # the engine computes in fp8
         assert set(got) == set(want) and got == want, sorted(k for k in want if got.get(k) != want[k])[:5]

@@ -235,14 +235,26 @@ def hf_config(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def _tiny_from_config(cfg: dict[str, Any]) -> TinyModel:
-    arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "llama"}.get(cfg["model_type"])
+    arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "llama",
+            "qwen3_moe": "qwen3-moe"}.get(cfg["model_type"])
     if arch is None:
         raise ValueError(f"no megatron builder for model_type {cfg['model_type']!r}")
+    moe: dict[str, Any] = {}
+    if arch == "qwen3-moe":
+        # the builder routes to 2 experts and makes every layer sparse, as the tiny MoE checkpoints are
+        if cfg.get("num_experts_per_tok", 2) != 2 or cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step",
+                                                                                          1) != 1:
+            raise ValueError("megatron_from_hf builds Qwen3-MoE models with top-2 routing and every layer sparse; "
+                             f"this config has num_experts_per_tok={cfg.get('num_experts_per_tok')}, "
+                             f"mlp_only_layers={cfg.get('mlp_only_layers')}, "
+                             f"decoder_sparse_step={cfg.get('decoder_sparse_step')}")
+        # (newer transformers write Qwen3-MoE's expert count as num_local_experts)
+        moe = dict(experts=cfg.get("num_experts") or cfg["num_local_experts"], moe_ffn=cfg["moe_intermediate_size"])
     heads = cfg["num_attention_heads"]
     return TinyModel(arch=arch, vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"],
                      heads=heads, kv_heads=cfg.get("num_key_value_heads", heads),
                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn=cfg["intermediate_size"],
-                     tie=bool(cfg.get("tie_word_embeddings", False)), dtype="bfloat16")
+                     tie=bool(cfg.get("tie_word_embeddings", False)), dtype="bfloat16", **moe)
 
 
 def megatron_from_hf(model_dir: str | os.PathLike) -> list[torch.nn.Module]:

@@ -53,6 +53,8 @@ from ..pack import dtype_from_name
 from ..plan.chunking import layer_index
 from . import compat
 
+_TB = torch._C.TensorBase
+
 aten = torch.ops.aten
 Weights = Iterable[tuple[str, torch.Tensor]]
 
@@ -351,11 +353,13 @@ class Plan:
 
     def current(self) -> bool:
         """Whether the model still holds the tensors (and quant methods) this plan was traced against."""
+        # TensorBase's own methods: a Parameter's go through Python first (every round checks hundreds)
+        data_ptr, size, strides = _TB.data_ptr, _TB.size, _TB.stride
         for mod, name, t, ptr, shape, stride in self.key:
             now: torch.Tensor | None = mod._parameters.get(name)
             if now is None:
                 now = mod._buffers.get(name)
-            if now is not t or t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
+            if now is not t or data_ptr(t) != ptr or size(t) != shape or strides(t) != stride:
                 return False
         return all(type(getattr(mod, "quant_method", None)) is kind for mod, kind in self.methods)
 
