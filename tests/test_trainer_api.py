@@ -134,3 +134,28 @@ async def test_what_push_cannot_take_is_named(served):
             await sync.push({"w": 1})
         with pytest.raises(ValidationError, match=r"tensor 'w' is given twice"):
             await sync.push([("w", torch.zeros(2)), ("w", torch.ones(2))])
+
+
+def test_a_transformers_moe_module_is_sent_as_the_per_expert_tensors_its_checkpoint_holds(tmp_path):
+    # transformers-5 MoE modules stack a layer's experts (mlp.experts.gate_up_proj [E, 2I, H], down_proj
+    # [E, H, I]); the source sends views of them under the checkpoint's per-expert names, the tensors
+    # save_pretrained writes, and sees a stacked tensor whose data an optimizer swapped
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from streamsync.models.tiny import make_tiny_qwen3_moe
+
+    hf = AutoModelForCausalLM.from_pretrained(make_tiny_qwen3_moe(tmp_path / "m"), dtype=torch.bfloat16)
+    stacked = dict(hf.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
+    src = ModuleSource(hf)
+    got = dict(src.local_tensors())
+    hf.save_pretrained(tmp_path / "saved")
+    want = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert set(got) == set(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    up = got["model.layers.0.mlp.experts.3.up_proj.weight"]
+    assert up.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()  # a view, no copy
+    stacked.data = stacked.data + 1
+    again = dict(src.local_tensors())["model.layers.0.mlp.experts.3.up_proj.weight"]
+    assert torch.equal(again, up + 1)

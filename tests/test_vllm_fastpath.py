@@ -196,3 +196,31 @@ async def test_stacked_experts_take_the_fast_path_and_land_as_layerwise_reload_l
     assert await slow.weight_digests() == fast_digests
     assert greedy(llm, prompt, 12)[0] == fast_tokens
     await sync.close()
+
+
+async def test_a_transformers_moe_module_lands_as_its_saved_checkpoint_does(moe_llm, tmp_path):
+    """transformers-5 keeps a layer's experts stacked in memory (`mlp.experts.gate_up_proj`); pushed as it is, the
+    module lands in the engine exactly as the checkpoint `save_pretrained` writes of it (one tensor per expert)."""
+    from transformers import AutoModelForCausalLM
+
+    from streamsync.testing.gpu import perturb
+
+    llm, model_dir = moe_llm
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in hf.named_parameters())  # the stacked form
+    perturb(hf, 5)
+    engine = VllmEngine(llm, name="moe-hf")
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    report = await sync.push(hf, version=11)
+    assert report.engine_paths == {"moe-hf": "fast"}
+    pushed = await engine.weight_digests()
+    hf.save_pretrained(tmp_path / "saved")
+    await sync.push(_checkpoint_trainer(model_dir, step=9), version=12)
+    assert await engine.weight_digests() != pushed
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert not any(n.endswith("experts.gate_up_proj") for n in saved)
+    await sync.push(saved, version=13)
+    assert await engine.weight_digests() == pushed
+    await sync.close()

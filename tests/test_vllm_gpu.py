@@ -20,7 +20,7 @@ import anyio
 import pytest
 import torch
 
-from streamsync import WeightSync
+from streamsync import StreamSyncError, WeightSync
 from streamsync.checksum import device_digest
 from streamsync.testing.gpu import gpu, perturb
 
@@ -268,6 +268,23 @@ async def test_paused_keep_abort_wait_with_requests_in_flight(gpu_model_dirs):
         await sync.close()
     finally:
         shutdown(llm)
+
+
+@gpu
+async def test_an_engine_worker_in_the_trainers_own_process_is_refused_at_connect_naming_why(gpu_model_dirs,
+                                                                                               monkeypatch):
+    """vLLM's engine core in the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): CUDA IPC cannot open the
+    process's own memory, so the connect fails saying so, before any push."""
+    _gpu_env()
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    llm = vllm.LLM(model=gpu_model_dirs["untied"], **ENGINE, **engine_kwargs())
+    sync = WeightSync([VllmEngine(llm, name="in-process")], transport="auto")
+    try:
+        with pytest.raises(StreamSyncError, match="runs in the trainer's own process"):
+            await sync.connect()
+    finally:
+        await sync.close()
+        stop_llm(llm)
 
 
 def _prompts(vocab: int, n: int) -> Any:

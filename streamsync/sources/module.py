@@ -38,11 +38,37 @@ def _narrow(t: torch.Tensor, start: Sequence[int], size: Sequence[int]) -> torch
     return t
 
 
+def _fused_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, int, int]]:
+    """transformers-5 MoE modules keep a layer's experts stacked (`mlp.experts.gate_up_proj` [E, 2I, H], gate
+    rows first, and `mlp.experts.down_proj` [E, H, I]); checkpoints and engines name one tensor per expert
+    (`mlp.experts.{e}.gate_proj.weight`, as `save_pretrained` writes them). {fused name: (per-expert name
+    template, first row, end row)} for each stacked tensor whose pair has those shapes; anything else keeps
+    its name (and an engine that does not know it refuses it)."""
+    out: dict[str, tuple[str, int, int]] = {}
+    for name, gu in tensors.items():
+        if not name.endswith(".experts.gate_up_proj"):
+            continue
+        base = name[: -len("gate_up_proj")]
+        down = tensors.get(base + "down_proj")
+        if down is None or _dtensor(gu) or _dtensor(down) or gu.dim() != 3 or down.dim() != 3:
+            continue
+        (e, two_i, h), (e2, h2, i) = gu.shape, down.shape
+        if e != e2 or h != h2 or two_i != 2 * i:
+            continue
+        out[name] = (base + "{e}.gate_proj.weight", 0, i)
+        out[name + "\0up"] = (base + "{e}.up_proj.weight", i, two_i)
+        out[base + "down_proj"] = (base + "{e}.down_proj.weight", 0, h)
+    return out
+
+
 class ModuleSource(Source):
     """Streams `module.state_dict()`; tied tensors (one storage under two names) are sent once.
 
     `dtype` casts floating-point tensors to the receiver's dtype in the convert stage; by default tensors
     go as they are, so the receiver gets the trainer's bits.
+
+    Stacked experts of a transformers-5 MoE module (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) go
+    as the checkpoint's per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...): views, no copy.
 
     DTensor parameters (FSDP2, tensor parallel DTensors): through a single sender, each tensor is gathered
     whole (`full_tensor()`, a collective of its mesh: every rank pushes, global rank 0 sends, the others take
@@ -73,6 +99,25 @@ class ModuleSource(Source):
             self._tensors[name] = t
         if not self._tensors:
             raise ValidationError("the model has no parameters or buffers to push")
+        # stacked experts -> per-expert views: (stacked tensor, its data pointer when the views were made, views)
+        self._stacked: list[tuple[torch.Tensor, int, list[tuple[str, int, int, int]]]] = []
+        fused = _fused_experts(self._tensors)
+        if fused:
+            for key, (template, r0, r1) in fused.items():
+                src = self._tensors[key.split("\0")[0]]
+                self._stacked.append((src, -1, [(template.format(e=e), e, r0, r1) for e in range(src.shape[0])]))
+            renamed = {key.split("\0")[0] for key in fused}
+            # the per-expert names take the stacked tensor's place in the module's order
+            tensors: dict[str, torch.Tensor] = {}
+            for name, t in self._tensors.items():
+                if name not in renamed:
+                    tensors[name] = t
+                    continue
+                for src, _, views in self._stacked:
+                    if src is t:
+                        tensors.update((n, t.detach()[e, r0:r1]) for n, e, r0, r1 in views)
+            self._tensors = tensors
+            self._fresh()
         self._distributed = {n for n, t in self._tensors.items() if _dtensor(t)}
         devices = {t.device for t in self._tensors.values()}
         if len(devices) > 1:
@@ -83,17 +128,30 @@ class ModuleSource(Source):
     def device(self) -> torch.device:
         return self._device
 
+    def _fresh(self) -> None:
+        """Per-expert views made again on a stacked tensor whose data moved (`param.data = ...` after an
+        optimizer swapped it): a view made before would read the old memory."""
+        for i, (src, ptr, views) in enumerate(self._stacked):
+            now = src.data_ptr()
+            if now != ptr:
+                data = src.detach()
+                for n, e, r0, r1 in views:
+                    self._tensors[n] = data[e, r0:r1]
+                self._stacked[i] = (src, now, views)
+
     def _own(self, name: str) -> torch.Tensor:
         """This rank's data of a tensor: its local piece for a DTensor."""
         t = self._tensors[name].detach()
         return t.to_local() if name in self._distributed else t  # type: ignore[attr-defined]
 
     def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._fresh()
         return ((n, self._own(n)) for n in self._tensors)
 
     def local_addresses(self, device: torch.device) -> set[int]:
         if self._distributed:  # pieces of gathered tensors are never sent by reference
             return set()
+        self._fresh()
         return self._addresses.get(list(self._tensors.values()), device)
 
     @property
@@ -162,6 +220,7 @@ class ModuleSource(Source):
         # A part is a view of its rows: contiguous for a contiguous tensor, no copy.
         if self._distributed:
             return await anyio.to_thread.run_sync(self._gather_distributed, chunk, abandon_on_cancel=True)
+        self._fresh()
         out = []
         for k in chunk.keys:
             if isinstance(k, str):

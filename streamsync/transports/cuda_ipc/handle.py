@@ -6,6 +6,7 @@ import base64
 import binascii
 import functools
 import re
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,19 @@ UUID_RE = re.compile(r"^[0-9A-Za-z-]{1,80}$")
 _REF_COUNTER = re.compile(rb"^/torch_-?[0-9]{1,20}_-?[0-9]{1,20}_-?[0-9]{1,20}$")
 
 _MAX_INT = 1 << 50
+
+#: this Python process, as the sender names it in init_info: a receiver that finds its own id here runs in the
+#: trainer's process, where CUDA IPC cannot open the memory it would map (pids may repeat across containers)
+PROCESS_ID = secrets.token_hex(8)
+
+
+def refuse_same_process(init_info: dict[str, Any]) -> None:
+    """A clear error, at connect, for an engine worker in the trainer's own process."""
+    if init_info.get("process") == PROCESS_ID:
+        raise TransportError(
+            "cuda_ipc: the engine's worker runs in the trainer's own process (vLLM with "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0, or the external_launcher executor), and CUDA IPC cannot open "
+            "memory of its own process; run the engine core in its own process (vLLM's default)")
 
 
 @functools.lru_cache(maxsize=64)

@@ -15,7 +15,7 @@ from ...pack import Layout, TensorMeta, unpack
 from ..base import Receiver
 from ..refs import ReferenceViews
 from . import driver as cuda_driver
-from .handle import UUID_RE, IpcHandle, live_tokens, local_index, parse_handle
+from .handle import UUID_RE, IpcHandle, live_tokens, local_index, parse_handle, refuse_same_process
 
 
 @dataclass
@@ -50,6 +50,7 @@ class CudaIpcReceiver(Receiver):
 
     def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cuda") -> None:
         super().__init__(init_info, device)
+        refuse_same_process(init_info)
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise TransportError(f"the cuda_ipc receiver needs a CUDA device, got {self.device}")
         _warm_copies(self.device)

@@ -18,7 +18,7 @@ from ..base import SendBuffer, Transport
 from ..pool import BufferPool, PoolBuffer, captured
 from ..refs import Export, References, deliver, handles_with_refs
 from . import driver as cuda_driver
-from .handle import export_handle, gpu_uuid
+from .handle import PROCESS_ID, export_handle, gpu_uuid
 
 if TYPE_CHECKING:
     from ...engines.base import Engine
@@ -112,7 +112,7 @@ class CudaIpcTransport(Transport):
 
     def init_info(self, index: int, engine: Engine) -> dict[str, Any]:
         self.refs.forget_engine(index)  # a (re)connected engine maps nothing yet: every storage is exported afresh
-        return super().init_info(index, engine)
+        return {**super().init_info(index, engine), "process": PROCESS_ID}
 
     def begin_push(self, plans: Sequence[ChunkPlan], source: Source, engines: Sequence[Engine], *,
                    by_reference: bool = True) -> None:
