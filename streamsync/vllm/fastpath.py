@@ -285,6 +285,15 @@ def _never_loaded() -> set[str]:
 #: vLLM's unquantized fused-MoE backends whose kernels read the experts as loaded on CUDA: their processing after
 #: a weight update makes the tensors contiguous (they are) and copies them onto themselves (vLLM's
 #: `convert_to_unquantized_kernel_format`); others shuffle, swap or pad them (AITER, FlashInfer, ROCm padding)
+def _quant_method(mod: torch.nn.Module) -> object:
+    """`mod.quant_method` or None, without nn.Module's `__getattr__`: a module without one (a norm) would raise
+    and catch an AttributeError, a few microseconds each, for hundreds of modules every round."""
+    d = mod.__dict__
+    if "quant_method" in d:
+        return d["quant_method"]
+    return getattr(mod, "quant_method", None) if hasattr(type(mod), "quant_method") else None
+
+
 _PLAIN_MOE_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON"})
 
 
@@ -361,7 +370,7 @@ class Plan:
                 now = mod._buffers.get(name)
             if now is not t or data_ptr(t) != ptr or size(t) != shape or strides(t) != stride:
                 return False
-        return all(type(getattr(mod, "quant_method", None)) is kind for mod, kind in self.methods)
+        return all(type(_quant_method(mod)) is kind for mod, kind in self.methods)
 
     def summary(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -468,7 +477,7 @@ def build_plan(model: torch.nn.Module, traced: Traced) -> Plan:
         if now is not None and modes[t.module][0] is not Mode.LAYERWISE:
             key.append((mods[t.module], t.tensor, now, now.data_ptr(), tuple(now.shape), tuple(now.stride())))
     methods: list[tuple[torch.nn.Module, type | None]] = [
-        (mods[m], type(getattr(mods[m], "quant_method", None))) for m in writers]
+        (mods[m], type(_quant_method(mods[m]))) for m in writers]
     return Plan(ops, modes, rebuilt, arm, frozenset(slow), fusions, shapes, key, methods, dict(traced.failed),
                 frozenset(writers))
 
