@@ -103,10 +103,10 @@ class ModuleSource(Source):
         self._stacked: list[tuple[torch.Tensor, int, list[tuple[str, int, int, int]]]] = []
         fused = _fused_experts(self._tensors)
         if fused:
-            for key, (template, r0, r1) in fused.items():
-                src = self._tensors[key.split("\0")[0]]
+            for fkey, (template, r0, r1) in fused.items():
+                src = self._tensors[fkey.split("\0")[0]]
                 self._stacked.append((src, -1, [(template.format(e=e), e, r0, r1) for e in range(src.shape[0])]))
-            renamed = {key.split("\0")[0] for key in fused}
+            renamed = {fkey.split("\0")[0] for fkey in fused}
             # the per-expert names take the stacked tensor's place in the module's order
             tensors: dict[str, torch.Tensor] = {}
             for name, t in self._tensors.items():
