@@ -117,7 +117,10 @@ class EngineRound:
                    str(d.get("memory") or ""), tuple(phases), num("replayed_chunks"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "phases"}
+        # shallow (every field but `phase_ms` is immutable): `asdict` deep-copies the phases only to drop them
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "phases"}
+        out["phase_ms"] = dict(self.phase_ms)
+        return out
 
 
 @dataclass

@@ -276,3 +276,35 @@ def test_a_blocked_reference_is_read_afresh_by_every_push_into_a_loader_that_tak
         got = dict(views)
         assert [m.name for m in metas] == ["q", "k"]
         assert torch.equal(got["q"], q.reshape(8, 4)) and torch.equal(got["k"], k.reshape(2, 4)), step
+
+
+@pytest.mark.vllm
+@pytest.mark.megatron
+@pytest.mark.slow
+async def test_megatrons_interleaved_qkv_by_reference_goes_straight_into_a_vllm_cpu_engine(llm, model_dir):
+    """Q, K and V of megatron's interleaved QKV arrive as blocked views of the trainer's storage; the engine's fast
+    path copies them as they are (no reshaped copy), and every push of the weights changed in place lands exactly."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("megatron.core")
+    from streamsync.engines.vllm import VllmEngine
+    from streamsync.models.megatron import export_hf_async, hf_config, megatron_from_hf
+    from streamsync.testing.gpu import perturb
+    from streamsync.vllm.extension import expected_digests
+
+    trainer = megatron_from_hf(model_dir)
+    engine = VllmEngine(llm, name="llm")
+    sync = WeightSync([engine], transport=ShmTransport(one_copy=True), chunk_bytes=1 << 20)
+    try:
+        for step in range(3):
+            for chunk in trainer:
+                perturb(chunk, step)  # in place: the same storages, so the same references every push
+            report = await sync.push(trainer)  # the version after what the shared engine holds
+            assert _refs(report)["referenced"] > 0
+            assert report.engine_paths == {"llm": "fast"}, report.engine_rounds
+            assert report.engine_rounds[0].layerwise_tensors == 0
+            state = await export_hf_async(trainer, dtype=torch.bfloat16, hf_config=hf_config(model_dir))
+            assert state is not None
+            got = await engine.weight_digests()
+            assert got == expected_digests(state, await engine.packed_modules()), step
+    finally:
+        await sync.close()

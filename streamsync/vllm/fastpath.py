@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -296,6 +297,12 @@ def _quant_method(mod: torch.nn.Module) -> object:
 
 _PLAIN_MOE_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON"})
 
+#: vLLM's online fp8 (per-tensor) of an unquantized checkpoint (`quantization="fp8"` / "fp8_per_tensor"): their
+#: processing after a load quantizes the loaded bf16 tensors (one scale per merged linear weight, per expert for
+#: the experts) into fresh fp8 tensors, a pure function of what was loaded, so a module rebuilt through it holds
+#: exactly what vLLM's own reload of the same weights makes
+_ONLINE_FP8 = frozenset({"Fp8PerTensorOnlineLinearMethod", "Fp8PerTensorOnlineMoEMethod"})
+
 
 def module_mode(mod: torch.nn.Module) -> tuple[Mode, str]:
     """How a module's pushes load (module doc), and why."""
@@ -319,6 +326,8 @@ def module_mode(mod: torch.nn.Module) -> tuple[Mode, str]:
         if backend in _PLAIN_MOE_BACKENDS and current_platform.is_cuda() and method.moe_kernel is not None:
             return Mode.COPY, f"{kind.__name__} ({backend}): processing after a load is a no-op on CUDA"
         return Mode.REBUILD, f"{kind.__name__} ({backend}): its backend may convert the experts"
+    if kind.__name__ in _ONLINE_FP8:
+        return Mode.REBUILD, f"{kind.__name__}: quantized from the new bf16 weights by its own processing"
     return Mode.LAYERWISE, f"{kind.__name__}: quantized or not known to the fast path"
 
 
@@ -359,18 +368,13 @@ class Plan:
     methods: list[tuple[torch.nn.Module, type | None]]
     untraced: dict[str, str]
     written: frozenset[str]  # modules some name writes
+    _check: _KeyCheck | None = field(default=None, repr=False, compare=False)
 
     def current(self) -> bool:
         """Whether the model still holds the tensors (and quant methods) this plan was traced against."""
-        # TensorBase's own methods: a Parameter's go through Python first (every round checks hundreds)
-        data_ptr, size, strides = _TB.data_ptr, _TB.size, _TB.stride
-        for mod, name, t, ptr, shape, stride in self.key:
-            now: torch.Tensor | None = mod._parameters.get(name)
-            if now is None:
-                now = mod._buffers.get(name)
-            if now is not t or data_ptr(t) != ptr or size(t) != shape or strides(t) != stride:
-                return False
-        return all(type(_quant_method(mod)) is kind for mod, kind in self.methods)
+        if self._check is None:
+            self._check = _KeyCheck(self)
+        return self._check.holds()
 
     def summary(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -380,6 +384,33 @@ class Plan:
         return {"modules": counts, "fast_names": len(self.ops), "layerwise_names": len(self.layerwise_names),
                 "fusions": len(self.fusions), "layerwise_modules": {n: self.modes[n][1] for n in layerwise[:20]},
                 "untraced": dict(list(self.untraced.items())[:20])}
+
+
+class _KeyCheck:
+    """`Plan.current` as a few C-level passes over flat lists: every round's start checks hundreds of tensors (an
+    MoE's thousands) before its first copy, so that check is on every push's critical path."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.slots: list[tuple[dict[str, Any], str]] = []
+        for mod, name, _, _, _, _ in plan.key:  # the dict that holds it (a module's parameters, else its buffers)
+            self.slots.append((mod._parameters if name in mod._parameters else mod._buffers, name))
+        self.tensors = [k[2] for k in plan.key]
+        self.ptrs = [k[3] for k in plan.key]
+        self.shapes = [torch.Size(k[4]) for k in plan.key]
+        self.strides = [k[5] for k in plan.key]
+        self.modules = [m for m, _ in plan.methods]
+        self.kinds = [k for _, k in plan.methods]
+
+    def holds(self) -> bool:
+        now = [d.get(n) for d, n in self.slots]
+        if not all(map(operator.is_, now, self.tensors)):
+            return False
+        ts = self.tensors  # TensorBase's own methods: a Parameter's go through Python first
+        if list(map(_TB.data_ptr, ts)) != self.ptrs or list(map(_TB.size, ts)) != self.shapes:
+            return False
+        if list(map(_TB.stride, ts)) != self.strides:
+            return False
+        return list(map(type, map(_quant_method, self.modules))) == self.kinds
 
 
 def build_plan(model: torch.nn.Module, traced: Traced) -> Plan:
@@ -594,10 +625,28 @@ class FastRound:
     def load(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]]) -> list[int]:
         """Replay the copies; returns the REBUILD modules this completed (process them with `process`)."""
         complete: list[int] = []
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for dst, src, value in self.writes(fast, complete):
+            if src is None:
+                dst.fill_(value)
+            else:
+                dsts.append(dst)
+                srcs.append(src)
+        if dsts:  # one call for the chunk's copies (an MoE chunk makes thousands): no Python loop per copy
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        return complete
+
+    def writes(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]], complete: list[int]
+               ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, float]]:
+        """Each copy as (destination view, source view, 0) and each constant fill as (destination, None, value),
+        REBUILD modules' fresh tensors made on first write; appends to `complete` the modules it completes.
+
+        A source may come *blocked* (`pack.fits`: Q as a (groups, rows, hidden) view of megatron's interleaved
+        QKV, the same row-major order as its HF shape): a whole write into a contiguous destination reads it as
+        it is, so no reshaped copy of it is ever made; any other write reads a contiguous copy."""
         for ops, src in fast:
-            if not src.is_contiguous():
-                src = src.contiguous()
-            base = src.storage_offset()
+            flat: torch.Tensor | None = src if src.is_contiguous() else None
             for op in ops:
                 w = op.write
                 dst = op.dst
@@ -612,12 +661,15 @@ class FastRound:
                     if pend.filled - w.numel < need <= pend.filled:  # once: an empty write may follow the last
                         complete.append(op.module)
                 if w.src_offset is None:
-                    dst.fill_(w.value)
-                elif op.whole:
-                    dst.copy_(src.view(w.size))
+                    yield dst, None, w.value
+                elif op.whole and flat is not None:
+                    yield dst, flat.view(w.size), 0.0
+                elif op.whole and dst.is_contiguous():
+                    yield dst.view(src.shape), src, 0.0
                 else:
-                    dst.copy_(src.as_strided(w.size, w.src_stride, base + w.src_offset))
-        return complete
+                    if flat is None:
+                        flat = src.contiguous()
+                    yield dst, flat.as_strided(w.size, w.src_stride, flat.storage_offset() + w.src_offset), 0.0
 
     def _pending(self, i: int) -> _Pending:
         pend = self.pending.get(i)
@@ -643,15 +695,19 @@ class FastRound:
                 update: Any = getattr(layer, "update_param_tp_status", None)
                 if update is not None:  # processing may have made new Parameters: vLLM reconciles their TP state
                     update()
+                live: dict[int, torch.Tensor] = {}  # a processed tensor's address -> the live tensor it lands in
                 for name, p in kernel_params.items():
                     if p is not None:
-                        p.data.copy_(getattr(layer, name))
+                        new = getattr(layer, name)
+                        p.data.copy_(new)
+                        live[_TB.data_ptr(new)] = p
                 for name, b in kernel_buffers.items():
                     made = name not in non_persistent or name in pend.buffers
                     if b is not None and name in layer._buffers and made:
                         b.data.copy_(getattr(layer, name))
             finally:
                 _place(layer, kernel_params, kernel_buffers, non_persistent)
+            _repoint(getattr(layer, "quant_method", None), live)
             self.done.add(i)
             self.rebuilt += 1
 
@@ -662,6 +718,27 @@ class FastRound:
         return left
 
 
+def _repoint(method: object, live: Mapping[int, torch.Tensor]) -> None:
+    """A kernel config that processing built around the tensors it made is pointed at the live tensors those were
+    copied into. vLLM's fused-MoE quant config holds the experts' scales (its kernels read them there, not from
+    the module): left alone it would hold the round's fresh copies (the right values, but not the tensors the
+    engine's CUDA graphs read, and kept alive until the next round)."""
+    import dataclasses
+
+    cfg = getattr(method, "moe_quant_config", None)
+    if cfg is None or not dataclasses.is_dataclass(cfg):
+        return
+    for f in dataclasses.fields(cfg):
+        desc = getattr(cfg, f.name, None)
+        if desc is None or not dataclasses.is_dataclass(desc):
+            continue
+        for g in dataclasses.fields(desc):
+            v = getattr(desc, g.name, None)
+            to = live.get(_TB.data_ptr(v)) if isinstance(v, torch.Tensor) else None
+            if to is not None and to.shape == v.shape and to.dtype == v.dtype:  # type: ignore[union-attr]
+                object.__setattr__(desc, g.name, to)
+
+
 @dataclass(slots=True)
 class _Capture:
     plan: Plan
@@ -669,6 +746,7 @@ class _Capture:
     graph: torch.cuda.CUDAGraph | None  # None: seen once (loaded plainly)
     failed: bool = False  # cannot be captured: always loaded plainly
     counts: tuple[int, int] = (0, 0)  # the chunk's tensors and bytes, all copied by the graph
+    table: torch.Tensor | None = None  # what the graph's segment copy reads (its tile table)
 
 
 class CapturedLoads:
@@ -677,7 +755,11 @@ class CapturedLoads:
     launch per write (an MoE chunk makes thousands). The graph is captured the second time the chunk arrives (a
     one-off chunk never costs a capture). A graph copies from and to addresses: it is replayed only while the
     plan (so every destination) is the one it was captured with and every source tensor is at the address it
-    had then, which is checked each push; anything else loads plainly."""
+    had then, which is checked each push; anything else loads plainly.
+
+    Inside the graph the copies are one segment copy kernel (`receiver.kernels.SegmentCopy`) where Triton runs:
+    recorded one by one, an MoE chunk's thousands of expert copies each ramp up and drain on their own and run at
+    about half the device's copy rate."""
 
     def __init__(self, limit: int = 1024) -> None:
         self._seen: dict[object, _Capture] = {}
@@ -685,10 +767,14 @@ class CapturedLoads:
         self.limit = limit
         self.replayed = 0
         self.captured = 0
+        #: record the copies as one segment copy kernel where Triton runs (False: PyTorch's copies)
+        self.kernel = True
 
     @staticmethod
     def capturable(fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]]) -> bool:
-        return all(src.is_cuda and src.is_contiguous() and all(op.dst is not None for op in ops)
+        return all(src.is_cuda and all(op.dst is not None for op in ops)
+                   and (src.is_contiguous() or all(op.whole and op.dst.is_contiguous()  # type: ignore[union-attr]
+                                                   for op in ops if op.write.src_offset is not None))
                    for ops, src in fast)
 
     def ready(self, key: object, rnd: FastRound, weights: Sequence[tuple[str, torch.Tensor]]) -> _Capture | None:
@@ -698,7 +784,7 @@ class CapturedLoads:
         seen = self._seen.get(key)
         if seen is None or seen.graph is None or seen.plan is not rnd.plan or len(seen.sources) != len(weights):
             return None
-        return seen if seen.sources == tuple(t.data_ptr() for _, t in weights) else None
+        return seen if seen.sources == tuple(map(_TB.data_ptr, [t for _, t in weights])) else None
 
     def replay(self, seen: _Capture) -> tuple[int, int]:
         """Replay a capture `ready` returned; its chunk's (tensors, bytes)."""
@@ -709,7 +795,7 @@ class CapturedLoads:
 
     def load(self, key: object, rnd: FastRound, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]]) -> bool:
         """Load `fast` by a graph (True), or return False for the caller to load it plainly."""
-        sources = tuple(src.data_ptr() for _, src in fast)
+        sources = tuple(_TB.data_ptr(src) for _, src in fast)
         seen = self._seen.get(key)
         if seen is not None and seen.plan is rnd.plan and seen.sources == sources:
             if seen.failed:
@@ -726,10 +812,31 @@ class CapturedLoads:
 
     def _capture(self, key: object, rnd: FastRound, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]],
                  sources: tuple[int, ...]) -> bool:
+        from ..receiver import kernels
+
         if not self.capturable(fast):
             self._seen[key] = _Capture(rnd.plan, sources, None, failed=True)
             return False
         device = fast[0][1].device
+        copies: kernels.SegmentCopy | None = None
+        fills: list[tuple[torch.Tensor, float]] = []
+        if self.kernel and kernels.available():
+            try:
+                kernels.warm(device)  # compiled outside the capture (normally done at connect)
+            except Exception as e:  # no working kernel here: record PyTorch's copies from now on
+                self.kernel = False
+                get_logger().warning("vllm fast path: the segment copy kernel is unavailable; captured loads "
+                                     "record PyTorch's copies", error=str(e))
+            else:  # planned outside the capture (its tile table is an upload)
+                dsts: list[torch.Tensor] = []
+                srcs: list[torch.Tensor] = []
+                for dst, src, value in rnd.writes(fast, []):
+                    if src is None:
+                        fills.append((dst, value))
+                    else:
+                        dsts.append(dst)
+                        srcs.append(src)
+                copies = kernels.SegmentCopy(dsts, srcs)
         stream = torch.cuda.current_stream(device)
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device)
@@ -740,7 +847,12 @@ class CapturedLoads:
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    rnd.load(fast)
+                    if copies is None:
+                        rnd.load(fast)
+                    else:
+                        for dst, value in fills:
+                            dst.fill_(value)
+                        copies()
                 finally:
                     graph.capture_end()
         except RuntimeError as e:  # a copy this build cannot capture: this chunk loads plainly from now on
@@ -749,7 +861,10 @@ class CapturedLoads:
             return False
         stream.wait_stream(side)
         counts = (len(fast), sum(src.numel() * src.element_size() for _, src in fast))
-        self._seen[key] = _Capture(rnd.plan, sources, graph, counts=counts)
+        # Only the tile table is kept: the graph holds addresses, and a kept view would keep a mapped buffer (and
+        # the trainer's memory behind it) alive after the transport let it go.
+        table = copies.captured() if copies is not None else None
+        self._seen[key] = _Capture(rnd.plan, sources, graph, counts=counts, table=table)
         self.captured += 1
         graph.replay()  # capturing recorded the copies without making them
         return True
@@ -821,6 +936,11 @@ class FastPath:
             self.fused_shapes.setdefault(name, self.plan.fused_shapes[name])
         get_logger().info("vllm fast path: traced where each tensor goes", **self.plan.summary())
         return self.plan, True
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The HF (or fused) shape of `name`, where known."""
+        spec = self.specs.get(name) if self.specs is not None else None
+        return spec[1] if spec is not None else self.fused_shapes.get(name)
 
     def fused_layout(self) -> dict[str, list[Any]]:
         """{fused name: [[member, ...], shape]} (`pack.fusions_from_json`)."""
