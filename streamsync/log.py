@@ -14,6 +14,7 @@ logger at DEBUG show the debug events.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -95,6 +96,13 @@ def _pass_dict(_: Any, __: str, event: MutableMapping[str, Any]) -> tuple[tuple[
     return (event,), {}
 
 
+@functools.cache
+def _output(name: str, json: bool) -> _Output:
+    """One `_Output` per name and format: structlog asks its factory for a logger at every `bind` (nothing is
+    cached on first use), and a console renderer costs a fraction of a millisecond to make."""
+    return _Output(name, json)
+
+
 def configure(level: str | None = None, json: bool | None = None) -> None:
     level = (level or os.environ.get("STREAMSYNC_LOG", "info")).upper()
     json = json if json is not None else os.environ.get("STREAMSYNC_LOG_JSON") == "1"
@@ -106,7 +114,7 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
             _pass_dict,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=lambda *args: _Output(str(args[0]) if args else LOGGER_NAME, json),
+        logger_factory=lambda *args: _output(str(args[0]) if args else LOGGER_NAME, json),
         cache_logger_on_first_use=False,
     )
 

@@ -26,6 +26,7 @@ from .options import Checks, Deltas, Observers, PushOptions, SyncKwargs, split_o
 from .pack import Fusion, fusions_from_json
 from .pipeline.messages import Messages
 from .pipeline.stages import first_push_error
+from .pipeline.threads import responsive_threads
 from .plan.check import Expected, check_plan, nonfinite
 from .plan.chunk import ChunkPlan
 from .plan.chunking import split_layers
@@ -483,7 +484,7 @@ class WeightSync:
         limit = anyio.CancelScope(deadline=math.inf if time_limit is None else anyio.current_time() + time_limit)
         push_range = pipeline.ProfilerRange(f"streamsync.push v{version}").__enter__()
         try:
-            with watching_gc(trace), limit:
+            with watching_gc(trace), responsive_threads(), limit:
                 if source.is_sender and self.engines:
                     # Gathers and packs need no engine: they start while the engines open the round.
                     job.started = anyio.Event()

@@ -211,19 +211,21 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                 self._count("fast", [t for _, t in fast])
                 self._count("layerwise", [t for _, t in slow])
                 slow = self.fast.unfuse([(n, self._hf(n, t)) for n, t in slow])
-            with self.log.phase("load", chunk):
-                complete: list[int] = []
+            with self.log.phase("load", chunk) as load_phase:
                 if rnd is not None and fast:
                     graphed = (self.device.type == "cuda" and not slow and key is not None
                                and self.graphs.load(key, rnd, fast))
                     if not graphed:
-                        complete = rnd.load(fast)
+                        # each rebuilt module processed once complete (its own phase, cut out of the load's)
+                        fast_round = rnd
+
+                        def process(modules: list[int]) -> None:
+                            with load_phase.paused(), self.log.phase("process", chunk):
+                                fast_round.process(modules)
+
+                        rnd.load(fast, process)
                 if slow:
                     self._load_layerwise([(n, t.clone() if keep(n) else t) for n, t in slow])
-            if complete:
-                assert rnd is not None
-                with self.log.phase("process", chunk):
-                    rnd.process(complete)
 
         # Where this worker knows every tensor's HF shape, blocked views (Q of megatron's interleaved QKV, sent by
         # reference) come as they are: the fast path copies them straight into the engine's tensors, and only the

@@ -42,7 +42,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -405,11 +405,14 @@ class _KeyCheck:
         now = [d.get(n) for d, n in self.slots]
         if not all(map(operator.is_, now, self.tensors)):
             return False
-        ts = self.tensors  # TensorBase's own methods: a Parameter's go through Python first
-        if list(map(_TB.data_ptr, ts)) != self.ptrs or list(map(_TB.size, ts)) != self.shapes:
-            return False
-        if list(map(_TB.stride, ts)) != self.strides:
-            return False
+        ts = self.tensors
+        # TensorBase's own methods, with subclasses' `__torch_function__` off: vLLM's parameters define one, and
+        # every method call on them would otherwise go through Python (several microseconds each)
+        with torch._C.DisableTorchFunctionSubclass():
+            if list(map(_TB.data_ptr, ts)) != self.ptrs or list(map(_TB.size, ts)) != self.shapes:
+                return False
+            if list(map(_TB.stride, ts)) != self.strides:
+                return False
         return list(map(type, map(_quant_method, self.modules))) == self.kinds
 
 
@@ -622,19 +625,33 @@ class FastRound:
         return fast, slow
 
     @torch.no_grad()
-    def load(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]]) -> list[int]:
-        """Replay the copies; returns the REBUILD modules this completed (process them with `process`)."""
+    def load(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]],
+             process: Callable[[list[int]], None] | None = None) -> list[int]:
+        """Replay the copies; returns the REBUILD modules this completed (process them with `process`). Given
+        `process`, each completed module is handed to it as soon as its copies are queued (and nothing is
+        returned): a chunk's fresh tensors then live one module at a time, not a whole chunk's worth at once
+        (an fp8 engine's modules are rebuilt from bf16 tensors twice the size of what they hold)."""
         complete: list[int] = []
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
+
+        def flush() -> None:
+            if dsts:  # one call for many copies (an MoE chunk makes thousands): no Python loop per copy
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                dsts.clear()
+                srcs.clear()
+
         for dst, src, value in self.writes(fast, complete):
             if src is None:
                 dst.fill_(value)
             else:
                 dsts.append(dst)
                 srcs.append(src)
-        if dsts:  # one call for the chunk's copies (an MoE chunk makes thousands): no Python loop per copy
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            if process is not None and complete:
+                flush()
+                process(list(complete))
+                complete.clear()
+        flush()
         return complete
 
     def writes(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]], complete: list[int]
@@ -682,11 +699,19 @@ class FastRound:
     @torch.no_grad()
     def process(self, modules: Sequence[int]) -> None:
         """Process each completed REBUILD module with its own `process_weights_after_loading` and copy the result
-        into the tensors its kernels hold (their addresses stay)."""
+        into the tensors its kernels hold (their addresses stay). A fused-MoE layer under vLLM's online fp8 is
+        quantized by `quant.rebuild_fp8_experts` (the same arithmetic over many experts at once) instead."""
+        from .quant import fp8_experts_rebuildable, rebuild_fp8_experts
+
         for i in modules:
             pend = self.pending.pop(i)
             layer = self.plan.rebuilt[i].layer
             kernel_params, kernel_buffers, non_persistent = _tensors(layer)
+            if fp8_experts_rebuildable(layer):
+                rebuild_fp8_experts(layer, pend.params, kernel_params)
+                self.done.add(i)
+                self.rebuilt += 1
+                continue
             _place(layer, pend.params, pend.buffers, non_persistent)
             try:
                 if hasattr(layer, "_already_called_process_weights_after_loading"):

@@ -38,6 +38,27 @@ def _status_kib(*keys: str) -> dict[str, int]:
     return out
 
 
+class _Open:
+    """A phase being timed: recorded as one span per stretch it ran (`paused` ends one, its exit starts the next)."""
+
+    def __init__(self, log: RoundLog, name: str, chunk: int | None) -> None:
+        self.log, self.name, self.chunk = log, name, chunk
+        self.t0: float | None = time.time()
+
+    def close(self) -> None:
+        if self.t0 is not None:
+            self.log.phases.append([self.name, self.chunk, self.t0, time.time()])
+            self.t0 = None
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        self.close()
+        try:
+            yield
+        finally:
+            self.t0 = time.time()
+
+
 class RoundLog:
     """One round's phases and memory (module doc); `report()` is the plain data the sender reads."""
 
@@ -65,12 +86,13 @@ class RoundLog:
             self._how = f"not measured: {type(e).__name__}: {e}"
 
     @contextmanager
-    def phase(self, name: str, chunk: int | None = None) -> Iterator[None]:
-        t0 = time.time()
+    def phase(self, name: str, chunk: int | None = None) -> Iterator[_Open]:
+        """Time the body as phase `name` (of `chunk`); the phase's `paused()` leaves a nested phase out of it."""
+        open_ = _Open(self, name, chunk)
         try:
-            yield
+            yield open_
         finally:
-            self.phases.append([name, chunk, t0, time.time()])
+            open_.close()
 
     def extra_bytes(self) -> int | None:
         if self._base is None:
