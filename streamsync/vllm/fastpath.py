@@ -666,6 +666,8 @@ class FastRound:
             flat: torch.Tensor | None = src if src.is_contiguous() else None
             for op in ops:
                 w = op.write
+                if w.numel == 0:  # a loader's empty write (no padding rows on this rank): nothing to do
+                    continue
                 dst = op.dst
                 if dst is None:
                     pend = self._pending(op.module)
@@ -674,11 +676,14 @@ class FastRound:
                     assert t is not None  # a traced target: a tensor in the module's load format
                     dst = t.as_strided(w.size, w.stride, t.storage_offset() + w.offset)
                     pend.filled += w.numel
-                    need = self.plan.rebuilt[op.module].numel
-                    if pend.filled - w.numel < need <= pend.filled:  # once: an empty write may follow the last
+                    if pend.filled == self.plan.rebuilt[op.module].numel:
                         complete.append(op.module)
                 if w.src_offset is None:
                     yield dst, None, w.value
+                elif op.whole and src.numel() != w.numel:  # the source's first rows only (a TP rank's slice)
+                    if flat is None:
+                        flat = src.contiguous()
+                    yield dst, flat.view(-1)[:w.numel].view(w.size), 0.0
                 elif op.whole and flat is not None:
                     yield dst, flat.view(w.size), 0.0
                 elif op.whole and dst.is_contiguous():
