@@ -58,3 +58,33 @@ async def test_a_push_into_two_tp_workers_leaves_what_vllms_own_load_from_disk_l
         assert greedy(tp2_llm, prompt, 12)[0] == tokens
     finally:
         await sync.close()
+
+
+async def test_sharded_sending_gives_each_tp_worker_only_the_slices_its_loaders_read(tp2_llm, model_dir, tmp_path):
+    """`transport="p2p"`: the engine declares what each worker reads (`VllmEngine.layout`, from the loaders its
+    fast path traced), so each worker receives its slices only, and lands exactly what vLLM's own load does."""
+    from streamsync.plan.shards import check_layout
+
+    engine = VllmEngine(tp2_llm, name="tp2")
+    layout = await engine.layout()
+    assert layout is not None and layout.workers == 2 and engine.workers == 2
+    shapes = {n: ("bfloat16", tuple(t.shape)) for n, t in trainer_from(model_dir, step=0).state_dict().items()}
+    check_layout(layout, shapes)  # every tensor tiled by the workers' slices (replicas whole on both)
+    q = [n.box for n in layout.needs if n.name == "model.layers.0.self_attn.q_proj.weight"]
+    rows = shapes["model.layers.0.self_attn.q_proj.weight"][1][0]
+    assert sorted((b.start[0], b.size[0]) for b in q) == [(0, rows // 2), (rows // 2, rows // 2)]
+    sync = WeightSync([engine], transport="p2p", chunk_bytes=1 << 20, timeout=60)
+    try:
+        for step in (3, 4):
+            trainer = trainer_from(model_dir, step=step)
+            report = await sync.push(trainer)
+            assert report.path == "sharded" and report.engine_paths == {"tp2": "fast"}, report.engine_rounds
+        whole = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
+        sent = sync.plan(trainer)[0].sent_bytes
+        assert whole < sent < 2 * whole  # each worker its slices (norms replicated), not the model twice
+        pushed = _per_worker(tp2_llm)
+        ckpt = save_checkpoint(dict(trainer.state_dict()), like=model_dir, out=tmp_path / "ckpt", dtype=torch.bfloat16)
+        tp2_llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ckpt)})
+        assert _per_worker(tp2_llm) == pushed
+    finally:
+        await sync.close()

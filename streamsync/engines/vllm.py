@@ -26,6 +26,7 @@ import anyio
 
 from ..errors import EngineError
 from ..message import UpdateMessage, wire
+from ..plan.shards import Box, EngineLayout, Need
 from ..vllm import compat, core_rpc
 from ..vllm.compat import VllmInfo
 from .base import MIXED, Engine, EngineState, parse_version
@@ -102,12 +103,13 @@ class _Guarded(Engine):
         unquantized weights fits (`compat.quantization_refusal`: the method, the checkpoint's and a tensor)."""
         if self._info is None:
             try:
-                caps = (await self.rpc("streamsync_capabilities"))[0]
+                caps = await self.rpc("streamsync_capabilities")
             except EngineError as e:
                 raise EngineError(self.name, f"{e.message} (an engine made with streamsync.engines.vllm."
                                   "engine_kwargs() has streamsync's worker extension)",
                                   unresponsive=e.unresponsive) from e
-            info = VllmInfo.from_worker(caps)
+            info = VllmInfo.from_worker(caps[0])
+            self.workers = len(caps)  # each a receiving process (a collective or p2p group's rank of its own)
             why = (compat.unsupported(compat.installed_version() if self.in_process else info.version)
                    or compat.quantization_refusal(info.quantization))
             if why is not None:
@@ -381,6 +383,17 @@ class _Guarded(Engine):
         layouts = await self.rpc("streamsync_fused_layout")
         first = layouts[0] if layouts else None
         return first if first and all(x == first for x in layouts) else None
+
+    async def layout(self) -> EngineLayout | None:
+        """The part of each checkpoint tensor each worker reads, as its fast path traced vLLM's own loaders (TP
+        slices: q/k/v and gate/up rows, o/down columns, its share of the padded vocabulary; replicated tensors
+        whole on every worker); None where a worker has no trace (`fast_path=False`, or no local checkpoint)."""
+        got = await self.rpc("streamsync_layout")
+        if not got or any(g is None for g in got):
+            return None
+        self.workers = len(got)
+        return EngineLayout(self.name, len(got), tuple(Need(self.name, w, str(n), Box.from_json(b))
+                                                       for w, items in enumerate(got) for n, b in items))
 
     async def round_stats(self) -> list[dict[str, Any]] | None:
         """What the last round did in each worker (`streamsync.vllm.stats`), or None before any: as the round's

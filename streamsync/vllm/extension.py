@@ -176,6 +176,12 @@ class StreamSyncWorkerExtension:
         engine = _backend(self)
         return engine.fused_layout() if engine is not None else {}
 
+    def streamsync_layout(self) -> list[list[Any]] | None:
+        """[[HF name, box], ...]: the part of each checkpoint tensor this worker reads (`Engine.layout`), from its
+        fast path's trace of vLLM's own loaders; None without one."""
+        engine = _backend(self)
+        return engine.fast.layout() if engine is not None and engine.fast_path else None
+
     def streamsync_round_stats(self) -> dict[str, Any] | None:
         """What the last round did in this worker (`streamsync.vllm.stats`): the path its tensors took, its
         phases, its extra memory; None before the first round."""

@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..log import get_logger
 from ..pack import dtype_from_name
 from ..plan.chunking import layer_index
+from ..plan.shards import Box
 from . import compat
 
 _TB = torch._C.TensorBase
@@ -920,6 +921,42 @@ def _materialize(layer: torch.nn.Module) -> _Pending:
     return _Pending(params, buffers)
 
 
+def _read_box(shape: tuple[int, ...], writes: Sequence[Write]) -> Box | None:
+    """The smallest box of a tensor of `shape` (row-major) that holds every element `writes` read from it, or None
+    where that is not a box (the caller takes the whole tensor). A write reads a narrowed view of the tensor
+    (its strides the tensor's own) or a contiguous run of it (a flat write, taken by whole rows)."""
+    strides = _contiguous_strides(shape)
+    lo: list[int] | None = None
+    hi: list[int] = []
+    for w in writes:
+        if w.src_offset is None or w.numel == 0:
+            continue
+        if len(w.size) == len(shape) and tuple(w.src_stride) == strides:
+            start = _unravel(w.src_offset, shape)
+            end = [a + n for a, n in zip(start, w.size, strict=True)]
+        elif len(w.size) == 1 and tuple(w.src_stride) == (1,) and shape:
+            first, last = _unravel(w.src_offset, shape), _unravel(w.src_offset + w.numel - 1, shape)
+            start = [first[0], *([0] * (len(shape) - 1))]
+            end = [last[0] + 1, *shape[1:]]
+        else:
+            return None
+        if any(e > d for e, d in zip(end, shape, strict=True)):
+            return None
+        lo = start if lo is None else [min(a, b) for a, b in zip(lo, start, strict=True)]
+        hi = end if not hi else [max(a, b) for a, b in zip(hi, end, strict=True)]
+    if lo is None:
+        return Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
+    return Box(tuple(lo), tuple(b - a for a, b in zip(lo, hi, strict=True)))
+
+
+def _unravel(offset: int, shape: Sequence[int]) -> list[int]:
+    out = []
+    for d in reversed(shape):
+        out.append(offset % d if d else 0)
+        offset = offset // d if d else 0
+    return out[::-1]
+
+
 def specs_from(weights: Mapping[str, tuple[str, Sequence[int]]]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """{HF name: (dtype name, shape)} (what the checkpoint holds, or what a push carried) as torch dtypes."""
     return {n: (dtype_from_name(d), tuple(int(x) for x in s)) for n, (d, s) in weights.items()}
@@ -966,6 +1003,22 @@ class FastPath:
             self.fused_shapes.setdefault(name, self.plan.fused_shapes[name])
         get_logger().info("vllm fast path: traced where each tensor goes", **self.plan.summary())
         return self.plan, True
+
+    def layout(self) -> list[list[Any]] | None:
+        """[[HF name, box as JSON], ...]: the part of every checkpoint tensor this worker reads (`Engine.layout`,
+        for sharded sending), from where its own loaders write (the traced plan): the box around what a
+        name's copies read; a name that loads layerwise or could not be traced, its whole tensor. None without a
+        plan (the names are not known yet)."""
+        plan, _ = self.ensure()
+        if plan is None or self.specs is None:
+            return None
+        out: list[list[Any]] = []
+        for name, (_, shape) in self.specs.items():
+            box = _read_box(shape, [op.write for op in plan.ops.get(name, ())]) if name in plan.ops else None
+            box = box or Box.whole(shape)
+            if box.numel:  # a tensor this worker reads nothing of (another worker's experts) is not its need
+                out.append([name, box.to_json()])
+        return out
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """The HF (or fused) shape of `name`, where known."""
