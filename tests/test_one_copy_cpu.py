@@ -286,11 +286,14 @@ async def test_megatrons_interleaved_qkv_by_reference_goes_straight_into_a_vllm_
     path copies them as they are (no reshaped copy), and every push of the weights changed in place lands exactly."""
     pytest.importorskip("vllm")
     pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+
     from streamsync.engines.vllm import VllmEngine
     from streamsync.models.megatron import export_hf_async, hf_config, megatron_from_hf
     from streamsync.testing.gpu import perturb
     from streamsync.vllm.extension import expected_digests
 
+    owns_group = not dist.is_initialized()  # megatron_from_hf makes a world of one in this process
     trainer = megatron_from_hf(model_dir)
     engine = VllmEngine(llm, name="llm")
     sync = WeightSync([engine], transport=ShmTransport(one_copy=True), chunk_bytes=1 << 20)
@@ -308,3 +311,9 @@ async def test_megatrons_interleaved_qkv_by_reference_goes_straight_into_a_vllm_
             assert got == expected_digests(state, await engine.packed_modules()), step
     finally:
         await sync.close()
+        if owns_group:  # later tests expect this process's torch.distributed untouched
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+            assert not dist.is_initialized()
