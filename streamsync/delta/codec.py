@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import ValidationError
@@ -96,8 +97,7 @@ def encode(new: torch.Tensor, base: torch.Tensor) -> Encoded:
     if new.dtype != base.dtype or new.numel() != base.numel() or new.dim() != 1 or base.dim() != 1:
         raise ValidationError(f"delta of {new.dtype}{tuple(new.shape)} against {base.dtype}{tuple(base.shape)}")
     changed = bits(new) != bits(base)
-    idx = changed.nonzero().view(-1)  # one pass finds and counts them
-    k = idx.numel()
+    k = int(torch.count_nonzero(changed))  # a bool tensor's .sum() is several times slower
     n = new.numel()
     cost = sizes(n, k, new.element_size())
     enc = min(ENCODINGS, key=lambda e: (cost[e], e != "full"))  # a tie goes to full: nothing to decode
@@ -106,21 +106,45 @@ def encode(new: torch.Tensor, base: torch.Tensor) -> Encoded:
     if enc == "full":
         return Encoded("full", k, [new])
     if enc == "mask":
-        return Encoded("mask", k, [pack_bits(changed), new[idx]])
+        return Encoded("mask", k, [pack_bits(changed), _select(new, changed)])
+    idx = _positions(changed)
     counts = torch.bincount(idx >> 16, minlength=-(-n // BLOCK)).to(torch.int32)
     low = idx & 0xFFFF
     pos = (low - ((low >> 15) << 16)).to(torch.int16)  # 0..65535 as int16's bits
     return Encoded("idx16", k, [counts, pos, new[idx]], positions=idx)
 
 
+# On the host, numpy's bit packing, boolean selection and nonzero are C loops over the bytes, several times
+# faster than the same through torch's elementwise ops on one thread (a delta push's host work is a pass or two
+# over every byte of the model); a tensor elsewhere goes through torch.
+
+
+def _select(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`t[mask]` (flat, same numel)."""
+    if t.device.type == "cpu" and mask.device.type == "cpu":
+        return torch.from_numpy(bits(t).numpy()[mask.numpy()]).view(t.dtype)
+    return t[mask]
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """The positions (int64) where a flat bool tensor is True, in order."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
+    return mask.nonzero().view(-1)
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """A flat bool tensor as bytes, element i in bit i % 8 of byte i // 8."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     n = mask.numel()
     m = torch.nn.functional.pad(mask.to(torch.uint8), (0, (-n) % 8)).view(-1, 8)
     return (m << torch.arange(8, dtype=torch.uint8, device=m.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little").view(np.bool_))
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     return ((packed.view(-1, 1) >> shifts) & 1).view(-1)[:n].bool()
 
@@ -151,8 +175,9 @@ def decode_into(flat: torch.Tensor, enc: str, changed: int, pieces: Mapping[str,
         if packed.dtype != torch.uint8 or packed.numel() != -(-n // 8):
             raise ValidationError(f"delta mask of {packed.numel()} bytes for {n} elements")
         mask = unpack_bits(packed, n)
-        if int(mask.sum()) != changed:
-            raise ValidationError(f"delta mask marks {int(mask.sum())} elements, says {changed}")
+        marked = int(torch.count_nonzero(mask))
+        if marked != changed:
+            raise ValidationError(f"delta mask marks {marked} elements, says {changed}")
         flat.masked_scatter_(mask, val)
         return
     counts, pos = pieces["counts"].to(flat.device), pieces["pos"].to(flat.device)
