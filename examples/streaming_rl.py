@@ -108,7 +108,7 @@ async def train(llm: Any, model_dir: str, updates: int, batch: int, mode: str) -
                   f"generation stalled {up.stall_seconds * 1e3:.0f} ms with {up.in_flight} requests in flight "
                   f"(oldest versions {up.versions_in_flight})")
             done = step >= updates
-    print(f"{crossing} of {rollout.stats.samples} samples were sampled by two weight versions "
+    print(f"{crossing} of {rollout.stats.samples} samples were sampled by more than one weight version "
           f"(in flight across an update, mode {mode!r})")
     print("stats:", rollout.stats.as_dict())
     await sync.close()
