@@ -4,6 +4,7 @@ through the fast path, exactly as vLLM's own load of the same weights from disk 
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -19,10 +20,14 @@ from streamsync.verify import save_checkpoint  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def tp2_llm(model_dir):
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def tp2(request, tmp_path_factory):
+    """(engine, checkpoint): a tied model too, whose head is the embedding's slice on each worker."""
     from streamsync.engines.vllm import engine_kwargs
+    from streamsync.models.tiny import make_tiny_qwen3
     from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, stop_llm
+
+    model_dir = str(make_tiny_qwen3(tmp_path_factory.mktemp("tp2"), tie_word_embeddings=request.param == "tied"))
 
     cpu_env()
     with pytest.MonkeyPatch.context() as mp:
@@ -31,7 +36,7 @@ def tp2_llm(model_dir):
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
         engine = vllm.LLM(model=model_dir, **ENGINE_ARGS, **engine_kwargs(), tensor_parallel_size=2,
                           distributed_executor_backend="mp")
-    yield engine
+    yield engine, model_dir
     stop_llm(engine)
 
 
@@ -39,8 +44,14 @@ def _per_worker(llm) -> list[dict[str, str]]:
     return llm.collective_rpc("streamsync_weight_digests")
 
 
-async def test_a_push_into_two_tp_workers_leaves_what_vllms_own_load_from_disk_leaves(tp2_llm, model_dir, tmp_path):
-    prompt = tp2_llm.get_tokenizer().encode("the model weight sync push chunk")
+def _prompt(llm) -> list[int]:
+    # longer than a KV-cache block: attention over cached blocks computes with the pushed weights too
+    return llm.get_tokenizer().encode(" ".join(["the model weight sync push chunk"] * 40))
+
+
+async def test_a_push_into_two_tp_workers_leaves_what_vllms_own_load_from_disk_leaves(tp2, tmp_path):
+    tp2_llm, model_dir = tp2
+    prompt = _prompt(tp2_llm)
     engine = VllmEngine(tp2_llm, name="tp2")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
     try:
@@ -60,15 +71,17 @@ async def test_a_push_into_two_tp_workers_leaves_what_vllms_own_load_from_disk_l
         await sync.close()
 
 
-async def test_sharded_sending_gives_each_tp_worker_only_the_slices_its_loaders_read(tp2_llm, model_dir, tmp_path):
+async def test_sharded_sending_gives_each_tp_worker_only_the_slices_its_loaders_read(tp2, tmp_path):
     """`transport="p2p"`: the engine declares what each worker reads (`VllmEngine.layout`, from the loaders its
     fast path traced), so each worker receives its slices only, and lands exactly what vLLM's own load does."""
     from streamsync.plan.shards import check_layout
 
+    tp2_llm, model_dir = tp2
     engine = VllmEngine(tp2_llm, name="tp2")
     layout = await engine.layout()
     assert layout is not None and layout.workers == 2 and engine.workers == 2
-    shapes = {n: ("bfloat16", tuple(t.shape)) for n, t in trainer_from(model_dir, step=0).state_dict().items()}
+    shapes = await engine.expected_weights()  # a tied checkpoint has no lm_head: the head is the embedding
+    assert shapes is not None
     check_layout(layout, shapes)  # every tensor tiled by the workers' slices (replicas whole on both)
     q = [n.box for n in layout.needs if n.name == "model.layers.0.self_attn.q_proj.weight"]
     rows = shapes["model.layers.0.self_attn.q_proj.weight"][1][0]
@@ -79,12 +92,14 @@ async def test_sharded_sending_gives_each_tp_worker_only_the_slices_its_loaders_
             trainer = trainer_from(model_dir, step=step)
             report = await sync.push(trainer)
             assert report.path == "sharded" and report.engine_paths == {"tp2": "fast"}, report.engine_rounds
-        whole = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
+        whole = sum(2 * math.prod(shape) for _, shape in shapes.values())  # bf16, every tensor the engine loads
         sent = sync.plan(trainer)[0].sent_bytes
         assert whole < sent < 2 * whole  # each worker its slices (norms replicated), not the model twice
         pushed = _per_worker(tp2_llm)
+        tokens, _ = greedy(tp2_llm, _prompt(tp2_llm), 12)
         ckpt = save_checkpoint(dict(trainer.state_dict()), like=model_dir, out=tmp_path / "ckpt", dtype=torch.bfloat16)
         tp2_llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ckpt)})
         assert _per_worker(tp2_llm) == pushed
+        assert greedy(tp2_llm, _prompt(tp2_llm), 12)[0] == tokens
     finally:
         await sync.close()

@@ -180,7 +180,11 @@ class StreamSyncWorkerExtension:
         """[[HF name, box], ...]: the part of each checkpoint tensor this worker reads (`Engine.layout`), from its
         fast path's trace of vLLM's own loaders; None without one."""
         engine = _backend(self)
-        return engine.fast.layout() if engine is not None and engine.fast_path else None
+        if engine is None or not engine.fast_path:
+            return None
+        if engine.fast.specs is None:  # asked before the first connect: the names from the checkpoint
+            engine.fast.known(engine._checkpoint())
+        return engine.fast.layout()
 
     def streamsync_round_stats(self) -> dict[str, Any] | None:
         """What the last round did in this worker (`streamsync.vllm.stats`): the path its tensors took, its
