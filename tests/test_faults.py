@@ -14,7 +14,7 @@ import time
 import anyio
 import pytest
 
-from streamsync import EngineError, PushError, StreamSyncError, ValidationError, WeightSync
+from streamsync import EngineError, PushError, StreamSyncError, ValidationError, WeightSync, pipeline
 from streamsync.checksum import digests
 from streamsync.engines.base import EngineState
 from streamsync.engines.receiver import ReceiverEngine
@@ -22,6 +22,7 @@ from streamsync.errors import PushTimeout
 from streamsync.models.synthetic import StateModule
 from streamsync.receiver import RoundOwned, WeightReceiver
 from streamsync.testing.receiver import ReceiverProcess
+from streamsync.trace import Trace
 
 CHUNK = 1 << 20
 
@@ -111,6 +112,25 @@ async def test_a_push_past_its_time_limit_says_what_was_running(slow_receiver, q
     assert isinstance(err.value, TimeoutError)
     assert (await sync.engines[0].call("status"))["updating"] is False
     await sync.close()
+
+
+def test_a_deadline_between_two_stages_names_the_chunk_and_the_stage_it_waits_for(qwen_model):
+    """The deadline may fall while no stage is at work (one finished a chunk, the next not yet took it up):
+    the message still names the first chunk in flight, never "finish"."""
+    source, plans = WeightSync([], chunk_bytes=CHUNK).plan(qwen_model)
+    job = pipeline.Push(push_id="p", version=1, source=source, transport=None, engines=[], plans=plans,
+                        trace=Trace("p"), started=anyio.Event())
+    assert job.running() == "start was running"
+    job.started.set()
+    job.last.update(gather=6, convert=6, pack=5, send=4, release=3)
+    assert job.running() == "release of chunk 4 was running" and job.running_chunk() == 4
+    job.last.update(release=4)
+    assert (job.running_stage(), job.running_chunk()) == ("send", 5)
+    job.busy["pack"] = (6, 0.0)  # a stage at work is named first
+    assert job.running() == "pack of chunk 6 was running"
+    job.busy.clear()
+    job.last.update({stage: plans[-1].index for stage in pipeline.STAGES})
+    assert job.running() == "finish was running" and job.running_chunk() is None
 
 
 # --------------------------------------------------------------------------------- mixed weights

@@ -14,8 +14,8 @@ took up a chunk; the watchdog fails the push when any stage has worked on one ch
 a GPU push's host time.) Waiting for a queue slot or a credit is not timed: it ends when a later stage
 moves on, and that stage is timed."""
 
-from .job import InjectedFault, Push, Work
+from .job import STAGES, InjectedFault, Push, Work
 from .profiler import ProfilerRange
 from .stages import first_push_error, run
 
-__all__ = ["InjectedFault", "ProfilerRange", "Push", "Work", "first_push_error", "run"]
+__all__ = ["STAGES", "InjectedFault", "ProfilerRange", "Push", "Work", "first_push_error", "run"]

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from .messages import Messages
 
 
+STAGES = ("gather", "convert", "pack", "send", "release")  # the order every chunk goes through
+
+
 class InjectedFault(RuntimeError):
     """Raised by `faults={stage: chunk}`: a failure on demand, for tests of the error paths."""
 
@@ -62,6 +65,7 @@ class Push:
     live: dict[int, SendBuffer] = field(default_factory=dict)
     busy: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (chunk, since), for the watchdog
     cut: dict[str, int] = field(default_factory=dict)  # stage -> chunk it was on when an error or cancel hit
+    last: dict[str, int] = field(default_factory=dict)  # stage -> the last chunk it took up
     started: anyio.Event | None = None  # set once every engine opened its round: sends wait for it
     send_idle: bool = False  # the send stage waits for its next chunk
     send_took: anyio.Event | None = None  # set when the send stage takes the chunk the pack stage waits on
@@ -74,8 +78,22 @@ class Push:
     checked: dict[int, tuple[ChunkPlan, Sequence[torch.Tensor]]] = field(default_factory=dict)
 
     def where(self) -> dict[str, int]:
-        """stage -> chunk of the stages at work when the push was stopped."""
-        return {stage: chunk for stage, (chunk, _) in self.busy.items()} or dict(self.cut)
+        """stage -> chunk of the stages at work when the push was stopped; a chunk between two stages (one
+        finished with it, the next not yet started) counts as the next stage's."""
+        at = {stage: chunk for stage, (chunk, _) in self.busy.items()} or dict(self.cut)
+        if at or not self.source.is_sender or (self.started is not None and not self.started.is_set()):
+            return at
+        # Chunks go through every stage in order: the first one not yet released is in flight, waiting for
+        # the first stage that has not taken it up.
+        first = self.last.get("release", -1) + 1
+        pending = [p.index for p in self.plans if p.index >= first]
+        if not pending:
+            return {}
+        chunk = pending[0]
+        for stage in STAGES:
+            if self.last.get(stage, -1) < chunk:
+                return {stage: chunk}
+        return {}
 
     def running_stage(self) -> str:
         return next(iter(self.where()), "start" if self.started is not None and not self.started.is_set()

@@ -140,6 +140,7 @@ class _Busy:
         self.range.__enter__()
         self.start = time.perf_counter()
         self.push.busy[self.stage] = (self.chunk, self.start)
+        self.push.last[self.stage] = self.chunk
 
     def __exit__(self, *exc: Any) -> None:
         self.push.busy.pop(self.stage, None)
