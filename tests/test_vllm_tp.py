@@ -103,3 +103,37 @@ async def test_sharded_sending_gives_each_tp_worker_only_the_slices_its_loaders_
         assert greedy(tp2_llm, _prompt(tp2_llm), 12)[0] == tokens
     finally:
         await sync.close()
+
+
+@pytest.mark.megatron
+def test_a_megatron_tp2_trainer_sends_each_rank_its_shards_into_a_tp2_vllm_server(tmp_path):
+    """Two megatron-core ranks (TP=2, gloo) and a `vllm serve` of two TP workers: every trainer rank sends the
+    slices it holds straight to the workers that read them (`transport="p2p"`), three pushes; after each, both
+    workers hold what vLLM's own load of the trainer's HF export leaves, and generate the same greedy tokens."""
+    pytest.importorskip("megatron.core")
+    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.models.tiny import make_tiny_qwen3
+    from streamsync.testing.megatron import launch
+    from streamsync.testing.sharded import run_megatron_into_vllm
+    from streamsync.testing.vllm import cpu_env
+
+    model_dir = str(make_tiny_qwen3(tmp_path / "model"))
+    prompt = [(7 * i) % 200 + 3 for i in range(80)]  # longer than a KV block
+    cpu_env()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0|0")
+        server = VllmServer(model_dir, log=tmp_path / "serve.log",
+                            extra_args=["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"])
+    with server:
+        results = launch(run_megatron_into_vllm, 2, model_dir, server.url, str(tmp_path / "ckpt"), 2, 3, prompt,
+                         timeout=600, collective_timeout=120)
+    r0 = results[0]
+    assert all(r["paths"] == ["sharded"] * 3 and r["senders"] == [2] * 3 for r in results), results
+    assert r0["engine_paths"] == [{"tp2": "fast"}] * 3
+    for step, (pushed, loaded) in enumerate(zip(r0["pushed"], r0["loaded"], strict=True)):
+        assert len(pushed) == 2 and all(len(w) >= 10 for w in pushed), pushed
+        assert pushed == loaded, step  # each worker, every tensor
+        assert r0["tokens_pushed"][step] == r0["tokens_loaded"][step], step
+    assert r0["pushed"][0] != r0["pushed"][1] != r0["pushed"][2]  # each push moved every worker's weights
+    sent = list(r0["sent_bytes"].values())
+    assert len(sent) == 2 and max(sent) <= 1.2 * min(sent), sent  # both ranks send their half

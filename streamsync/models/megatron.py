@@ -257,16 +257,25 @@ def _tiny_from_config(cfg: dict[str, Any]) -> TinyModel:
                      tie=bool(cfg.get("tie_word_embeddings", False)), dtype="bfloat16", **moe)
 
 
-def megatron_from_hf(model_dir: str | os.PathLike) -> list[torch.nn.Module]:
-    """A megatron-core trainer from a local HF checkpoint, in this one process (TP=PP=EP=1, gloo): a GPTModel
-    shaped like `model_dir`'s config, holding its weights. The path a real trainer takes (build a GPTModel,
-    import an HF checkpoint into its shards, push through MegatronSource)."""
+def megatron_from_hf(model_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1) -> list[torch.nn.Module]:
+    """A megatron-core trainer from a local HF checkpoint: a GPTModel shaped like `model_dir`'s config, this rank's
+    shards holding its weights. The path a real trainer takes (build a GPTModel, import an HF checkpoint into its
+    shards, push through MegatronSource).
+
+    TP=PP=1 in a process without torch.distributed makes a world of one (gloo); `tp`/`pp` > 1 need the default
+    group initialized on every rank of a world of tp x pp."""
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    if not dist.is_initialized():  # a world of one: no port or rendezvous needed
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    init_parallel(1)
+    if not dist.is_initialized():
+        if tp * pp != 1:
+            raise ValueError(f"megatron_from_hf(tp={tp}, pp={pp}) needs torch.distributed initialized on "
+                             f"{tp * pp} ranks first")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port or rendezvous
+    if dist.get_world_size() != tp * pp:
+        raise ValueError(f"megatron_from_hf(tp={tp}, pp={pp}) needs a world of {tp * pp} ranks, this one has "
+                         f"{dist.get_world_size()}")
+    init_parallel(tp, pp)
     tiny = _tiny_from_config(hf_config(model_dir))
     model = build_model(tiny)
     load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")))

@@ -238,5 +238,63 @@ def run_fsdp_single_sender(rank: int, world_size: int, model: TinyModel, port: i
     return {"rank": rank, "exact": exact}
 
 
+def run_megatron_into_vllm(rank: int, world_size: int, model_dir: str, url: str, out: str, tp: int = 2,
+                           pushes: int = 3, prompt: Sequence[int] = (), timeout: float = 120.0) -> dict[str, Any]:
+    """`launch` worker: a megatron-core model of TP=`tp` (built from `model_dir`) on every rank pushes through
+    `transport="p2p"` into the vLLM server at `url` (rank 0 holds the engine); before each push every rank moves
+    its shards (a stand-in optimizer step). After each push rank 0 reads every vLLM worker's weight digests, then
+    has the workers load the trainer's HF export from disk (vLLM's own `reload_weights`) and reads them again,
+    with greedy tokens on `prompt` both times."""
+    import anyio
+
+    from ..engines.vllm import VllmHttpEngine
+    from ..models.megatron import export_hf_async, hf_config, megatron_from_hf
+    from ..sync import WeightSync
+    from ..transports.p2p import P2pTransport
+    from ..verify import save_checkpoint
+    from .gpu import perturb
+
+    model = megatron_from_hf(model_dir, tp=tp, pp=world_size // tp)
+    cfg = hf_config(model_dir)
+    res: dict[str, Any] = {"rank": rank, "paths": [], "senders": [], "sent_bytes": {}, "peak_bytes": [],
+                           "pushed": [], "loaded": [], "tokens_pushed": [], "tokens_loaded": [], "engine_paths": []}
+
+    async def main() -> None:
+        engine = VllmHttpEngine(url, name="tp2", timeout=timeout) if rank == 0 else None
+        sync = WeightSync([engine] if engine else [], transport=P2pTransport(), chunk_bytes=256 << 10,
+                          timeout=timeout, source_options={"hf_config": cfg})
+        try:
+            for step in range(1, pushes + 1):
+                for chunk in model:
+                    perturb(chunk, step)
+                report = await sync.push(model)
+                res["paths"].append(report.path)
+                res["senders"].append(report.senders)
+                res["peak_bytes"].append(report.peak_bytes_inflight)
+                if step == 1:
+                    res["sent_bytes"] = dict(sync.plan(model)[0].plan_.sent_bytes)  # type: ignore[attr-defined]
+                state = await export_hf_async(model, dtype=torch.bfloat16, hf_config=cfg)  # every rank takes part
+                if engine is None:
+                    continue
+                assert state is not None
+                res["engine_paths"].append(report.engine_paths)
+                res["pushed"].append(await engine.rpc("streamsync_weight_digests"))
+                res["tokens_pushed"].append((await engine.greedy(prompt, 12))[0])
+                ckpt = save_checkpoint(state, like=model_dir, out=Path(out) / f"step{step}", dtype=torch.bfloat16)
+                await engine._http("POST", "/collective_rpc",
+                                   json={"method": "reload_weights", "kwargs": {"weights_path": str(ckpt)}})
+                await engine.reset_cache()  # no KV cached with the pushed weights serves the next request
+                res["loaded"].append(await engine.rpc("streamsync_weight_digests"))
+                res["tokens_loaded"].append((await engine.greedy(prompt, 12))[0])
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sync.close()
+                if engine is not None:
+                    await engine.close()
+
+    anyio.run(main)
+    return res
+
+
 __all__ = ["EngineShape", "ShardedCase", "ShardedResult", "endpoints", "layouts", "run_fsdp_single_sender",
-           "run_sharded", "start_engines"]
+           "run_megatron_into_vllm", "run_sharded", "start_engines"]
