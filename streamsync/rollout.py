@@ -13,7 +13,9 @@
   KV of their prefix stays as computed under the old weights (PipelineRL-style in-flight updates); with
   `clear_cache=True` vLLM preempts them and recomputes that KV under the new weights on resume.
 * "abort": in-flight requests end; each is resubmitted with its prompt plus the tokens it had generated, so the
-  sample continues where it stopped (the prefix is kept, not regenerated) under the new weights.
+  sample continues where it stopped (the prefix is kept, not regenerated) under the new weights. A request the
+  server ends before its first token (its stream closes with no finish reason) is resubmitted too; a stream
+  that closes so outside an update is the engine's failure and ends the rollout.
 * "wait": in-flight requests drain on the old weights before the push; new ones wait for the new weights.
 
 Each `Sample` carries version spans: which weight version sampled which of its tokens (vLLM's
@@ -331,6 +333,7 @@ class StreamingRollout:
         self._slots = anyio.Semaphore(in_flight)
         self._resumed = anyio.Event()
         self._resumed.set()
+        self._updates_begun = 0  # updates that paused the engines so far
         self._label: int | None = None  # the version live on the engines, for engines that do not label tokens
         self._live: dict[int, Sample] = {}
         self._tg: TaskGroup | None = None
@@ -436,6 +439,7 @@ class StreamingRollout:
                 remaining = self.max_tokens - len(sample.tokens)
                 params = {**self.sampling, "max_tokens": remaining}
                 start = len(sample.tokens)
+                begun = self._updates_begun
                 async for delta in client.stream(sample.prompt_ids + sample.tokens, params):
                     sample._extend(delta.tokens, delta.logprobs, self._label)
                     self.stats.tokens += len(delta.tokens)
@@ -446,6 +450,14 @@ class StreamingRollout:
                     # Deltas already buffered (an HTTP response read late) are consumed without an await that
                     # yields: let the loop run between them, so an update sees requests in flight as they are.
                     await anyio.lowlevel.checkpoint()
+                if sample.finish_reason is None and len(sample.tokens) < self.max_tokens:
+                    # A stream that ends without saying why: an abort-mode pause ends a request the engine had
+                    # not started yet so (no output, no finish reason). Any other is the engine's failure.
+                    if self._updates_begun == begun and self._resumed.is_set():
+                        raise EngineError(client.name, f"the stream for prompt {sample.index} ended without a "
+                                                       f"finish reason ({len(sample.tokens)} of {self.max_tokens} "
+                                                       "tokens)")
+                    sample.finish_reason = "abort"
                 if sample.finish_reason == "abort" and len(sample.tokens) < self.max_tokens:
                     # ended by an abort-mode update: continue from the prefix once the new weights are in
                     sample.resubmits += 1
@@ -484,6 +496,7 @@ class StreamingRollout:
             # Oldest version among requests that produced tokens (the others start on whatever comes next).
             versions = sorted({s.oldest_version for s in live if s.tokens}, key=lambda v: -1 if v is None else v)
             self._resumed = anyio.Event()
+            self._updates_begun += 1
             t0 = time.perf_counter()
             try:
                 async with self.sync.paused(mode=self.pause_mode, clear_cache=self.clear_cache):

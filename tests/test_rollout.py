@@ -286,3 +286,26 @@ async def test_a_request_the_engine_refuses_ends_the_rollout_naming_engine_and_p
     assert e.value.engine == "async" and "the request for prompt 1 failed" in str(e.value)
     assert "out of vocabulary" in str(e.value)
     await sync.close()
+
+
+async def test_a_stream_that_ends_without_a_finish_reason_is_an_engine_failure_outside_an_update(async_llm):
+    """A stream cut short with no finish reason (a server that dropped it) is never handed out as a sample: outside
+    an update it ends the rollout naming engine and prompt (during an abort-mode update it is resubmitted: an
+    engine ends a request it had not started so). A generator cut short stands in for the dropped stream."""
+    sync = WeightSync([AsyncVllmEngine(async_llm, name="async")], chunk_bytes=1 << 20)
+    rollout = StreamingRollout(sync, [[1, 2, 3]], in_flight=1, max_tokens=8, sampling=GREEDY)
+    real = rollout.clients[0].stream
+
+    async def cut(prompt_ids, params):
+        async for delta in real(prompt_ids, params):
+            delta.finish_reason = None
+            yield delta
+            return  # the first delta only: the stream stops there, saying nothing
+
+    rollout.clients[0].stream = cut
+    with pytest.raises(EngineError) as e:
+        async with rollout:
+            async for _ in rollout:
+                pass
+    assert e.value.engine == "async" and "prompt 0 ended without a finish reason (1 of 8 tokens)" in str(e.value)
+    await sync.close()
