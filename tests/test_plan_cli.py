@@ -80,3 +80,23 @@ def test_presets_have_their_published_sizes():
     assert sizes["qwen3-235b-a22b"] == pytest.approx(235, abs=1)
     assert sizes["deepseek-v3"] == pytest.approx(671, abs=1)
     assert sizes["kimi-k2"] == pytest.approx(1026, abs=5)
+
+
+def test_a_cpu_host_bounds_by_its_processes_cpu_time_over_its_cores():
+    """`cpu_cores`: every process's CPU time (per byte sent, per byte received, per bucket taken part in) shares
+    the node's cores; with fast links that is the bound, and it grows with the per-bucket cost."""
+    shape = Shape(TINY_MOE)
+    trainer, engines = Trainer(fsdp=4, per_node=64), Engines(1, 2, per_node=64)
+    fast = Links(nic_gbit=8e4, nvlink_gbyte=1e4, copy_gbyte=1e4, colocated=True)  # one node: every process
+    base = predict(shape, trainer, engines, fast, bucket_bytes=1 << 14)
+    cpu = Links(**{**fast.__dict__, "cpu_cores": 2, "cpu_tx_ns": 1.0, "cpu_rx_ns": 2.0})
+    pred = predict(shape, trainer, engines, cpu, bucket_bytes=1 << 14)
+    assert pred.bound["kind"] == "cpu" and pred.bound["who"] == "node 0"
+    work = sum(pred.sent.values()) * 1e-9 + sum(pred.received.values()) * 2e-9
+    assert pred.seconds == pytest.approx(work / 2) and pred.seconds > base.seconds
+    per_bucket = predict(shape, trainer, engines, Links(**{**cpu.__dict__, "cpu_bucket_us": 100.0}),
+                         bucket_bytes=1 << 14)
+    # each bucket: the ranks that send in it and the workers that receive in it, 100 us each, over 2 cores
+    assert per_bucket.seconds > pred.seconds + per_bucket.buckets * 2 * 100e-6 / 2
+    one_core = predict(shape, trainer, engines, Links(**{**cpu.__dict__, "cpu_cores": 1}), bucket_bytes=1 << 14)
+    assert one_core.seconds == pytest.approx(2 * pred.seconds)

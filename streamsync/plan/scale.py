@@ -21,15 +21,18 @@ per direction) carries pieces between GPUs of one node, a piece between a traine
 own GPU (colocated) is a device copy (`copy_gbyte`), and `host_gbyte`, when set, caps everything one node's
 processes move together (a CPU host, where the processes share the cores and memory). The predicted push time
 is the largest bytes / rate over all of these (they run concurrently: every sender sends at once, the
-pipeline overlaps packing with sending), plus `bucket_latency_us` per bucket. `lockstep_seconds` is the
-other bound: buckets strictly one after another, each taking its own busiest link's time (a sender with
-nothing in a bucket waits); the pipeline's window lets ranks run ahead, so a push lands between the two.
+pipeline overlaps packing with sending), plus `bucket_latency_us` per bucket and `push_latency_ms` per push. On a
+CPU host (`cpu_cores`) the processes' CPU time is a resource too: per node, the CPU time of its processes (per
+byte sent, per byte received, per bucket each takes part in) over its cores, or one process's own.
+`lockstep_seconds` is the other bound: buckets strictly one after another, each taking its own busiest link's
+time (a sender with nothing in a bucket waits); the pipeline's window lets ranks run ahead, so a push lands
+between the two.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ValidationError
@@ -118,6 +121,15 @@ class Links:
     host_gbyte: float | None = None
     bucket_latency_us: float = 0.0
     colocated: bool = False
+    #: a CPU host (gloo on shared cores): every process of a node shares `cpu_cores`, and each costs CPU time per
+    #: byte it sends (`cpu_tx_ns`: its pack copy and its side of the wire) or receives (`cpu_rx_ns`: its side of
+    #: the wire, assembling, loading) and per bucket it takes part in (`cpu_bucket_us`: messages, Python)
+    cpu_cores: int | None = None
+    cpu_tx_ns: float = 0.0
+    cpu_rx_ns: float = 0.0
+    cpu_bucket_us: float = 0.0
+    #: a fixed cost per push (the rounds' opening and closing calls, the ranks' agreement to push), added once
+    push_latency_ms: float = 0.0
 
 
 # ------------------------------------------------------------------------------------------- trainer
@@ -384,10 +396,15 @@ def _time(plan: ShardPlan, shape: Shape, name: str, trainer: Trainer, engines: E
     # buckets of the whole push: each planned bucket stands for the layers its pieces are from
     # lock step: a bucket takes its own busiest link's time, buckets one after another
     buckets = lockstep = 0.0
+    part: dict[tuple[int, str], float] = {}  # (node, process) -> buckets it takes part in
     for idx in plan.buckets:
         layers = {layer_index(plan.pieces[i].name) for i in idx}
         weight = sum(count[li] if li is not None else 1 for li in layers) / len(layers)
         buckets += weight
+        for proc in {(node_of_rank(plan.pieces[i].src), f"trainer rank {plan.pieces[i].src}") for i in idx} | {
+                (node_of_worker(gpu_of_worker(plan.pieces[i].engine, plan.pieces[i].worker)),
+                 f"engine {plan.pieces[i].engine} worker {plan.pieces[i].worker}") for i in idx}:
+            part[proc] = part.get(proc, 0.0) + weight
         per: dict[tuple[str, str], int] = {}
         nodes: dict[int, int] = {}
         for i in idx:
@@ -405,13 +422,43 @@ def _time(plan: ShardPlan, shape: Shape, name: str, trainer: Trainer, engines: E
         if links.host_gbyte is not None:
             t = max(t, max(nodes.values()) / (links.host_gbyte * GB))
         lockstep += weight * t
-    latency = buckets * links.bucket_latency_us * 1e-6
+    if links.cpu_cores:
+        cpu = _cpu_bound(links, part, sent, received, node_of_rank, lambda e, w: node_of_worker(gpu_of_worker(e, w)))
+        if cpu[0] > secs:
+            secs, kind, who, nbytes = cpu
+    latency = buckets * links.bucket_latency_us * 1e-6 + links.push_latency_ms * 1e-3
     model_bytes = shape.parameters() * _itemsize(shape.dtype)
     pred = Prediction(name, trainer.describe(), engines.describe(), model_bytes, total, sent, received, classes,
                       {"kind": kind, "who": who, "bytes": int(nbytes), "seconds": secs}, secs + latency, secs,
                       round(buckets, 1), len(plan.pieces), planned, shape.layers,
                       {"nic_GBps": nic / GB, "nvlink_GBps": nvl / GB, "copy_GBps": cpy / GB,
-                       "host_GBps": links.host_gbyte or 0.0, "bucket_latency_us": links.bucket_latency_us})
+                       "host_GBps": links.host_gbyte or 0.0, "bucket_latency_us": links.bucket_latency_us,
+                       "cpu_cores": links.cpu_cores or 0, "cpu_tx_ns": links.cpu_tx_ns, "cpu_rx_ns": links.cpu_rx_ns,
+                       "cpu_bucket_us": links.cpu_bucket_us, "push_latency_ms": links.push_latency_ms})
     pred.world = trainer.world
     pred.lockstep_seconds = lockstep + latency
     return pred
+
+
+def _cpu_bound(links: Links, part: dict[tuple[int, str], float], sent: dict[int, int], received: dict[str, int],
+               node_of_rank: Callable[[int], int], node_of_worker: Callable[[str, int], int]
+               ) -> tuple[float, str, str, int]:
+    """(seconds, kind, who, bytes) of the CPU bound: per node, its processes' CPU time over its cores, or one
+    process's own time where that is longer (a process runs on one core at a time)."""
+    assert links.cpu_cores
+    busy: dict[tuple[int, str], tuple[float, int]] = {}
+    for r, b in sent.items():
+        key = (node_of_rank(r), f"trainer rank {r}")
+        busy[key] = (b * links.cpu_tx_ns * 1e-9 + part.get(key, 0.0) * links.cpu_bucket_us * 1e-6, b)
+    for w, b in received.items():
+        engine, _, worker = w.rpartition(".w")
+        key = (node_of_worker(engine, int(worker)), f"engine {engine} worker {worker}")
+        busy[key] = (b * links.cpu_rx_ns * 1e-9 + part.get(key, 0.0) * links.cpu_bucket_us * 1e-6, b)
+    per_node: dict[int, list[float]] = {}
+    nbytes: dict[int, int] = {}
+    for (node, _), (t, b) in busy.items():
+        per_node.setdefault(node, [0.0, 0.0])[0] += t
+        nbytes[node] = nbytes.get(node, 0) + b
+    out = [(t / links.cpu_cores, "cpu", f"node {n}", nbytes[n]) for n, (t, _) in per_node.items()]
+    out += [(t, "cpu-process", who, b) for (_, who), (t, b) in busy.items()]
+    return max(out)
