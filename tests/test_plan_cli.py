@@ -46,6 +46,7 @@ def test_cli_text_names_the_bounding_link():
     (["--engine-tp", "3"], ["engine tp=3"]),
     (["--engine-tp", "2", "--engine-ep", "3"], ["ep=3", "tp=2"]),
     (["--trainer", "tp=2,zz=1"], ["zz=1", "KEY=N"]),
+    (["--cpu-cores", "0"], ["cpu cores", "got 0"]),
 ])
 def test_bad_layouts_are_refused_naming_what_is_wrong(tmp_path, capsys, args, words):
     cfg = tmp_path / "config.json"

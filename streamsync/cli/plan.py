@@ -29,6 +29,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-gbyte", type=float, default=None,
                    help="cap on what one node's processes move together, GB/s (a CPU host); unset: none")
     p.add_argument("--bucket-latency-us", type=float, default=0.0, help="fixed cost per bucket (lock-step rounds)")
+    p.add_argument("--push-latency-ms", type=float, default=0.0, help="fixed cost per push")
+    p.add_argument("--cpu-cores", type=int, default=None,
+                   help="a CPU host: its processes share this many cores per node (then --cpu-*-ns/us count)")
+    p.add_argument("--cpu-tx-ns", type=float, default=0.0, help="CPU ns per byte a trainer rank sends")
+    p.add_argument("--cpu-rx-ns", type=float, default=0.0, help="CPU ns per byte an engine worker receives")
+    p.add_argument("--cpu-bucket-us", type=float, default=0.0, help="CPU us per bucket per process taking part")
     p.add_argument("--bucket-mib", type=float, default=256.0, help="bytes per sender per bucket, MiB")
     p.add_argument("--dtype", default=None, help="wire dtype instead of the config's (e.g. float8_e4m3fn)")
     p.add_argument("--full", action="store_true", help="plan every layer (default: one layer per kind and stage)")
@@ -42,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     pred = predict(Shape(cfg), Trainer.parse(args.trainer, args.trainer_per_node),
                    Engines(args.engines, args.engine_tp, args.engine_ep, args.engine_per_node),
                    Links(args.nic_gbit, args.nvlink_gbyte, args.copy_gbyte, args.host_gbyte, args.bucket_latency_us,
-                         args.colocated),
+                         args.colocated, args.cpu_cores, args.cpu_tx_ns, args.cpu_rx_ns, args.cpu_bucket_us,
+                         args.push_latency_ms),
                    name=args.model, bucket_bytes=int(args.bucket_mib * (1 << 20)), full=args.full)
     print(json.dumps(pred.summary(), indent=2) if args.json else render(pred))
     return 0

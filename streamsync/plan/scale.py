@@ -317,6 +317,10 @@ def predict(shape: Shape, trainer: Trainer, engines: Engines, links: Links, *, n
     """Plan the push (module doc) and predict its time."""
     if engines.count < 1 or engines.tp < 1 or engines.ep < 1:
         raise ValidationError("engines, engine tp and engine ep must be at least 1")
+    if links.cpu_cores is not None and links.cpu_cores < 1:
+        raise ValidationError(f"cpu cores must be at least 1 (or unset: no CPU bound), got {links.cpu_cores}")
+    if min(links.cpu_tx_ns, links.cpu_rx_ns, links.cpu_bucket_us, links.push_latency_ms) < 0:
+        raise ValidationError("CPU costs and latencies must not be negative")
     check_trainer(shape, trainer)
     stage_of = [0] * shape.layers if trainer.fsdp else _stages(shape.layers, trainer.pp)
     groups: dict[tuple[str, int], list[int]] = {}
@@ -436,7 +440,7 @@ def _time(plan: ShardPlan, shape: Shape, name: str, trainer: Trainer, engines: E
                        "cpu_cores": links.cpu_cores or 0, "cpu_tx_ns": links.cpu_tx_ns, "cpu_rx_ns": links.cpu_rx_ns,
                        "cpu_bucket_us": links.cpu_bucket_us, "push_latency_ms": links.push_latency_ms})
     pred.world = trainer.world
-    pred.lockstep_seconds = lockstep + latency
+    pred.lockstep_seconds = max(lockstep, secs) + latency  # never below the all-at-once bound (CPU time counts)
     return pred
 
 
