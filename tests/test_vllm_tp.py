@@ -137,3 +137,5 @@ def test_a_megatron_tp2_trainer_sends_each_rank_its_shards_into_a_tp2_vllm_serve
     assert r0["pushed"][0] != r0["pushed"][1] != r0["pushed"][2]  # each push moved every worker's weights
     sent = list(r0["sent_bytes"].values())
     assert len(sent) == 2 and max(sent) <= 1.2 * min(sent), sent  # both ranks send their half
+    peaks = [max(r["peak_bytes"]) for r in results]  # each rank's extra memory: its window of packed buckets
+    assert min(peaks) > 0 and max(peaks) <= 1.2 * min(peaks), peaks
