@@ -407,8 +407,9 @@ class _Guarded(Engine):
     async def received_digests(self) -> dict[str, str]:
         return (await self.rpc("streamsync_received_digests"))[0]
 
-    async def rpc(self, method: str, *args: Any) -> list[Any]:
-        """`collective_rpc(method, args)` on every worker of the engine: one result per worker."""
+    async def rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
+        """`collective_rpc(method, args, kwargs)` on every worker of the engine: one result per worker (keyword
+        arguments as strings: what vLLM's HTTP route passes)."""
         raise NotImplementedError
 
 
@@ -485,8 +486,8 @@ class VllmEngine(_Guarded):
     async def resume(self) -> None:
         await self._call("resume", self.llm.wake_up, tags=["scheduling"])
 
-    async def rpc(self, method: str, *args: Any) -> list[Any]:
-        return await self._call(method, self.llm.collective_rpc, method, args=args)
+    async def rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
+        return await self._call(method, self.llm.collective_rpc, method, args=args, kwargs=kwargs or None)
 
 
 class AsyncVllmEngine(_Guarded):
@@ -557,8 +558,8 @@ class AsyncVllmEngine(_Guarded):
     async def resume(self) -> None:
         await self._run("resume", self.engine.resume_generation)
 
-    async def rpc(self, method: str, *args: Any) -> list[Any]:
-        return await self._run(method, self.engine.collective_rpc, method, args=args)
+    async def rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
+        return await self._run(method, self.engine.collective_rpc, method, args=args, kwargs=kwargs or None)
 
 
 class VllmHttpEngine(_Guarded):
@@ -674,11 +675,13 @@ class VllmHttpEngine(_Guarded):
         held = parse_version(await self._raw_version())
         return EngineState(held.version, held.mixed, held.failed_version, held.updating, await self.is_paused())
 
-    async def rpc(self, method: str, *args: Any) -> list[Any]:
+    async def rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
         body: dict[str, Any] = {"method": method}
         if args:
             # the route passes string arguments only: a dict (a fused update's chunk) goes as JSON
             body["args"] = [json.dumps(a) if isinstance(a, dict) else str(a) for a in args]
+        if kwargs:
+            body["kwargs"] = {k: str(v) for k, v in kwargs.items()}
         return (await self._http("POST", "/collective_rpc", json=body))["results"]
 
     async def close(self) -> None:

@@ -458,11 +458,11 @@ def _cpu_bound(links: Links, part: dict[tuple[int, str], float], sent: dict[int,
         engine, _, worker = w.rpartition(".w")
         key = (node_of_worker(engine, int(worker)), f"engine {engine} worker {worker}")
         busy[key] = (b * links.cpu_rx_ns * 1e-9 + part.get(key, 0.0) * links.cpu_bucket_us * 1e-6, b)
-    per_node: dict[int, list[float]] = {}
+    per_node: dict[int, float] = {}
     nbytes: dict[int, int] = {}
     for (node, _), (t, b) in busy.items():
-        per_node.setdefault(node, [0.0, 0.0])[0] += t
+        per_node[node] = per_node.get(node, 0.0) + t
         nbytes[node] = nbytes.get(node, 0) + b
-    out = [(t / links.cpu_cores, "cpu", f"node {n}", nbytes[n]) for n, (t, _) in per_node.items()]
+    out = [(t / links.cpu_cores, "cpu", f"node {n}", nbytes[n]) for n, t in per_node.items()]
     out += [(t, "cpu-process", who, b) for (_, who), (t, b) in busy.items()]
     return max(out)

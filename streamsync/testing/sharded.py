@@ -253,6 +253,7 @@ def run_megatron_into_vllm(rank: int, world_size: int, model_dir: str, url: str,
 
     from ..engines.vllm import VllmHttpEngine
     from ..models.megatron import export_hf_async, hf_config, megatron_from_hf
+    from ..sources.sharded import ShardedSource
     from ..sync import WeightSync
     from ..transports.p2p import P2pTransport
     from ..verify import save_checkpoint
@@ -276,7 +277,9 @@ def run_megatron_into_vllm(rank: int, world_size: int, model_dir: str, url: str,
                 res["senders"].append(report.senders)
                 res["peak_bytes"].append(report.peak_bytes_inflight)
                 if step == 1:
-                    res["sent_bytes"] = dict(sync.plan(model)[0].plan_.sent_bytes)  # type: ignore[attr-defined]
+                    source = sync.plan(model)[0]
+                    assert isinstance(source, ShardedSource)
+                    res["sent_bytes"] = dict(source.plan_.sent_bytes)
                 state = await export_hf_async(model, dtype=torch.bfloat16, hf_config=cfg)  # every rank takes part
                 if engine is None:
                     continue
@@ -285,8 +288,7 @@ def run_megatron_into_vllm(rank: int, world_size: int, model_dir: str, url: str,
                 res["pushed"].append(await engine.rpc("streamsync_weight_digests"))
                 res["tokens_pushed"].append((await engine.greedy(prompt, 12))[0])
                 ckpt = save_checkpoint(state, like=model_dir, out=Path(out) / f"step{step}", dtype=torch.bfloat16)
-                await engine._http("POST", "/collective_rpc",
-                                   json={"method": "reload_weights", "kwargs": {"weights_path": str(ckpt)}})
+                await engine.rpc("reload_weights", weights_path=str(ckpt))
                 await engine.reset_cache()  # no KV cached with the pushed weights serves the next request
                 res["loaded"].append(await engine.rpc("streamsync_weight_digests"))
                 res["tokens_loaded"].append((await engine.greedy(prompt, 12))[0])
