@@ -16,10 +16,10 @@ from ..models.synthetic import save_specs
 class AdamTrainer:
     """`model_dir`: a checkpoint transformers loads (the tiny local Qwen3, `make_tiny_qwen3`), or `config`: a
     `Qwen3Config` to build a randomly initialised one from. Every `step()` is one forward, backward and AdamW
-    step on `batch` random sequences of `seq` tokens."""
+    step on `batch` random sequences of `seq` tokens, on `device`."""
 
     def __init__(self, model_dir: str | os.PathLike | None = None, *, config: Any = None, lr: float = 1e-5,
-                 seed: int = 0, batch: int = 2, seq: int = 32) -> None:
+                 seed: int = 0, batch: int = 2, seq: int = 32, device: str | torch.device = "cpu") -> None:
         from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
         torch.manual_seed(seed)
@@ -27,7 +27,8 @@ class AdamTrainer:
             self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         else:
             self.model = Qwen3ForCausalLM(config).to(torch.float32)
-        self.model.train()
+        self.device = torch.device(device)
+        self.model.to(self.device).train()
         self.vocab = int(self.model.config.vocab_size)
         self.batch, self.seq = batch, seq
         self.gen = torch.Generator().manual_seed(seed)
@@ -35,7 +36,7 @@ class AdamTrainer:
         self.steps = 0
 
     def step(self) -> float:
-        ids = torch.randint(0, self.vocab, (self.batch, self.seq), generator=self.gen)
+        ids = torch.randint(0, self.vocab, (self.batch, self.seq), generator=self.gen).to(self.device)
         loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
         self.opt.step()
