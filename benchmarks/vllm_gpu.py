@@ -243,10 +243,13 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
             prof_on = prof is not None and i > args.warmup
             if prof_on:
                 prof.enable()
+            t_push = time.perf_counter()
             report = await sync.push(trainer)
+            wall = time.perf_counter() - t_push
             if prof_on:
                 prof.disable()
-            pushes.append({"seconds": report.seconds, "bytes": report.bytes, "chunks": report.chunks,
+            pushes.append({"seconds": wall, "report_seconds": report.seconds, "bytes": report.bytes,
+                           "chunks": report.chunks,
                            "engine_calls": list(calls),
                            "transport": sync.transport.name if sync.transport else None,
                            "refs": ref_counts(report), "gc_ms": report.gc_ms, **_summary(report, case),
