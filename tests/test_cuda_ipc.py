@@ -141,8 +141,6 @@ def test_a_driver_handle_keeps_all_64_bytes_nuls_included():
 def test_the_ipc_mechanism_is_checked():
     with pytest.raises(ValidationError, match="ipc must be"):
         CudaIpcTransport(ipc="nccl")
-    with pytest.raises(ValidationError, match="min_ref_bytes must be >= 0"):
-        CudaIpcTransport(min_ref_bytes=-1)
 
 
 
@@ -150,8 +148,7 @@ def test_the_ipc_mechanism_is_checked():
 async def test_ipc_round_trip_is_bit_exact_and_reuses_buffers(cuda_mixed):
     model, rp = cuda_mixed
     engine = rp.engine()
-    # small tensors: referenced only with min_ref_bytes=0 (by default storages under 1 MiB are packed)
-    sync = WeightSync([engine], transport=CudaIpcTransport(min_ref_bytes=0), chunk_bytes=2048)
+    sync = WeightSync([engine], chunk_bytes=2048)  # auto: CUDA engine -> cuda_ipc, one copy
     report = await sync.push(model)
     # Every tensor is a view of the model's own storages: referenced, in one chunk (referenced bytes take no
     # buffer; their per-chunk budget is the transport's ref_bytes, 4 GiB)
@@ -167,26 +164,6 @@ async def test_ipc_round_trip_is_bit_exact_and_reuses_buffers(cuda_mixed):
 
 
 @gpu
-async def test_by_default_small_storages_are_packed_and_large_ones_referenced(tmp_path):
-    # A reference costs an export and a mapping in the receiver, once per storage: under min_ref_bytes (1 MiB by
-    # default) a tensor is packed instead; a first push of many small storages exports only its buffer.
-    specs = [("model.embed_tokens.weight", "bfloat16", (2048, 512)), ("model.norm.weight", "bfloat16", (512,)),
-             ("model.layers.0.mlp.down_proj.weight", "bfloat16", (512, 256))]  # 2 MiB, 1 KiB, 256 KiB
-    model = StateModule(specs, fill="random", seed=5, device="cuda")
-    with ReceiverProcess(str(save_specs(specs, tmp_path / "s.json")), device="cuda") as rp:
-        engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(), chunk_bytes=CHUNK)
-        for step in range(3):
-            _perturb(model, 40 + step)
-            report = await sync.push(model)
-            assert await engine.checksums(device=True) == device_digests(model.state_dict().items()), step
-            counts = report.trace.counts
-            assert (counts["refs.referenced"], counts["refs.packed"]) == (1, 2), counts
-            assert counts.get("refs.exports", 0) == (1 if step == 0 else 0), counts
-        await sync.close()
-
-
-@gpu
 async def test_ipc_into_fused_receiver_and_buffers_are_freed_after_receivers_let_go(tmp_path):
     specs = qwen3_specs(vocab=4096, hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=768)
     model = StateModule(specs, fill="random", seed=3, device="cuda")
@@ -194,7 +171,7 @@ async def test_ipc_into_fused_receiver_and_buffers_are_freed_after_receivers_let
     base = torch.cuda.memory_allocated()
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(min_ref_bytes=0, ref_bytes=CHUNK), chunk_bytes=CHUNK)
+        sync = WeightSync([engine], transport=CudaIpcTransport(ref_bytes=CHUNK), chunk_bytes=CHUNK)
         for window in (4, 1, 4):
             _perturb(model, window)
             report = await sync.push(model, max_inflight=window)
@@ -214,7 +191,7 @@ async def test_a_tied_fused_receivers_head_is_the_pushed_embedding_on_the_gpu(tm
     model = StateModule(specs, fill="random", seed=4, device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "t.json")), device="cuda", fused=True, tie=True) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(min_ref_bytes=0), chunk_bytes=CHUNK)
+        sync = WeightSync([engine], transport=CudaIpcTransport(), chunk_bytes=CHUNK)
         for step in (1, 2):
             _perturb(model, step)
             await sync.push(model)
@@ -233,7 +210,7 @@ async def test_float32_weights_are_cast_to_the_receivers_dtype_by_the_pack_copy(
     model = StateModule(fp32, fill="random", seed=5, device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(min_ref_bytes=0), chunk_bytes=CHUNK,
+        sync = WeightSync([engine], transport=CudaIpcTransport(), chunk_bytes=CHUNK,
                           source_options={"dtype": torch.bfloat16})
         for window in (4, 1):
             _perturb(model, window)
@@ -289,8 +266,8 @@ async def test_a_buffer_is_not_repacked_before_a_slow_receiver_copied_it_out(tmp
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True,
                          gpu_delay_ms=5) as rp:
         engine = rp.engine()
-        transport = CudaIpcTransport(min_ref_bytes=0, one_copy=one_copy, ref_bytes=CHUNK // 2)
-        sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK // 2, max_inflight=2)
+        sync = WeightSync([engine], transport=CudaIpcTransport(one_copy=one_copy, ref_bytes=CHUNK // 2),
+                          chunk_bytes=CHUNK // 2, max_inflight=2)
         for step in range(2):
             _perturb(model, 10 + step)
             report = await sync.push(model)
@@ -308,7 +285,7 @@ async def test_a_receiver_does_not_read_a_chunk_before_its_pack_ran(tmp_path):
     model = StateModule(specs, fill="random", seed=6, device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(min_ref_bytes=0, ref_bytes=CHUNK), chunk_bytes=CHUNK)
+        sync = WeightSync([engine], transport=CudaIpcTransport(ref_bytes=CHUNK), chunk_bytes=CHUNK)
         for step in range(2):
             _perturb(model, 20 + step)
             torch.cuda._sleep(int(40e6))
@@ -333,7 +310,7 @@ async def test_one_copy_sends_views_by_reference_packs_the_rest_and_the_trainer_
     packed = _nbytes(t for n, t in model.state_dict().items() if "norm" in n) // 2  # as bf16
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        transport = CudaIpcTransport(min_ref_bytes=0)
+        transport = CudaIpcTransport()
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK, source_options={"dtype": torch.bfloat16})
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -369,7 +346,7 @@ async def test_one_copy_never_reads_a_replaced_or_resized_storage(tmp_path, ipc)
     model = StateModule(specs, fill="random", seed=12, device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        transport = CudaIpcTransport(min_ref_bytes=0, ref_bytes=CHUNK, ipc=ipc)
+        transport = CudaIpcTransport(ref_bytes=CHUNK, ipc=ipc)
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK)
         await sync.push(model)
         assert all((ex.data.get("driver") == 1) == (ipc == "driver") for ex in transport.refs.exports())
@@ -404,7 +381,7 @@ async def test_one_copy_never_reads_freed_memory_behind_a_storage_resized_back_t
     model = StateModule(specs, fill="random", seed=14, device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        transport = CudaIpcTransport(min_ref_bytes=0, ref_bytes=CHUNK * 8)
+        transport = CudaIpcTransport(ref_bytes=CHUNK * 8)
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK * 8)
         await sync.push(model)
         big = [p for p in model.parameters() if p.numel() * p.element_size() >= (2 << 20)]
@@ -434,8 +411,7 @@ async def test_one_copy_push_returns_after_the_receiver_copied_so_the_trainer_ma
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True,
                          gpu_delay_ms=3) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(min_ref_bytes=0, ref_bytes=CHUNK // 2),
-                          chunk_bytes=CHUNK // 2)
+        sync = WeightSync([engine], transport=CudaIpcTransport(ref_bytes=CHUNK // 2), chunk_bytes=CHUNK // 2)
         for step in range(2):
             _perturb(model, 50 + step)
             pushed = device_digests(model.state_dict().items())
@@ -451,7 +427,7 @@ async def test_one_copy_after_a_failed_push_exports_again_and_is_exact(tmp_path)
     model = StateModule(specs, fill="random", seed=14, device="cuda")
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        transport = CudaIpcTransport(min_ref_bytes=0, ref_bytes=CHUNK // 2)
+        transport = CudaIpcTransport(ref_bytes=CHUNK // 2)
         sync = WeightSync([engine], transport=transport, chunk_bytes=CHUNK // 2)
 
         async def exact() -> bool:
@@ -473,7 +449,7 @@ async def test_the_receiver_replays_a_repeated_chunks_copies_as_a_graph_and_stay
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True,
                          gpu_delay_ms=2) as rp:
         engine = rp.engine()
-        sync = WeightSync([engine], transport=CudaIpcTransport(min_ref_bytes=0, one_copy=one_copy, ref_bytes=CHUNK),
+        sync = WeightSync([engine], transport=CudaIpcTransport(one_copy=one_copy, ref_bytes=CHUNK),
                           chunk_bytes=CHUNK)
         for step in range(4):
             _perturb(model, 80 + step)
@@ -517,7 +493,7 @@ async def test_moe_experts_by_reference_replay_coalesced_copies_and_stay_exact(t
     fuse_fc1()
     with ReceiverProcess(str(save_specs(specs, tmp_path / "moe.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
-        transport = CudaIpcTransport(min_ref_bytes=0)
+        transport = CudaIpcTransport()
         sync = WeightSync([engine], transport=transport)
         for step in range(4):
             _perturb(model, 110 + step)
@@ -570,7 +546,7 @@ async def test_captured_loads_with_and_without_the_copy_kernel_stay_exact(tmp_pa
     with ReceiverProcess(str(save_specs(specs, tmp_path / "q.json")), device="cuda", fused=True) as rp:
         engine = rp.engine()
         await engine.call("capture", on=True, kernel=kernel)
-        sync = WeightSync([engine], transport=CudaIpcTransport(min_ref_bytes=0, ref_bytes=CHUNK), chunk_bytes=CHUNK)
+        sync = WeightSync([engine], transport=CudaIpcTransport(ref_bytes=CHUNK), chunk_bytes=CHUNK)
         for step in range(4):
             _perturb(model, 130 + step)
             await sync.push(model)

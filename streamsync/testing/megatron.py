@@ -306,7 +306,7 @@ def ddp_one_copy_pushes(rank: int, world_size: int, tiny: TinyModel, port: int, 
 
     async def main() -> None:
         engine = ReceiverEngine("127.0.0.1", port, secret=secret, timeout=120)
-        transport = CudaIpcTransport(min_ref_bytes=0)  # a tiny model: its small buffers go by reference too
+        transport = CudaIpcTransport()
         sync = WeightSync([engine], transport=transport, chunk_bytes=1 << 20)
         counts: list[dict[str, int]] = []
         for step in range(pushes):

@@ -126,12 +126,9 @@ class References:
     engine's handle, `acknowledged` when an engine returned, `forget_engine` when an engine (re)connects and
     `end_push(ok)` / `drop_all` at a push's end and at close."""
 
-    def __init__(self, exporter: StorageExporter, *, one_copy: bool, ref_bytes: int | None,
-                 min_storage: int = 0) -> None:
+    def __init__(self, exporter: StorageExporter, *, one_copy: bool, ref_bytes: int | None) -> None:
         self.exporter = exporter
         self.one_copy = one_copy
-        #: storages smaller than this are packed, not referenced (see `CudaIpcTransport`'s `min_ref_bytes`)
-        self.min_storage = int(min_storage)
         self.ref_bytes = int(ref_bytes) if ref_bytes is not None else None
         #: this push's counts: tensors referenced and packed, exports made, their milliseconds
         self.counts: defaultdict[str, float] = defaultdict(float)
@@ -210,7 +207,6 @@ class References:
         else:
             mask = tuple(t.device == dev and t.dtype == s.dtype and t.numel() > 0
                          and storage_address(t) in self.persistent and all(st >= 0 for st in t.stride())
-                         and (not self.min_storage or t.untyped_storage().nbytes() >= self.min_storage)
                          for s, t in zip(plan.specs, tensors, strict=True))
         self._masks[plan.layout_key] = (tensors, self._serial, mask)
         if not any(mask):

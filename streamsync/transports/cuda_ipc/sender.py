@@ -65,28 +65,21 @@ class CudaIpcTransport(Transport):
     ref_bytes: referenced bytes per chunk (the chunk budget, `chunk_bytes`, bounds only the packed bytes): each
     chunk costs an update call and its per-chunk work on both sides, so chunks of references are few and large.
     ipc: "driver" shares storages through the CUDA driver (`driver.py`), "torch" through PyTorch's IPC (also
-    the fallback where the driver refuses an allocation).
-    min_ref_bytes: tensors on storages smaller than this are packed, not referenced. A reference costs an export
-    and, in the receiver, a mapping of the storage (a first push of a model of many small storages spent most of
-    its time opening them); packing a small tensor costs one copy of a few bytes, inside the chunk's captured
-    graph. 0 references every storage."""
+    the fallback where the driver refuses an allocation)."""
 
     name: ClassVar[str] = "cuda_ipc"
     reaches: ClassVar[Literal["cpu", "cuda", "remote"]] = "cuda"
 
     def __init__(self, device: torch.device | str | None = None, keep_pool: bool = True, graphs: bool = True,
-                 one_copy: bool = True, ref_bytes: int = 8 << 30, ipc: str = "driver",
-                 min_ref_bytes: int = 1 << 20) -> None:
+                 one_copy: bool = True, ref_bytes: int = 8 << 30, ipc: str = "driver") -> None:
         super().__init__()
         if ipc not in ("driver", "torch"):
             raise ValidationError(f"ipc must be 'driver' or 'torch', got {ipc!r}")
-        if min_ref_bytes < 0:
-            raise ValidationError(f"min_ref_bytes must be >= 0, got {min_ref_bytes}")
         self.ipc = ipc
         self._device = torch.device(device) if device is not None else None
         self.keep_pool = keep_pool
         self.graphs = graphs
-        self.refs = References(self, one_copy=one_copy, ref_bytes=ref_bytes, min_storage=min_ref_bytes)
+        self.refs = References(self, one_copy=one_copy, ref_bytes=ref_bytes)
         self._engines = 0
         #: this push's counts: packs replayed from a captured graph, graphs captured
         self.counts: defaultdict[str, float] = defaultdict(float)
