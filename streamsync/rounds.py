@@ -59,9 +59,13 @@ class EngineGroup:
             if done is not None:
                 done.add(e.name)
 
+        targets = self.engines if engines is None else engines
+        if len(targets) == 1:  # no task group for one engine: a push makes several such calls
+            await one(targets[0])
+            return
         try:
             async with anyio.create_task_group() as tg:
-                for e in self.engines if engines is None else engines:
+                for e in targets:
                     tg.start_soon(one, e)
         except BaseExceptionGroup as eg:
             raise first_push_error(eg) from None
@@ -131,9 +135,7 @@ class EngineGroup:
                             "cached prefixes may be served from KV of the old weights until the next reset "
                             "(use paused(clear_cache=True) or sync.reset_caches())", engine=e.name)
 
-        async with anyio.create_task_group() as tg:
-            for e in self.engines:
-                tg.start_soon(one, e)
+        await _each(self.engines, one)
         return done
 
     async def round_stats(self, trace: Trace | None = None) -> list[EngineRound]:
@@ -156,9 +158,7 @@ class EngineGroup:
                 for r in rounds:
                     trace.engine_phases(r.engine if len(rounds) == 1 else f"{r.engine} w{r.worker}", r.phases)
 
-        async with anyio.create_task_group() as tg:
-            for e in self.engines:
-                tg.start_soon(one, e)
+        await _each(self.engines, one)
         return sorted(out, key=lambda r: (self._order(r.engine), r.worker))
 
     def _order(self, name: str) -> int:
@@ -169,6 +169,16 @@ class EngineGroup:
 
     async def resume(self, engines: Sequence[Engine] | None = None) -> None:
         await self.each("resume", lambda e: e.resume(), stage="resume", engines=engines)
+
+
+async def _each(engines: Sequence[Engine], one: Callable[[Engine], Awaitable[None]]) -> None:
+    """`one(engine)` on every engine concurrently (`one` raises nothing); one engine is awaited directly."""
+    if len(engines) == 1:
+        await one(engines[0])
+        return
+    async with anyio.create_task_group() as tg:
+        for e in engines:
+            tg.start_soon(one, e)
 
 
 async def _start(e: Engine) -> None:
