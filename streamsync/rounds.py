@@ -8,8 +8,9 @@ engine, so a failed push raises within its timeout plus that, never hangs on a d
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -171,7 +172,7 @@ class EngineGroup:
         await self.each("resume", lambda e: e.resume(), stage="resume", engines=engines)
 
 
-async def _each(engines: Sequence[Engine], one: Callable[[Engine], Awaitable[None]]) -> None:
+async def _each(engines: Sequence[Engine], one: Callable[[Engine], Coroutine[Any, Any, None]]) -> None:
     """`one(engine)` on every engine concurrently (`one` raises nothing); one engine is awaited directly."""
     if len(engines) == 1:
         await one(engines[0])
