@@ -14,6 +14,7 @@ Cases (`--cases`, in this order by default):
         weights as it loads them; a push rebuilds each quantized module through vLLM's own processing).
   8b-1c, moe-1c     8b and moe pushed as one chunk (every tensor by reference in one engine call).
 
+Each push is timed by the wall clock around `sync.push`, after `sync.connect(trainer)` (which plans the push).
 Reported per case: first push, steady push (median), floor, steady/floor and first/steady; per push, what the
 engine's workers say the round did (`PushReport.engine_paths` and `PushReport.engine_rounds`: the path its tensors
 took, fast path or layerwise reload, its timed phases and its extra device memory) and how the push reached
@@ -220,7 +221,7 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
     pushes: list[dict[str, Any]] = []
     try:
         t0 = time.perf_counter()
-        await sync.connect()
+        await sync.connect(trainer)  # plans the trainer's push, as the README's set-up does
         connect = time.perf_counter() - t0
         rtt = await _round_trips(engine)
         calls: list[str] = []  # the calls a push makes into the engine (each a round trip into its core)

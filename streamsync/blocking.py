@@ -80,9 +80,9 @@ class BlockingWeightSync:
         `get_version`), whose connections belong to that loop."""
         return self._run(fn, *args, what="call")
 
-    def connect(self) -> None:
-        """Set up the transport and every engine (see `WeightSync.connect`)."""
-        self._run(self.sync.connect, what="connect")
+    def connect(self, model: object | None = None) -> None:
+        """Set up the transport and every engine, and plan `model`'s push where given (see `WeightSync.connect`)."""
+        self._run(self.sync.connect, model, what="connect")
 
     def push(self, model: object, *, version: int | None = None, max_inflight: int | None = None) -> PushReport:
         """Stream `model` into every engine and return its report (see `WeightSync.push`)."""

@@ -103,6 +103,22 @@ async def test_receiver_error_names_the_receiver_and_chunk(qwen_specs, qwen_rece
     await sync.close()
 
 
+async def test_connect_with_the_model_plans_its_push_and_refuses_a_model_that_does_not_fit(qwen_specs, qwen_receiver,
+                                                                                              qwen_model):
+    engine = qwen_receiver.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    wrong = [(n, "float32" if n.endswith("q_norm.weight") else d, s) for n, d, s in qwen_specs]
+    with pytest.raises(ValidationError, match=r"q_norm.weight.*float32.*engine holds bfloat16"):
+        await sync.connect(StateModule(wrong))
+    assert sync.connected and (await engine.call("status"))["dirty"] is False  # connected; nothing applied
+    await sync.connect(qwen_model)  # connected already: plans the model
+    planned = sync.plan(qwen_model)
+    report = await sync.push(qwen_model)
+    assert sync.plan(qwen_model)[1] is planned[1] and report.chunks == len(planned[1])  # the push used that plan
+    assert await engine.checksums() == digests(qwen_model.state_dict().items())
+    await sync.close()
+
+
 async def test_shape_dtype_and_missing_parameters_are_refused_before_bytes_move(qwen_specs, qwen_receiver):
     engine = qwen_receiver.engine()
     sync = WeightSync([engine], chunk_bytes=CHUNK)
