@@ -66,7 +66,8 @@ class EngineRound:
     fast_tensors, layerwise_tensors, fast_bytes, layerwise_bytes: what went which way (a fused tensor counts once)
     rebuilt_modules: modules whose kernels were derived again from their new tensors (`process_weights_after_loading`)
     traced:         where each tensor goes was traced in this round (the engine's layout changed, or its first)
-    phase_ms:       milliseconds per phase in the worker (`streamsync.vllm.stats`: map, arm, load, process, finish)
+    phase_ms:       milliseconds per phase in the worker (`streamsync.vllm.stats`: map, arm, load, process, finish;
+                    `call`: the calls that opened and ended the round, whole, around the others)
     extra_bytes:    memory the round took above what the worker held at its start (None: not measured); `memory`
                     says how it was measured
     replayed_chunks: chunks whose fast-path copies were one replayed CUDA graph (`fastpath.CapturedLoads`)

@@ -354,8 +354,10 @@ async def test_a_vllm_push_draws_the_engine_send_lane(llm, model_dir, browser, t
                         f"{Path(report.trace_path).name}")
         engine = report.trace.engine_spans()  # what the worker timed itself (per chunk: map, load, ...)
         assert {s.stage for s in engine} >= {"engine.map", "engine.load", "engine.finish", "engine.cache_reset"}
+        calls = [s for s in engine if s.stage == "engine.call"]  # the round's opening and ending calls, whole
+        assert len(calls) == 2
         assert await page.eval(_bars()) == {**{lane: report.chunks for lane in [*STAGES, "send → llm"]},
-                                            "engine llm": len(engine)}
+                                            "engine llm": len(engine) - 2, "engine llm calls": 2}
         assert float(await page.eval(_field("wall") + ".dataset.value")) == report.seconds * 1e3
         await _screenshot(page, img / "viewer-vllm.png")
     finally:

@@ -430,6 +430,12 @@ async def test_where_the_workers_keep_the_version_the_finish_carries_the_prefix_
     (round_,) = report.engine_rounds
     assert round_.phase_ms.get("cache_reset", -1) >= 0
     assert any(s.stage == "engine.cache_reset" and s.receiver == "loaded" for s in report.trace.spans)
+    # the calls that open and end the round as the worker saw them, inside the sender's sends of their chunks
+    # (one host, one clock); the chunks between go through vLLM's own update_weights
+    sends = {s.chunk: s for s in report.trace.spans if s.stage == "send" and s.receiver == "loaded"}
+    calls = {s.chunk: s for s in report.trace.spans if s.stage == "engine.call"}
+    assert len(sends) > 2 and calls.keys() == {0, max(sends)} and round_.phase_ms["call"] > 0
+    assert all(sends[c].start - 0.005 <= s.start <= s.end <= sends[c].end + 0.005 for c, s in calls.items())
     unchecked = WeightSync([engine], chunk_bytes=1 << 20, reset_prefix_cache=False)
     report = await unchecked.push(trainer_from(model_dir, step=41), version=await _next_version(unchecked))
     assert report.cache_reset == {} and "cache_reset" not in report.engine_rounds[0].phase_ms and own_resets == 0

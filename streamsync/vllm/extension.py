@@ -13,6 +13,7 @@ entry point (extensions are imported before the worker is built).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -199,12 +200,27 @@ class StreamSyncWorkerExtension:
         first chunk opens the round in the same call (vLLM refuses an open round as its start would); `end`
         "end": its finish after, answered as `streamsync_finish_update` answers (`asks`: for the engine core,
         `core_rpc`). Strings, as collective_rpc over HTTP passes them."""
+        t0 = time.time()
         if isinstance(update_info, str):  # over HTTP: JSON
             update_info = json.loads(update_info)
         if open_ == "open":
             self.start_weight_update()  # type: ignore[attr-defined]  # the worker's own methods
         self.update_weights(update_info)  # type: ignore[attr-defined]
-        return self.streamsync_finish_update() if end == "end" else None
+        chunk = update_info.get("streamsync", {}).get("chunk") if isinstance(update_info, dict) else None
+        # The whole call as the worker saw it (a `call` phase around the others): the sender's send span minus
+        # this is the time the call spent getting here and back.
+        span = ["call", chunk if isinstance(chunk, int) else None, t0, 0.0]
+        engine = _backend(self)
+        if end == "end":
+            out = self.streamsync_finish_update()
+            span[3] = time.time()
+            if out is not None:
+                out["phases"] = [*out.get("phases", ()), span]
+            return out
+        span[3] = time.time()
+        if engine is not None:
+            engine.log.phases.append(span)
+        return None
 
     def streamsync_finish_update(self, *asks: str) -> dict[str, Any] | None:
         """vLLM's `finish_weight_update` in this worker, answered with what the round did here

@@ -9,6 +9,9 @@ spans (`time.time`: one clock on one host; an engine on another host is drawn wi
     load     per chunk: the fast path's copies, and `load_weights` for the layerwise rest
     process  per chunk: rebuilt modules processed (`process_weights_after_loading`) once complete
     finish   finish: layerwise finalize and shared-kernel refresh (nothing when every tensor took the fast path)
+    call     per `streamsync_update` call (a push's first chunk, which opens the round, and its last, which ends
+             it), around the others: from the call's arrival in the worker to its answer, so the sender's send
+             span minus it is the call's way there and back
 
 Extra memory is what the round allocated above what the worker held when it began: on CUDA the allocator's
 peak (`torch.cuda.max_memory_allocated`, its peak counter reset at the round's start); on CPU the process's
