@@ -60,14 +60,8 @@ class EngineGroup:
             if done is not None:
                 done.add(e.name)
 
-        targets = self.engines if engines is None else engines
-        if len(targets) == 1:  # no task group for one engine: a push makes several such calls
-            await one(targets[0])
-            return
         try:
-            async with anyio.create_task_group() as tg:
-                for e in targets:
-                    tg.start_soon(one, e)
+            await _each(self.engines if engines is None else engines, one)
         except BaseExceptionGroup as eg:
             raise first_push_error(eg) from None
 
@@ -173,7 +167,8 @@ class EngineGroup:
 
 
 async def _each(engines: Sequence[Engine], one: Callable[[Engine], Coroutine[Any, Any, None]]) -> None:
-    """`one(engine)` on every engine concurrently (`one` raises nothing); one engine is awaited directly."""
+    """`one(engine)` on every engine concurrently; one engine is awaited directly (no task group: a push makes
+    several such calls), so its error comes as it is, not in a group."""
     if len(engines) == 1:
         await one(engines[0])
         return

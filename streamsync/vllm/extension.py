@@ -210,7 +210,6 @@ class StreamSyncWorkerExtension:
         # The whole call as the worker saw it (a `call` phase around the others): the sender's send span minus
         # this is the time the call spent getting here and back.
         span = ["call", chunk if isinstance(chunk, int) else None, t0, 0.0]
-        engine = _backend(self)
         if end == "end":
             out = self.streamsync_finish_update()
             span[3] = time.time()
@@ -218,6 +217,7 @@ class StreamSyncWorkerExtension:
                 out["phases"] = [*out.get("phases", ()), span]
             return out
         span[3] = time.time()
+        engine = _backend(self)
         if engine is not None:
             engine.log.phases.append(span)
         return None
