@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -40,6 +41,25 @@ async def test_a_second_push_carries_the_new_weights(qwen_receiver, qwen_model):
     report = await sync.push(model)
     assert report.version == 2 and await engine.get_version() == 2
     assert await engine.checksums() == digests(model.state_dict().items())
+    await sync.close()
+
+
+async def test_a_push_gives_the_interpreter_its_switch_interval_back(qwen_receiver, qwen_model):
+    """A push lowers the GIL switch interval while it runs (streamsync.pipeline.threads) and restores the
+    application's own after it, succeeded or failed; a value the application set meanwhile is kept."""
+    before = sys.getswitchinterval()
+    sync = WeightSync([qwen_receiver.engine()], chunk_bytes=CHUNK)
+    await sync.push(qwen_model)
+    assert sys.getswitchinterval() == before
+    with pytest.raises(PushError):
+        await sync.push(qwen_model, time_limit=1e-6)
+    assert sys.getswitchinterval() == before
+    try:
+        sys.setswitchinterval(0.002)
+        await sync.push(qwen_model)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(before)
     await sync.close()
 
 

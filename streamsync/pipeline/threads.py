@@ -38,6 +38,8 @@ def responsive_threads() -> Iterator[None]:
         with _lock:
             _running -= 1
             if _running == 0 and _saved is not None:
-                if sys.getswitchinterval() == min(_saved, SWITCH_S):  # nobody else changed it since
+                # nobody else changed it since (the interpreter keeps it in whole microseconds: 1e-4 reads back
+                # as 9.999999999999999e-05)
+                if abs(sys.getswitchinterval() - min(_saved, SWITCH_S)) < 1e-6:
                     sys.setswitchinterval(_saved)
                 _saved = None
