@@ -83,7 +83,7 @@ class StreamsyncEngineMixin:
                 self.streamsync_attach(self.llm)
 
     The mixin's methods are coroutines, so Ray runs the actor as an async actor (one event loop, calls
-    interleave). An `LLM`'s blocking calls then run in worker threads (`VllmEngine`), so a slow generate does
+    interleave). An `LLM`'s blocking calls then run in the engine's own thread (`VllmEngine`), so a slow generate does
     not hold the weight-sync calls back; generate through `self.streamsync_engine` (`greedy`) or keep the
     actor's own blocking methods short. An `AsyncLLM` must be built in the actor (its loop is the actor's).
     `timeout`: the in-actor engine's own limit per vLLM call.
@@ -104,7 +104,7 @@ class StreamsyncEngineMixin:
 
     async def streamsync_llm_call(self, fn: Any, *args: Any, **kw: Any) -> Any:
         """Run a call of the attached engine for the actor's own work (`self.llm.generate`, ...): an `LLM`'s
-        blocking call runs in a worker thread, one at a time with streamsync's calls (LLM is not
+        blocking call runs in the engine's own thread, one at a time with streamsync's calls (LLM is not
         thread-safe), so the actor's event loop stays free to serve a push meanwhile; an `AsyncLLM`'s
         coroutine function is awaited. Failures are EngineErrors; the engine's timeout applies."""
         from .vllm import VllmEngine
@@ -165,7 +165,7 @@ def _workers_of(llm: Any) -> int:
 
 class _ActorLLM:
     """A plain `vllm.LLM` actor as the blocking `LLM` that `VllmEngine` calls: each method is a remote call
-    waited for at most `timeout` (VllmEngine runs it in a worker thread, one at a time)."""
+    waited for at most `timeout` (VllmEngine runs it in its own thread, one at a time)."""
 
     def __init__(self, actor: Any, timeout: float) -> None:
         self._actor = actor
