@@ -180,17 +180,31 @@ async def _gather_only(push: Push) -> None:
 
 
 async def _gather(push: Push, credits: anyio.Semaphore, out: MemoryObjectSendStream[Work]) -> None:
+    # On a GPU the sender's own tensors are gathered, converted and packed by launches from the loop: one chunk's
+    # stages cannot overlap another's there, only the engines' work can.
+    here = push.source.gathers_here and push.source.device.type == "cuda"
     async with out:
         for plan in push.plans:
             # No timeout here: a credit comes back when the oldest chunk is released, and every stage in between
             # has its own timeout.
             await credits.acquire()
+            if here and plan.index > 0:
+                # Depth first on one loop: the chunk before goes out before this one is gathered (it then
+                # gathers while the engines load that one). Untimed for the same reason as the credit.
+                await _taken(push, plan.index - 1).wait()
             push.chunks_alive += 1
             push.trace.sample("chunks_alive", push.chunks_alive)
             w = Work(plan)
             await _work(push, "gather", w, _gather_one)
             await out.send(w)
             push.trace.sample("queue gather→convert", out.statistics().current_buffer_used)
+
+
+def _taken(push: Push, chunk: int) -> anyio.Event:
+    ev = push.taken.get(chunk)
+    if ev is None:
+        ev = push.taken[chunk] = anyio.Event()
+    return ev
 
 
 async def _gather_one(push: Push, w: Work) -> None:
@@ -266,6 +280,7 @@ async def _send_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out: Me
             push.send_idle = False
             if push.send_took is not None:
                 push.send_took.set()
+            _taken(push, w.plan.index).set()
             if push.started is not None and not push.started.is_set():
                 # The engines' start_update runs alongside the first gathers and packs; its wait is not the send
                 # stage's time (start has its own timeout per engine). Once set, no wait: waiting on a set event

@@ -61,6 +61,13 @@ class Source(ABC):
     @abstractmethod
     async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Sequence[torch.Tensor]: ...
 
+    @property
+    def gathers_here(self) -> bool:
+        """Gathers are plain work on the event loop (the sender's own tensors: no collective, no thread). On a GPU
+        the pipeline then gathers a chunk only once the one before it went out: gathering it earlier would hold
+        the chunk before back on the same loop (an MoE chunk's gather checks thousands of parameters)."""
+        return False
+
     def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of every weight this rank holds and will contribute, for checks before a push
         (names as the trainer knows them). Empty where a source cannot say."""

@@ -504,6 +504,10 @@ class MegatronSource(Source):
         params: list[torch.Tensor] = [p for p, _ in self._local.values()]
         return self._addresses.get(params, device)
 
+    @property
+    def gathers_here(self) -> bool:
+        return not self.groups.sharded
+
     def begin_push(self) -> None:
         self._collectives = 0
         self.events = []

@@ -155,6 +155,10 @@ class ModuleSource(Source):
         return self._addresses.get(list(self._tensors.values()), device)
 
     @property
+    def gathers_here(self) -> bool:
+        return not self._distributed
+
+    @property
     def is_sender(self) -> bool:
         """With DTensors, global rank 0 sends what every rank's gathers bring together."""
         if not self._distributed:
