@@ -540,6 +540,12 @@ class WeightSync:
         async def stats() -> None:
             engine_rounds.extend(await group.round_stats(trace))
 
+        if all(e.round_answered() for e in self.engines):  # both answers are here already: no task group
+            if self.checks.reset_prefix_cache:
+                await reset()
+            if self.observers.engine_stats:
+                await stats()
+            return cache_reset, engine_rounds
         async with anyio.create_task_group() as tg:
             if self.checks.reset_prefix_cache:
                 tg.start_soon(reset)

@@ -153,6 +153,11 @@ class Engine(ABC):
         stamps, its extra memory), or None where it cannot say. The sender asks once per push, after finish."""
         return None
 
+    def round_answered(self) -> bool:
+        """The round's finish already answered `round_stats` (read without a call): the sender then asks for it and
+        the cache reset one after the other instead of in a task group."""
+        return False
+
     def defer_start(self) -> bool:
         """Asked by a push instead of `start_update`: True when the engine opens the round with the push's first
         update instead (one call into the engine fewer); `finish_update` and `abort_update` then do the right

@@ -216,6 +216,9 @@ class _Guarded(Engine):
         done, self._reset_done = self._reset_done, None
         return done
 
+    def round_answered(self) -> bool:
+        return self._stats is not None
+
     async def _set_version(self, version: str) -> None:
         if (await self.vllm_info()).native_versions:
             await self._vllm_set_version(version)
