@@ -321,6 +321,22 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines)
 
 
+def _host_cpu() -> dict[str, Any]:
+    """The host's CPU model, cores and clock as /proc/cpuinfo says: a push's fixed part is Python on this CPU, and
+    lent GPU machines of one kind differ in it."""
+    out: dict[str, Any] = {"cores": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu MHz") and key not in out:
+                    out[key] = value.strip()
+    except OSError:
+        pass
+    return out
+
+
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     bc._DEV = torch.device("cpu" if args.smoke else "cuda")
     if not args.smoke and not torch.cuda.is_available():
@@ -330,6 +346,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     rate = bc.copy_rate(nbytes=(64 << 20) if args.smoke else 4 * GiB)
     bc.log(f"vLLM {vllm.__version__}; device copy rate {rate / 1e12:.2f} TB/s (bytes read + written)")
     result: dict[str, Any] = {"machine": torch.cuda.get_device_name() if not args.smoke else "cpu (smoke)",
+                              "host_cpu": _host_cpu(),
                               "vllm": vllm.__version__, "torch": torch.__version__, "copy_rate_Bps": rate,
                               "repeat": args.repeat, "rows": []}
     with tempfile.TemporaryDirectory(prefix="streamsync-vllm-gpu-") as tmp:
