@@ -133,6 +133,9 @@ async def test_connect_with_the_model_plans_its_push_and_refuses_a_model_that_do
     assert sync.connected and (await engine.call("status"))["dirty"] is False  # connected; nothing applied
     await sync.connect(qwen_model)  # connected already: plans the model
     planned = sync.plan(qwen_model)
+    # ... and converted every chunk once, checked against the plan (a GPU source's views are then reused)
+    assert sorted(sync._checked) == [p.index for p in planned[1]]
+    assert all(sync._checked[p.index][0] is p for p in planned[1])
     report = await sync.push(qwen_model)
     assert sync.plan(qwen_model)[1] is planned[1] and report.chunks == len(planned[1])  # the push used that plan
     assert await engine.checksums() == digests(qwen_model.state_dict().items())

@@ -16,6 +16,7 @@ moves on, and that stage is timed."""
 
 from .job import STAGES, InjectedFault, Push, Work
 from .profiler import ProfilerRange
-from .stages import first_push_error, run
+from .stages import check_converted, first_push_error, run
 
-__all__ = ["STAGES", "InjectedFault", "ProfilerRange", "Push", "Work", "first_push_error", "run"]
+__all__ = ["STAGES", "InjectedFault", "ProfilerRange", "Push", "Work", "check_converted", "first_push_error",
+           "run"]

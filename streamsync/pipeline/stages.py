@@ -24,10 +24,11 @@ a packed chunk before the pack stage starts the next (`_pack_loop`), and the sen
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..engines.base import Engine
@@ -223,16 +224,24 @@ async def _convert(push: Push, w: Work) -> None:
     # cast=False: the pack stage casts floating tensors while it copies (one kernel instead of two).
     tensors = await push.source.convert(w.plan, w.gathered, cast=False)
     w.gathered = None
-    last = push.checked.get(w.plan.index)
-    if last is None or last[0] is not w.plan or last[1] is not tensors:
-        if len(tensors) != len(w.plan.specs):
-            raise ValidationError(f"converter returned {len(tensors)} tensors for {len(w.plan.specs)} specs")
-        for t, s in zip(tensors, w.plan.specs, strict=True):
-            if not castable(t.dtype, s.dtype) or (t.shape != s.shape and not fits(t, s.shape)):
-                raise ValidationError(f"tensor {s.name!r}: converted to {dtype_name(t.dtype)}{tuple(t.shape)}, "
-                                      f"plan says {dtype_name(s.dtype)}{s.shape}")
-        push.checked[w.plan.index] = (w.plan, tensors)
+    check_converted(push.checked, w.plan, tensors)
     w.tensors = tensors
+
+
+def check_converted(checked: dict[int, tuple[ChunkPlan, Sequence[torch.Tensor]]], plan: ChunkPlan,
+                    tensors: Sequence[torch.Tensor]) -> None:
+    """The converter's tensors fit the plan (count, dtype a pack may cast from, shape); a list checked before for
+    the same plan (a source's cached views: `checked`) is not checked again."""
+    last = checked.get(plan.index)
+    if last is not None and last[0] is plan and last[1] is tensors:
+        return
+    if len(tensors) != len(plan.specs):
+        raise ValidationError(f"converter returned {len(tensors)} tensors for {len(plan.specs)} specs")
+    for t, s in zip(tensors, plan.specs, strict=True):
+        if not castable(t.dtype, s.dtype) or (t.shape != s.shape and not fits(t, s.shape)):
+            raise ValidationError(f"tensor {s.name!r}: converted to {dtype_name(t.dtype)}{tuple(t.shape)}, "
+                                  f"plan says {dtype_name(s.dtype)}{s.shape}")
+    checked[plan.index] = (plan, tensors)
 
 
 async def _pack_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out: MemoryObjectSendStream[Work]) -> None:
