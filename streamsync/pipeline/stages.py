@@ -16,9 +16,10 @@ GPU push's host time.) Waiting for a queue slot or a credit is not timed: it end
 on, and that stage is timed.
 
 The sender's event loop is a resource: everything a push does on the host runs on it, so a stage's Python time
-delays the others. Two hand-offs keep the first chunk from waiting behind the second: an idle send stage takes
-a packed chunk before the pack stage starts the next (`_pack_loop`), and the send stage waits for the engines'
-`start_update` only while it has not finished (`_send_loop`).
+delays the others. Three hand-offs keep the first chunk from waiting behind the second: on a GPU, a source whose
+gathers are the sender's own tensors gathers a chunk only once the one before it went out (`_gather`); an idle
+send stage takes a packed chunk before the pack stage starts the next (`_pack_loop`); and the send stage waits
+for the engines' `start_update` only while it has not finished (`_send_loop`).
 """
 
 from __future__ import annotations
