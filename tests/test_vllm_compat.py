@@ -109,3 +109,56 @@ def test_the_mtp_check_is_disabled_where_vllm_has_one():
             from vllm.model_executor.model_loader.mtp_validation import is_mtp_completeness_check_enabled
 
             assert not is_mtp_completeness_check_enabled()
+
+
+class _FakeEngine:
+    """What `_Caller` asks of its engine: a name, a timeout and whether it is known dead."""
+
+    def __init__(self, timeout: float, dead: str | None = None) -> None:
+        self.name, self.timeout, self.dead = "fake", timeout, dead
+
+    async def _dead(self) -> str | None:
+        return self.dead
+
+
+async def test_the_engine_call_thread_answers_fails_times_out_and_ends_idle(monkeypatch):
+    """An in-process LLM's blocking calls run in the engine's own thread (`engines.vllm._Caller`): results come
+    back, errors come back as EngineErrors naming the engine, a call past the timeout is given up on (the next one
+    waits its turn), a dead engine is reported within a liveness check, and an idle thread ends and is started again
+    by the next call."""
+    import threading
+    import time
+
+    import anyio
+
+    from streamsync import EngineError
+    from streamsync.engines import vllm as ev
+
+    monkeypatch.setattr(ev, "_IDLE_S", 0.2)
+    monkeypatch.setattr(ev, "_LIVENESS_S", 0.1)
+    caller = ev._Caller("streamsync-test")
+    engine = _FakeEngine(timeout=5.0)
+    assert await caller.call(engine, "add", lambda: 1 + 1) == 2
+
+    def boom() -> None:
+        raise RuntimeError("worker said no")
+
+    with pytest.raises(EngineError, match=r"fake.*boom failed: RuntimeError: worker said no"):
+        await caller.call(engine, "boom", boom)
+
+    release = threading.Event()
+    with pytest.raises(EngineError, match=r"slow: no reply in 0\.3 s"):
+        await caller.call(_FakeEngine(timeout=0.3), "slow", lambda: release.wait(10))
+    release.set()
+    assert await caller.call(engine, "after", lambda: "next") == "next"  # queued behind the abandoned call
+
+    blocked = threading.Event()
+    with pytest.raises(EngineError, match=r"hang failed: engine process exited \(core gone\)"):
+        await caller.call(_FakeEngine(timeout=5.0, dead="core gone"), "hang", lambda: blocked.wait(10))
+    blocked.set()
+
+    deadline = time.monotonic() + 5
+    while caller._thread is not None and time.monotonic() < deadline:
+        await anyio.sleep(0.05)
+    assert caller._thread is None  # idle: ended
+    assert await caller.call(engine, "again", lambda: "served") == "served"
