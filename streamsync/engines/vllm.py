@@ -473,7 +473,7 @@ class _Caller:
                 loop.call_soon_threadsafe(_settle, fut, result, error)
             except RuntimeError:  # the caller's loop is closed: nobody waits for this answer
                 pass
-            del fut, result, error
+            del loop, fut, fn, result, error  # keep nothing of a served call while idle
 
     async def call(self, engine: _Guarded, what: str, fn: Any) -> Any:
         loop = asyncio.get_running_loop()
