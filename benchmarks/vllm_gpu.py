@@ -14,7 +14,8 @@ Cases (`--cases`, in this order by default):
         weights as it loads them; a push rebuilds each quantized module through vLLM's own processing).
   8b-1c, moe-1c     8b and moe pushed as one chunk (every tensor by reference in one engine call).
 
-Each push is timed by the wall clock around `sync.push`, after `sync.connect(trainer)` (which plans the push).
+Each push is timed by the wall clock around `sync.push`, after `sync.connect(trainer)` (which plans the push and
+sends the chunks' references ahead: its time is reported too).
 Reported per case: first push, steady push (median), floor, steady/floor and first/steady; per push, what the
 engine's workers say the round did (`PushReport.engine_paths` and `PushReport.engine_rounds`: the path its tensors
 took, fast path or layerwise reload, its timed phases and its extra device memory) and how the push reached
@@ -192,7 +193,9 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
     else:
         ckpt = shaped_checkpoint(work / key, names=args.names, **shape)
         label, kind = shape["label"], args.trainer
-        trainer = (bc.build_megatron(shape, ddp=kind == "megatron-ddp") if kind.startswith("megatron")
+        # megatron's DDP allocates its flat buffers on a CUDA device: a CPU smoke run builds the plain model
+        ddp = kind == "megatron-ddp" and torch.cuda.is_available()
+        trainer = (bc.build_megatron(shape, ddp=ddp) if kind.startswith("megatron")
                    else bc.build_module(shape))
     bc._sync()
     built = time.perf_counter() - t0
@@ -289,7 +292,8 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
            **({"trainer_side": {**on_trainer, "one_copy_floor_ms": 2 * on_trainer["fp8_bytes"] / rate * 1e3}}
               if on_trainer else {}),
            "pushes": pushes}
-    bc.log(f"  first {row['first_push_ms']:.1f} ms, steady {row['steady_push_ms']:.1f} ms (median of "
+    bc.log(f"  connect {row['connect_ms']:.0f} ms, first {row['first_push_ms']:.1f} ms, "
+           f"steady {row['steady_push_ms']:.1f} ms (median of "
            f"{len(steady)}), floor {row['one_copy_floor_ms']:.2f} ms: {row['steady_over_floor']:.2f}x; "
            f"bit-exact {exact}; paths {sorted({str(p) for p in row['path']})}")
     if on_trainer:
@@ -305,15 +309,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         vals = [x for x in v if isinstance(x, int | float)] if isinstance(v, list) else []
         return f"{max(vals) / 2**20:.0f}" if vals else "-"
 
-    head = ["case", "GB", "first ms", "steady ms", "floor ms", "steady/floor", "first/steady", "bit-exact",
-            "path", "engine calls", "engine extra MiB"]
+    head = ["case", "GB", "connect ms", "first ms", "steady ms", "floor ms", "steady/floor", "first/steady",
+            "bit-exact", "path", "engine calls", "engine extra MiB"]
     lines = [head]
     for r in rows:
         if "error" in r:
-            lines.append([r["case"], "-", "-", "-", "-", "-", "-", "-", "-", "-", r["error"][:40]])
+            lines.append([r["case"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", r["error"][:40]])
             continue
         paths = "/".join(sorted({str(p) for p in r["path"]}))
-        lines.append([r["case"], f"{r['bytes'] / 1e9:.2f}", f"{r['first_push_ms']:.1f}",
+        lines.append([r["case"], f"{r['bytes'] / 1e9:.2f}", f"{r['connect_ms']:.0f}", f"{r['first_push_ms']:.1f}",
                       f"{r['steady_push_ms']:.1f}", f"{r['one_copy_floor_ms']:.2f}", f"{r['steady_over_floor']:.2f}x",
                       f"{r['first_over_steady']:.2f}x", str(r["bit_exact"]), paths, str(r.get("engine_calls", "-")),
                       mb(r["engine_extra_bytes"])])

@@ -6,6 +6,7 @@ import asyncio
 import math
 import os
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -198,16 +199,31 @@ class WeightSync:
         source, plans = self.plan(model)
         if not (self.engines and source.is_sender and source.gathers_here):
             return
-        for p in plans:
-            try:
-                with anyio.fail_after(self.timeout):
-                    tensors = await source.convert(p, await source.gather(p), cast=False)
-            except StreamSyncError:
-                raise
-            except Exception as e:
-                raise ValidationError(f"chunk {p.index} of the model (first tensor {p.names[0]!r}) cannot be "
-                                      f"gathered and converted: {type(e).__name__}: {e}") from e
-            pipeline.check_converted(self._checked, p, tensors)
+        transport = self.transport
+        assert transport is not None
+        priming = transport.begin_prime(source, self.engines)
+        primed, ok = 0, False
+        t0 = time.perf_counter()
+        try:
+            for p in plans:
+                try:
+                    with anyio.fail_after(self.timeout):
+                        tensors = await source.convert(p, await source.gather(p), cast=False)
+                except StreamSyncError:
+                    raise
+                except Exception as e:
+                    raise ValidationError(f"chunk {p.index} of the model (first tensor {p.names[0]!r}) cannot be "
+                                          f"gathered and converted: {type(e).__name__}: {e}") from e
+                pipeline.check_converted(self._checked, p, tensors)
+                if priming:
+                    primed += int(await transport.prime(p, tensors, self.engines, self.timeout) > 0)
+            ok = True
+        finally:
+            if priming:
+                transport.end_prime(ok)
+        if primed:
+            self.log.info("references sent ahead of the first push", chunks=primed, of=len(plans),
+                          ms=round((time.perf_counter() - t0) * 1e3, 1))
 
     async def _learn(self, e: Engine) -> dict[str, Fusion] | None:
         """What engine `e` expects a push to carry, its own fused layout, and the version it holds."""

@@ -317,3 +317,34 @@ async def test_megatrons_interleaved_qkv_by_reference_goes_straight_into_a_vllm_
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
             assert not dist.is_initialized()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_connect_with_the_model_sends_its_references_ahead_and_loads_nothing(llm, model_dir):
+    """`connect(model)` with one copy hands every chunk's references to the engine's workers (they map the
+    storages and keep the views); the engine computes with its old weights until the first push, which names the
+    references by id only, exports nothing and lands exactly, and so does the next."""
+    pytest.importorskip("vllm")
+    from streamsync.engines.vllm import VllmEngine
+    from streamsync.testing.vllm import trainer_from
+    from streamsync.vllm.extension import expected_digests
+
+    engine = VllmEngine(llm, name="llm")
+    trainer = trainer_from(model_dir, step=11)
+    sync = WeightSync([engine], transport=ShmTransport(one_copy=True), chunk_bytes=1 << 20)
+    try:
+        before = await engine.weight_digests()
+        packed = await engine.packed_modules()
+        assert before != expected_digests(trainer.state_dict(), packed)
+        await sync.connect(trainer)
+        assert await engine.weight_digests() == before  # references mapped, nothing loaded
+        for step in range(2):
+            seen = _recording(engine)
+            report = await sync.push(trainer, version=sync.version + 1)
+            assert seen and all("refs_id" in h and not set(h) & {"refs", "storages"} for h in seen), seen[0]
+            assert _refs(report)["referenced"] > 0 and _refs(report)["exports"] == 0, report.trace.counts
+            assert await engine.weight_digests() == expected_digests(trainer.state_dict(), packed), step
+            perturb_(trainer, 40 + step)  # in place: the same storages
+    finally:
+        await sync.close()

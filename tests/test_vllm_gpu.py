@@ -127,7 +127,9 @@ async def test_colocated_cuda_ipc_pushes_are_bit_exact_three_times(kind, tie, gp
     trainer = _hf_trainer(model_dir) if kind == "hf" else _megatron_trainer(model_dir)
     options = {} if kind == "hf" else {"dtype": torch.bfloat16, "hf_config": _config(model_dir)}
     sync = WeightSync([engine], transport="auto", chunk_bytes=1 << 20, source_options=options)
-    await sync.connect()
+    # megatron: connected with the model, whose chunks' references the worker takes ahead (and captures their
+    # copies); hf: connected without, so its chunks are seen, captured, then replayed
+    await (sync.connect(trainer) if kind == "megatron" else sync.connect())
     assert sync.transport is not None and sync.transport.name == "cuda_ipc"
     for step in (1, 2, 3):
         _perturb_all(trainer, step)
@@ -137,8 +139,10 @@ async def test_colocated_cuda_ipc_pushes_are_bit_exact_three_times(kind, tie, gp
         (r,) = report.engine_rounds
         assert report.engine_paths == {engine.name: "fast"} and r.layerwise_tensors == 0, r
         assert r.rebuilt_modules == 0 and r.extra_bytes is not None, r
-        if kind == "hf" and step == 3:  # seen, captured, replayed: every chunk's copies are one graph launch
-            assert r.replayed_chunks == report.chunks, r
+        if kind == "megatron" or step == 3:  # every chunk's copies are one graph launch
+            assert r.replayed_chunks == report.chunks, (step, r, report.trace.counts)
+        if kind == "megatron":  # every reference went ahead: the push names them by id
+            assert report.trace.counts.get("refs.exports", 0) == 0, report.trace.counts
         await _assert_bit_exact(engine, await _hf_export(trainer, model_dir), tied=TIES[tie])
     await sync.close()
     # and layerwise reload (fast_path=False) still lands exactly

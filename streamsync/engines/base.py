@@ -153,6 +153,15 @@ class Engine(ABC):
         stamps, its extra memory), or None where it cannot say. The sender asks once per push, after finish."""
         return None
 
+    #: takes a chunk's references ahead of its first push (`prime`)
+    takes_prime: bool = False
+
+    async def prime(self, message: Mapping[str, Any]) -> bool:
+        """A chunk's references ahead of its first push (`connect(model)`, one copy; `refs.prime_chunk`): map the
+        trainer storages they name and get ready to load them, loading nothing. The chunk's updates then name the
+        references by id only. True: every worker took them."""
+        return False
+
     def round_answered(self) -> bool:
         """The round's finish already answered `round_stats` (read without a call): the sender then asks for it and
         the cache reset one after the other instead of in a task group."""

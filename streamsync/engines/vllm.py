@@ -308,6 +308,14 @@ class _Guarded(Engine):
     async def _update(self, update_info: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    takes_prime = True
+
+    async def prime(self, message: Mapping[str, Any]) -> bool:
+        """Every worker maps the chunk's references and, on a GPU, captures the fast path's copies of them as the
+        graph a push replays (`StreamSyncWeightTransferEngine.prime`), so that a first push runs like a later one."""
+        got = await self.rpc("streamsync_prime", {"streamsync": dict(message)})
+        return bool(got) and all(bool(g) for g in got)
+
     async def finish_update(self, version: int) -> None:
         if self._ended:  # the last chunk's update ended the round (`end_with_chunk`): its version is committed
             self._ended = self._touched = False

@@ -195,6 +195,20 @@ class WeightReceiver:
         self.bytes += nbytes
         return nbytes
 
+    def prime(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]] | None:
+        """A chunk sent wholly by reference, ahead of its first push (`Engine.prime`): its layout validated and
+        kept, the trainer storages its references name mapped, its views made and kept by their set's id (the
+        push names them by id only). Nothing is loaded and no round is touched. None where a round is open, the
+        transport takes no references, or the chunk packs something."""
+        if self.updating or self.transport is None or self._layout(update_info).metas:
+            return None
+        refs = self.transport.ref_views(update_info)
+        return refs or None
+
+    def packs(self, update_info: dict[str, Any]) -> bool:
+        """The chunk's layout holds packed tensors (not only references): its buffer is read."""
+        return bool(self._layout(update_info).metas)
+
     def _join(self, layout: Layout, views: Any, refs: list[tuple[TensorMeta, torch.Tensor]],
               loader: Loader) -> tuple[Any, tuple[TensorMeta, ...], bool]:
         """(views, metas, whether any is a part): the packed views, then the tensors sent by reference (one

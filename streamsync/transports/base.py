@@ -116,6 +116,21 @@ class Transport(ABC):
         reference (none with `by_reference=False`: every tensor packed, for a buffer another transport reads
         too). Called before the first `allocate`."""
 
+    def begin_prime(self, source: Source, engines: Sequence[Engine]) -> bool:
+        """`connect(model)` is about to hand over the model's chunks (`prime`): True where this transport sends
+        some chunks' references ahead of the first push (one copy, and an engine that takes them:
+        `Engine.takes_prime`); `end_prime` follows either way. Default: nothing is primed."""
+        return False
+
+    async def prime(self, plan: ChunkPlan, tensors: Sequence[torch.Tensor], engines: Sequence[Engine],
+                    timeout: float) -> int:
+        """Send chunk `plan`'s references (its converted `tensors` are the source's own views) ahead of its first
+        push, to the engines that take them; returns how many did. Nothing is loaded."""
+        return 0
+
+    def end_prime(self, ok: bool) -> None:  # noqa: B027 - optional hook
+        """The chunks were handed over (`ok`), or priming stopped half-way."""
+
     @abstractmethod
     def allocate(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor]) -> SendBuffer:
         """The chunk's buffer, once its converted tensors are known: at least the bytes it will pack."""

@@ -31,7 +31,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import torch
@@ -41,6 +41,9 @@ from ..errors import ValidationError
 from ..message import ChunkHandle, Recipient, UpdateMessage
 from ..pack import Layout, TensorMeta, dtype_from_name, dtype_name, plan_layout
 from ..plan.chunk import ChunkPlan, layout_key
+
+if TYPE_CHECKING:
+    from ..engines.base import Engine
 
 _TOKEN = re.compile(r"^[0-9a-f]{8,64}$")
 _MAX_INT = 1 << 50
@@ -350,6 +353,28 @@ def handles_with_refs(refs: References, cr: ChunkRefs | None,
     c = cr.compact
     return [ChunkHandle({**b, **refs.fields(cr, i)}, c.layout, c.layout_json, c.layout_key)
             for i, b in enumerate(bases)]
+
+
+async def prime_chunk(refs: References, plan: ChunkPlan, tensors: Sequence[torch.Tensor], dev: torch.device,
+                      engines: Sequence[Engine], timeout: float) -> int:
+    """Send a chunk's references ahead of its first push to every engine that takes them (`Engine.prime`):
+    those engines map the storages and build the views now, and the first push names the chunk's reference set
+    by its id only. Only a chunk sent wholly by reference (nothing to pack, so no buffer) is primed. Between
+    the transport's `begin_push` and `end_push`, like a push's chunks; returns the engines that took it."""
+    cr = refs.chunk(plan, tensors, dev)
+    if cr is None or cr.compact.packed:
+        return 0
+    took = 0
+    for i, e in enumerate(engines):
+        if not e.takes_prime:
+            continue
+        info = {"chunk": plan.index, "layout_key": cr.compact.layout_key, "layout": cr.compact.layout_json,
+                "handle": refs.fields(cr, i)}
+        with anyio.fail_after(timeout):
+            if await e.prime(info):
+                refs.acknowledged(cr, i)
+                took += 1
+    return took
 
 
 async def deliver(refs: References, cr: ChunkRefs | None, messages: Sequence[UpdateMessage],

@@ -176,9 +176,6 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         hold = set(info.get("hold") or ())
         chunk = info.get("chunk")
         chunk = chunk if isinstance(chunk, int) else None
-        handle = info.get("handle")
-        # the chunk as the receiver caches it: its layout, the buffer it arrived in, the trainer storages it names
-        key = (info.get("layout_key"), handle.get("token"), handle.get("refs_id")) if isinstance(handle, dict) else None
 
         def keep(name: str) -> bool:
             # Layerwise reload buffers a layer's tensors until the layer is complete, and defers some layers
@@ -192,6 +189,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             if self.record_digests:
                 self.received_digests.update((n, tensor_digest(self._hf(n, t))) for n, t in weights)
             rnd = self._round
+            key = self._chunk_key(info) if rnd is not None and self.device.type == "cuda" else None
             if rnd is not None and key is not None and self.device.type == "cuda":
                 with self.log.phase("map", chunk):
                     ready = self.graphs.ready(key, rnd, weights)
@@ -231,6 +229,42 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         # reference) come as they are: the fast path copies them straight into the engine's tensors, and only the
         # layerwise rest is reshaped (`_hf`). Otherwise the receiver reshapes them all.
         self.rx.update(update_info.streamsync, _TakesBlocked(load) if self.fast.specs is not None else load)
+
+    def _chunk_key(self, info: dict[str, Any]) -> tuple | None:
+        """The chunk as its captured loads are kept: its layout, the buffer it arrived in where it packs anything,
+        the trainer storages it names (its reference set). A chunk sent wholly by reference reads no buffer: its
+        key is the same whichever buffer the sender took for it (the one `prime` captured for)."""
+        handle = info.get("handle")
+        if not isinstance(handle, dict):
+            return None
+        return (info.get("layout_key"), handle.get("token") if self.rx.packs(info) else None, handle.get("refs_id"))
+
+    def prime(self, info: dict[str, Any]) -> bool:
+        """A chunk sent wholly by reference, ahead of its first push (`Engine.prime`): the receiver maps its
+        storages and keeps its views (`WeightReceiver.prime`); where every tensor of it goes straight into the
+        engine's own tensors on a GPU, its copies are captured as the graph its pushes replay, so a first push
+        runs like a later one. Loads nothing. False where this worker does not take it (a round is open, no fast
+        path for it: the push then carries the references)."""
+        if self._reloading:
+            return False
+        refs = self.rx.prime(info)
+        if refs is None:
+            return False
+        if not (self.fast_path and self.fast.specs is not None and self.device.type == "cuda"):
+            return True  # the references are mapped; loads run as on any first push
+        if any(m.part is not None for m, _ in refs):
+            return True  # parts are staged into a copy before they load: nothing to capture
+        plan, traced = self.fast.ensure()
+        if plan is None:
+            return True
+        if traced:
+            self.graphs.clear()  # captured against the plan traced before
+        rnd = FastRound(plan)
+        fast, slow = rnd.split([(m.name, t) for m, t in refs])
+        key = self._chunk_key(info)
+        if fast and not slow and key is not None:
+            self.graphs.prime(key, rnd, fast)
+        return True
 
     def _hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """`t` in its HF shape: a blocked view reshaped (a copy where its strides allow no view)."""

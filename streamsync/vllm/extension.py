@@ -222,6 +222,15 @@ class StreamSyncWorkerExtension:
             engine.log.phases.append(span)
         return None
 
+    def streamsync_prime(self, update_info: dict[str, Any] | str) -> bool:
+        """A chunk's references ahead of its first push (`StreamSyncWeightTransferEngine.prime`); False where this
+        worker has no streamsync backend or does not take them."""
+        if isinstance(update_info, str):  # over HTTP: JSON
+            update_info = json.loads(update_info)
+        engine = _backend(self)
+        info = update_info.get("streamsync") if isinstance(update_info, dict) else None
+        return engine is not None and isinstance(info, dict) and engine.prime(info)
+
     def streamsync_finish_update(self, *asks: str) -> dict[str, Any] | None:
         """vLLM's `finish_weight_update` in this worker, answered with what the round did here
         (`streamsync_round_stats`): the sender's finish and its question in one call. `asks` are for the engine

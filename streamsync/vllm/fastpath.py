@@ -841,8 +841,20 @@ class CapturedLoads:
         self._seen[key] = _Capture(rnd.plan, sources, None)
         return False
 
+    def prime(self, key: object, rnd: FastRound, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]]) -> bool:
+        """Capture chunk `key`'s copies ahead of its first push (its references sent at connect), without making
+        them: that push replays the graph like any later one. True: captured (now or before)."""
+        sources = tuple(_TB.data_ptr(src) for _, src in fast)
+        seen = self._seen.get(key)
+        same = seen is not None and seen.plan is rnd.plan and seen.sources == sources
+        if same and seen is not None and (seen.failed or seen.graph is not None):
+            return seen.graph is not None
+        if len(self._seen) >= self.limit:
+            self._seen.clear()
+        return self._capture(key, rnd, fast, sources, run=False)
+
     def _capture(self, key: object, rnd: FastRound, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]],
-                 sources: tuple[int, ...]) -> bool:
+                 sources: tuple[int, ...], run: bool = True) -> bool:
         from ..receiver import kernels
 
         if not self.capturable(fast):
@@ -897,7 +909,8 @@ class CapturedLoads:
         table = copies.captured() if copies is not None else None
         self._seen[key] = _Capture(rnd.plan, sources, graph, counts=counts, table=table)
         self.captured += 1
-        graph.replay()  # capturing recorded the copies without making them
+        if run:
+            graph.replay()  # capturing recorded the copies without making them
         return True
 
     def clear(self) -> None:

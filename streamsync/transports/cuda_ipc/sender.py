@@ -16,7 +16,7 @@ from ...pack import ALIGN, Layout, batched, castable, coalesce, dtype_from_name,
 from ...plan.chunk import ChunkPlan
 from ..base import SendBuffer, Transport
 from ..pool import BufferPool, PoolBuffer, captured
-from ..refs import Export, References, deliver, handles_with_refs
+from ..refs import Export, References, deliver, handles_with_refs, prime_chunk
 from . import driver as cuda_driver
 from .handle import PROCESS_ID, export_handle, gpu_uuid
 
@@ -122,6 +122,12 @@ class CudaIpcTransport(Transport):
         torch.cuda.ipc_collect()  # free buffers dropped earlier whose receivers have let go since
         self._engines = len(engines)
         self.counts = defaultdict(float)
+        self._begin_refs(source, engines, by_reference)
+        # With references a chunk's buffer holds only its packed part: buffers grow to what chunks need
+        # (pool.take) instead of every buffer taking the largest chunk's size.
+        self.pool.begin(self.pool.size if self.refs.persistent else max(p.nbytes for p in plans))
+
+    def _begin_refs(self, source: Source, engines: Sequence[Engine], by_reference: bool = True) -> None:
         referenced = self.one_copy and by_reference and all(e.workers == 1 for e in engines)
         self.refs.begin_push(source.local_addresses(self.pool.device) if referenced else set())
         # Segments the caching allocator gave back to the driver since the last push: only then can an address a
@@ -129,9 +135,19 @@ class CudaIpcTransport(Transport):
         freed = _segments_freed(self.pool.device)
         self._segments_freed = freed != self._freed_seen
         self._freed_seen = freed
-        # With references a chunk's buffer holds only its packed part: buffers grow to what chunks need
-        # (pool.take) instead of every buffer taking the largest chunk's size.
-        self.pool.begin(self.pool.size if self.refs.persistent else max(p.nbytes for p in plans))
+
+    def begin_prime(self, source: Source, engines: Sequence[Engine]) -> bool:
+        if not (self.one_copy and any(e.takes_prime for e in engines)) or not torch.cuda.is_available():
+            return False
+        self._begin_refs(source, engines)
+        return bool(self.refs.persistent)
+
+    async def prime(self, plan: ChunkPlan, tensors: Sequence[torch.Tensor], engines: Sequence[Engine],
+                    timeout: float) -> int:
+        return await prime_chunk(self.refs, plan, tensors, self.pool.device, engines, timeout)
+
+    def end_prime(self, ok: bool) -> None:
+        self.refs.end_push(ok)
 
     # StorageExporter (refs.References)
     def export(self, t: torch.Tensor) -> tuple[dict[str, Any], Any]:

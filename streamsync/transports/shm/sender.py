@@ -16,7 +16,7 @@ from ...pack import ALIGN, Layout
 from ...plan.chunk import ChunkPlan
 from ..base import SendBuffer, Transport
 from ..pool import BufferPool
-from ..refs import Export, References, deliver, handles_with_refs, storage_address
+from ..refs import Export, References, deliver, handles_with_refs, prime_chunk, storage_address
 from .segments import TORCH_SHM_LINK, Segment, create_segment, destroy_segment
 
 if TYPE_CHECKING:
@@ -109,6 +109,20 @@ class ShmTransport(Transport):
         # One size, so every segment fits every chunk; with references a segment holds only a chunk's packed
         # part, and segments grow to what chunks need (pool.take).
         self.pool.begin(self.pool.size if self.refs.persistent else max(p.nbytes for p in plans))
+
+    def begin_prime(self, source: Source, engines: Sequence[Engine]) -> bool:
+        if not (self.one_copy and any(e.takes_prime for e in engines)):
+            return False
+        self.refs.begin_push(self._shareable(source))
+        return bool(self.refs.persistent)
+
+    async def prime(self, plan: ChunkPlan, tensors: Sequence[torch.Tensor], engines: Sequence[Engine],
+                    timeout: float) -> int:
+        return await prime_chunk(self.refs, plan, tensors, torch.device("cpu"), engines, timeout)
+
+    def end_prime(self, ok: bool) -> None:
+        self._shared = {}
+        self.refs.end_push(ok)
 
     def _shareable(self, source: Source) -> set[int]:
         self._shared = {}
