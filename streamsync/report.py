@@ -70,7 +70,9 @@ class EngineRound:
                     `call`: the calls that opened and ended the round, whole, around the others)
     extra_bytes:    memory the round took above what the worker held at its start (None: not measured); `memory`
                     says how it was measured
-    replayed_chunks: chunks whose fast-path copies were one replayed CUDA graph (`fastpath.CapturedLoads`)
+    replayed_chunks: CUDA graphs replayed (`fastpath.CapturedLoads`): one per chunk, or one per part where a chunk
+                    both packs and references tensors (the parts are captured apart)
+    replayed_tensors: the tensors those graphs copied (fast-path tensors not copied one by one)
     """
 
     engine: str
@@ -88,6 +90,7 @@ class EngineRound:
     #: (phase, chunk or None, start, end): wall-clock seconds (`time.time`) in the worker
     phases: tuple[tuple[str, int | None, float, float], ...] = field(default=(), repr=False)
     replayed_chunks: int = 0
+    replayed_tensors: int = 0
 
     @classmethod
     def from_wire(cls, engine: str, d: Mapping[str, Any]) -> EngineRound:
@@ -115,7 +118,7 @@ class EngineRound:
         return cls(engine, num("rank"), path, num("fast_tensors"), num("layerwise_tensors"), num("fast_bytes"),
                    num("layerwise_bytes"), num("rebuilt_modules"), bool(d.get("traced")), ms,
                    extra if isinstance(extra, int) and not isinstance(extra, bool) else None,
-                   str(d.get("memory") or ""), tuple(phases), num("replayed_chunks"))
+                   str(d.get("memory") or ""), tuple(phases), num("replayed_chunks"), num("replayed_tensors"))
 
     def to_dict(self) -> dict[str, Any]:
         # shallow (every field but `phase_ms` is immutable): `asdict` deep-copies the phases only to drop them

@@ -105,6 +105,9 @@ class WeightReceiver:
         self._touched = 0.0
         #: what deltas apply onto (kept only for senders that push deltas)
         self.base = BaseCopy()
+        #: the update being loaded, where its loader gets the packed views then the references as they came:
+        #: (packed tensors, referenced tensors); None otherwise (a delta, parts)
+        self.joined_split: tuple[int, int] | None = None
 
     @property
     def clean_version(self) -> int | None:
@@ -174,6 +177,7 @@ class WeightReceiver:
                 raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
             views: Iterable[tuple[str, torch.Tensor]] = self.transport.views(buf, layout)
             views, metas, parts = self._join(layout, views, refs, loader)
+            self.joined_split = (len(layout.metas), len(refs)) if delta is None and not parts else None
             if delta is not None and "base" in delta:
                 loader.load(self.base.apply(views, delta))
             elif delta is not None:  # a full push of a delta sender: keep what is loaded
@@ -196,18 +200,13 @@ class WeightReceiver:
         return nbytes
 
     def prime(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]] | None:
-        """A chunk sent wholly by reference, ahead of its first push (`Engine.prime`): its layout validated and
-        kept, the trainer storages its references name mapped, its views made and kept by their set's id (the
-        push names them by id only). Nothing is loaded and no round is touched. None where a round is open, the
-        transport takes no references, or the chunk packs something."""
-        if self.updating or self.transport is None or self._layout(update_info).metas:
+        """A chunk's references ahead of its first push (`Engine.prime`): the trainer storages they name mapped,
+        their views made and kept by their set's id (the push names them by id only). Nothing is loaded and no
+        round is touched. None where a round is open or the transport takes no references."""
+        if self.updating or self.transport is None:
             return None
         refs = self.transport.ref_views(update_info)
         return refs or None
-
-    def packs(self, update_info: dict[str, Any]) -> bool:
-        """The chunk's layout holds packed tensors (not only references): its buffer is read."""
-        return bool(self._layout(update_info).metas)
 
     def _join(self, layout: Layout, views: Any, refs: list[tuple[TensorMeta, torch.Tensor]],
               loader: Loader) -> tuple[Any, tuple[TensorMeta, ...], bool]:

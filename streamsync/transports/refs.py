@@ -359,17 +359,16 @@ async def prime_chunk(refs: References, plan: ChunkPlan, tensors: Sequence[torch
                       engines: Sequence[Engine], timeout: float) -> int:
     """Send a chunk's references ahead of its first push to every engine that takes them (`Engine.prime`):
     those engines map the storages and build the views now, and the first push names the chunk's reference set
-    by its id only. Only a chunk sent wholly by reference (nothing to pack, so no buffer) is primed. Between
-    the transport's `begin_push` and `end_push`, like a push's chunks; returns the engines that took it."""
+    by its id only (its packed part, if any, goes as in any push). Between the transport's `begin_push` and
+    `end_push`, like a push's chunks; returns the engines that took it."""
     cr = refs.chunk(plan, tensors, dev)
-    if cr is None or cr.compact.packed:
+    if cr is None:
         return 0
     took = 0
     for i, e in enumerate(engines):
         if not e.takes_prime:
             continue
-        info = {"chunk": plan.index, "layout_key": cr.compact.layout_key, "layout": cr.compact.layout_json,
-                "handle": refs.fields(cr, i)}
+        info = {"chunk": plan.index, "handle": refs.fields(cr, i)}
         with anyio.fail_after(timeout):
             if await e.prime(info):
                 refs.acknowledged(cr, i)

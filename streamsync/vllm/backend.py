@@ -81,7 +81,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self._reloading = False
         self._traced = False
         self._shared: tuple[object, list[tuple[str, torch.nn.Module]]] | None = None
-        self._counts: dict[str, list[int]] = {"fast": [0, 0], "layerwise": [0, 0]}  # path -> [tensors, bytes]
+        # path (and the fast tensors graphs replayed) -> [tensors, bytes]
+        self._counts: dict[str, list[int]] = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0]}
         #: the worker keeps the weight version (vLLM keeps none, or WORKER_VERSIONS_ENV asks for it)
         self.keeps_version = not compat.native_weight_version()
         self.weight_version = "default"  # vLLM's own initial version string
@@ -141,7 +142,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.rx.start()
         self.received_digests = {}
         self._round_version = None
-        self._counts = {"fast": [0, 0], "layerwise": [0, 0]}
+        self._counts = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0]}
         self._replayed0 = self.graphs.replayed
         self.log.begin()
         with self.log.phase("map"):
@@ -189,16 +190,28 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             if self.record_digests:
                 self.received_digests.update((n, tensor_digest(self._hf(n, t))) for n, t in weights)
             rnd = self._round
-            key = self._chunk_key(info) if rnd is not None and self.device.type == "cuda" else None
-            if rnd is not None and key is not None and self.device.type == "cuda":
+            on_gpu = rnd is not None and self.device.type == "cuda"
+            slow: list[tuple[str, torch.Tensor]] = []
+            for key, part in (self._parts(info, weights) if on_gpu else [(None, weights)]):
+                slow += load_part(rnd, key, part)
+            if slow:
+                with self.log.phase("load", chunk):
+                    self._load_layerwise([(n, t.clone() if keep(n) else t) for n, t in slow])
+
+        def load_part(rnd: FastRound | None, key: tuple | None, weights: list[tuple[str, torch.Tensor]]
+                      ) -> list[tuple[str, torch.Tensor]]:
+            """Load what goes straight into the engine's tensors (a captured graph's replay where one is ready);
+            return the rest, for layerwise reload."""
+            if rnd is not None and key is not None:
                 with self.log.phase("map", chunk):
                     ready = self.graphs.ready(key, rnd, weights)
-                if ready is not None:  # every tensor of the chunk copied by the graph's one launch
+                if ready is not None:  # every tensor of the part copied by the graph's one launch
                     with self.log.phase("load", chunk):
                         n, nbytes = self.graphs.replay(ready)
                     self._counts["fast"][0] += n
                     self._counts["fast"][1] += nbytes
-                    return
+                    self._counts["replayed"][0] += n
+                    return []
             with self.log.phase("map", chunk):
                 fast: list[Any]
                 if rnd is None:
@@ -209,10 +222,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                 self._count("fast", [t for _, t in fast])
                 self._count("layerwise", [t for _, t in slow])
                 slow = self.fast.unfuse([(n, self._hf(n, t)) for n, t in slow])
-            with self.log.phase("load", chunk) as load_phase:
-                if rnd is not None and fast:
-                    graphed = (self.device.type == "cuda" and not slow and key is not None
-                               and self.graphs.load(key, rnd, fast))
+            if rnd is not None and fast:
+                with self.log.phase("load", chunk) as load_phase:
+                    graphed = not slow and key is not None and self.graphs.load(key, rnd, fast)
                     if not graphed:
                         # each rebuilt module processed once complete (its own phase, cut out of the load's)
                         fast_round = rnd
@@ -222,29 +234,40 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                                 fast_round.process(modules)
 
                         rnd.load(fast, process)
-                if slow:
-                    self._load_layerwise([(n, t.clone() if keep(n) else t) for n, t in slow])
+            return slow
 
         # Where this worker knows every tensor's HF shape, blocked views (Q of megatron's interleaved QKV, sent by
         # reference) come as they are: the fast path copies them straight into the engine's tensors, and only the
         # layerwise rest is reshaped (`_hf`). Otherwise the receiver reshapes them all.
         self.rx.update(update_info.streamsync, _TakesBlocked(load) if self.fast.specs is not None else load)
 
-    def _chunk_key(self, info: dict[str, Any]) -> tuple | None:
-        """The chunk as its captured loads are kept: its layout, the buffer it arrived in where it packs anything,
-        the trainer storages it names (its reference set). A chunk sent wholly by reference reads no buffer: its
-        key is the same whichever buffer the sender took for it (the one `prime` captured for)."""
+    def _parts(self, info: dict[str, Any], weights: list[tuple[str, torch.Tensor]]
+               ) -> list[tuple[tuple | None, list[tuple[str, torch.Tensor]]]]:
+        """The chunk's tensors in the parts its captured loads are kept by, each with its key: the packed part by
+        its layout and the buffer it arrived in, the referenced part by its reference set (the trainer storages
+        it names), so a graph captured for the references at connect (`prime`) serves whichever buffer the
+        packed part comes in. A chunk loaded otherwise (a delta, split tensors) is one part, keyed by all three."""
         handle = info.get("handle")
         if not isinstance(handle, dict):
-            return None
-        return (info.get("layout_key"), handle.get("token") if self.rx.packs(info) else None, handle.get("refs_id"))
+            return [(None, weights)]
+        layout, token, rid = info.get("layout_key"), handle.get("token"), handle.get("refs_id")
+        split = self.rx.joined_split
+        if split is None or sum(split) != len(weights) or (split[1] and not isinstance(rid, str)):
+            return [((layout, token, rid), weights)]
+        n = split[0]
+        parts: list[tuple[tuple | None, list[tuple[str, torch.Tensor]]]] = []
+        if n:
+            parts.append((("packed", layout, token), weights[:n] if n < len(weights) else weights))
+        if n < len(weights):
+            parts.append((("refs", rid), weights[n:] if n else weights))
+        return parts
 
     def prime(self, info: dict[str, Any]) -> bool:
-        """A chunk sent wholly by reference, ahead of its first push (`Engine.prime`): the receiver maps its
-        storages and keeps its views (`WeightReceiver.prime`); where every tensor of it goes straight into the
-        engine's own tensors on a GPU, its copies are captured as the graph its pushes replay, so a first push
-        runs like a later one. Loads nothing. False where this worker does not take it (a round is open, no fast
-        path for it: the push then carries the references)."""
+        """A chunk's references ahead of its first push (`Engine.prime`): the receiver maps their storages and
+        keeps their views (`WeightReceiver.prime`); where every one of them goes straight into the engine's own
+        tensors on a GPU, their copies are captured as the graph the chunk's pushes replay (`_parts`), so a first
+        push runs like a later one. Loads nothing. False where this worker does not take them (a round is open:
+        the push then carries the references)."""
         if self._reloading:
             return False
         refs = self.rx.prime(info)
@@ -261,9 +284,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             self.graphs.clear()  # captured against the plan traced before
         rnd = FastRound(plan)
         fast, slow = rnd.split([(m.name, t) for m, t in refs])
-        key = self._chunk_key(info)
-        if fast and not slow and key is not None:
-            self.graphs.prime(key, rnd, fast)
+        rid = info.get("handle", {}).get("refs_id")
+        if fast and not slow and isinstance(rid, str):
+            self.graphs.prime(("refs", rid), rnd, fast)
         return True
 
     def _hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -317,7 +340,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             path="fast" if fast and not slow else "layerwise" if slow and not fast else "mixed" if fast else "none",
             fast_tensors=fast, layerwise_tensors=slow, fast_bytes=self._counts["fast"][1],
             layerwise_bytes=self._counts["layerwise"][1], rebuilt_modules=rnd.rebuilt if rnd is not None else 0,
-            traced=self._traced, fast_path=self.fast_path, replayed_chunks=self.graphs.replayed - self._replayed0)
+            traced=self._traced, fast_path=self.fast_path, replayed_chunks=self.graphs.replayed - self._replayed0,
+            replayed_tensors=self._counts["replayed"][0])
 
     def _count(self, path: str, tensors: list[torch.Tensor]) -> None:
         c = self._counts[path]
