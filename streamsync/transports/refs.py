@@ -17,7 +17,8 @@ its one storage-specific hook:
 
 Wire format (inside a chunk's handle): `refs_id` (hex token), and the first time an engine sees that set,
 `refs`: a list of `[hf name, dtype, hf shape, storage token, byte offset, view shape, view strides(, part)]`,
-and `storages`: {token: export data} for the storages the engine has not had yet. The packed part's own
+and `storages`: {token: export data} for the storages the engine has not had yet. The same fields may go
+ahead of a chunk's first push, alone (`prime_chunk`, at connect), for the engine to map and keep. The packed part's own
 layout replaces the plan's in the update (`ChunkHandle.layout`). The module docs of `cuda_ipc` and `shm` say
 how each transport exports and maps a storage.
 """

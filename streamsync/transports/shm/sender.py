@@ -62,8 +62,9 @@ class ShmTransport(Transport):
 
     one_copy: send tensors that are plain views of the source's own CPU storages by reference (package doc):
     the receiver copies them once, out of the trainer's memory, and the trainer packs only the rest. Side
-    effect: before the first such push every CPU parameter and buffer of the source that is not in shared
-    memory yet is moved there in place (`share_memory_()`; one copy of the model, logged): it then lives in
+    effect: before the first such push (or at `connect(model)`, which sends references ahead to engines that
+    take them) every CPU parameter and buffer of the source that is not in shared memory yet is moved there in
+    place (`share_memory_()`; one copy of the model, logged): it then lives in
     `/dev/shm` (counted against that filesystem's size; the sender packs instead, with a warning, where
     `/dev/shm` has no room for it), and stays there after the sync closes. torch cannot grow a storage in
     shared memory in place (`t.resize_(larger)` crashes the process in torch 2.x): replace such a parameter
