@@ -346,5 +346,13 @@ async def test_connect_with_the_model_sends_its_references_ahead_and_loads_nothi
             assert _refs(report)["referenced"] > 0 and _refs(report)["exports"] == 0, report.trace.counts
             assert await engine.weight_digests() == expected_digests(trainer.state_dict(), packed), step
             perturb_(trainer, 40 + step)  # in place: the same storages
+        await sync.connect(trainer)  # again: the references the engine holds are named by id, nothing is loaded
+        assert await engine.weight_digests() != expected_digests(trainer.state_dict(), packed)
+        # a parameter replaced after connect: its new storage goes by a new reference, the rest by id
+        p = trainer.get_submodule("model.layers.0.mlp.down_proj").weight
+        p.data = p.data.clone() * 2
+        report = await sync.push(trainer, version=sync.version + 1)
+        assert _refs(report)["exports"] == 1, report.trace.counts
+        assert await engine.weight_digests() == expected_digests(trainer.state_dict(), packed)
     finally:
         await sync.close()
