@@ -145,7 +145,7 @@ class WorkerGroup(Engine):
             try:
                 out[i] = await fn(i, m)
             except Exception as e:  # name the worker: the task group would hide it in an ExceptionGroup
-                raise EngineError(f"engine {self.name!r} worker {i} ({m.name}): {e}") from e
+                raise EngineError(self.name, f"worker {i} ({m.name}): {e}") from e
 
         try:
             async with anyio.create_task_group() as tg:

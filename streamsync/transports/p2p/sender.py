@@ -273,15 +273,22 @@ class P2pTransport(Transport):
                   chunk: int) -> None:
         """Post every segment of this rank's bucket, then wait for each (a send completes once its worker
         received it), within the group timeout."""
+        def failed(engine: str, worker: int, e: RuntimeError) -> EngineError:
+            return EngineError(engine, f"trainer rank {self.rank}: send of bucket {chunk} to worker {worker} "
+                               f"failed or timed out ({self._timeout:.1f}s): {e}", unresponsive=True)
+
         works = []
         for (engine, worker), off, n in sends:
-            works.append(((engine, worker), self._pg.send([tensor[off:off + n]], self._dest_rank(engine, worker), seq)))
+            try:  # posting fails at once where gloo already saw the worker's connection close
+                works.append(((engine, worker), self._pg.send([tensor[off:off + n]], self._dest_rank(engine, worker),
+                                                              seq)))
+            except RuntimeError as e:
+                raise failed(engine, worker, e) from e
         for (engine, worker), w in works:
             try:
                 w.wait(timedelta(seconds=self._timeout))
             except RuntimeError as e:
-                raise EngineError(engine, f"trainer rank {self.rank}: send of bucket {chunk} to worker {worker} "
-                                  f"failed or timed out ({self._timeout:.1f}s): {e}", unresponsive=True) from e
+                raise failed(engine, worker, e) from e
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
 
