@@ -194,36 +194,39 @@ class WeightSync:
     async def _prepare(self, model: object) -> None:
         """`connect(model)`: plan the model's push and, where a gather is the sender's own tensors (no collective),
         gather and convert every chunk once, so that the first push finds the views the source keeps between
-        pushes (an MoE's thousands) made and checked against the plan. No byte moves; a push checks again that
-        every tensor is still where it was."""
-        source, plans = self.plan(model)
-        if not (self.engines and source.is_sender and source.gathers_here):
-            return
-        transport = self.transport
-        assert transport is not None
-        priming = transport.begin_prime(source, self.engines)
-        primed, ok = 0, False
-        t0 = time.perf_counter()
-        try:
-            for p in plans:
-                try:
-                    with anyio.fail_after(self.timeout):
-                        tensors = await source.convert(p, await source.gather(p), cast=False)
-                except StreamSyncError:
-                    raise
-                except Exception as e:
-                    raise ValidationError(f"chunk {p.index} of the model (first tensor {p.names[0]!r}) cannot be "
-                                          f"gathered and converted: {type(e).__name__}: {e}") from e
-                pipeline.check_converted(self._checked, p, tensors)
+        pushes (an MoE's thousands) made and checked against the plan, and send each chunk's references ahead to
+        the engines that take them (`Transport.prime`; not with deltas, whose pushes reference nothing). No byte
+        moves; a push checks again that every tensor is still where it was. Holds the push lock: the source's and
+        the transport's per-push state are a push's own."""
+        async with self._lock:
+            source, plans = self.plan(model)
+            if not (self.engines and source.is_sender and source.gathers_here):
+                return
+            transport = self.transport
+            assert transport is not None
+            priming = not self._delta_on and transport.begin_prime(source, self.engines)
+            primed, ok = 0, False
+            t0 = time.perf_counter()
+            try:
+                for p in plans:
+                    try:
+                        with anyio.fail_after(self.timeout):
+                            tensors = await source.convert(p, await source.gather(p), cast=False)
+                    except StreamSyncError:
+                        raise
+                    except Exception as e:
+                        raise ValidationError(f"chunk {p.index} of the model (first tensor {p.names[0]!r}) cannot "
+                                              f"be gathered and converted: {type(e).__name__}: {e}") from e
+                    pipeline.check_converted(self._checked, p, tensors)
+                    if priming:
+                        primed += int(await transport.prime(p, tensors, self.engines, self.timeout) > 0)
+                ok = True
+            finally:
                 if priming:
-                    primed += int(await transport.prime(p, tensors, self.engines, self.timeout) > 0)
-            ok = True
-        finally:
-            if priming:
-                transport.end_prime(ok)
-        if primed:
-            self.log.info("references sent ahead of the first push", chunks=primed, of=len(plans),
-                          ms=round((time.perf_counter() - t0) * 1e3, 1))
+                    transport.end_prime(ok)
+            if primed:
+                self.log.info("references sent ahead of the first push", chunks=primed, of=len(plans),
+                              ms=round((time.perf_counter() - t0) * 1e3, 1))
 
     async def _learn(self, e: Engine) -> dict[str, Fusion] | None:
         """What engine `e` expects a push to carry, its own fused layout, and the version it holds."""

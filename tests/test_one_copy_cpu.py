@@ -356,3 +356,43 @@ async def test_connect_with_the_model_sends_its_references_ahead_and_loads_nothi
         assert await engine.weight_digests() == expected_digests(trainer.state_dict(), packed)
     finally:
         await sync.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_references_go_ahead_neither_with_deltas_nor_past_an_engine_that_cannot_take_them(llm, model_dir,
+                                                                                                  monkeypatch):
+    """A delta sync's pushes reference nothing, so its connect sends nothing ahead (and moves nothing into shared
+    memory). An engine whose workers cannot take references ahead (an older worker extension) fails nothing: the
+    connect goes on, and the first push carries the references and lands exactly."""
+    pytest.importorskip("vllm")
+    from streamsync.engines.vllm import VllmEngine
+    from streamsync.errors import EngineError
+    from streamsync.testing.vllm import trainer_from
+    from streamsync.vllm.extension import expected_digests
+
+    trainer = trainer_from(model_dir, step=12)
+    transport = ShmTransport(one_copy=True)
+    sync = WeightSync([VllmEngine(llm, name="llm")], transport=transport, chunk_bytes=1 << 20, delta=True)
+    try:
+        await sync.connect(trainer)
+        assert sync.delta_on and transport.moved_bytes == 0
+    finally:
+        await sync.close()
+
+    engine = VllmEngine(llm, name="llm")
+
+    async def refuse(message):
+        raise EngineError(engine.name, "collective_rpc: no method streamsync_prime")
+
+    monkeypatch.setattr(engine, "prime", refuse)
+    sync = WeightSync([engine], transport=ShmTransport(one_copy=True), chunk_bytes=1 << 20)
+    try:
+        await sync.connect(trainer)
+        seen = _recording(engine)
+        report = await sync.push(trainer, version=sync.version + 1)
+        assert seen and all("refs" in h for h in seen) and any("storages" in h for h in seen), seen[0]
+        assert _refs(report)["referenced"] > 0
+        assert await engine.weight_digests() == expected_digests(trainer.state_dict(), await engine.packed_modules())
+    finally:
+        await sync.close()

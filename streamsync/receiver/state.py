@@ -205,7 +205,7 @@ class WeightReceiver:
         round is touched. None where a round is open or the transport takes no references."""
         if self.updating or self.transport is None:
             return None
-        refs = self.transport.ref_views(update_info)
+        refs = self.transport.ref_views(update_info, in_round=False)
         return refs or None
 
     def _join(self, layout: Layout, views: Any, refs: list[tuple[TensorMeta, torch.Tensor]],

@@ -216,9 +216,10 @@ class Receiver(ABC):
         """(name, view) of every tensor of the chunk in `buf` (the tensor `open` yielded)."""
         return unpack(buf, layout)
 
-    def ref_views(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]]:
+    def ref_views(self, update_info: dict[str, Any], in_round: bool = True) -> list[tuple[TensorMeta, torch.Tensor]]:
         """Tensors of the chunk sent by reference instead of packed (one copy): (metadata, view). Called while
-        the chunk is open. Transports without references refuse an update that has some."""
+        the chunk is open, or with `in_round=False` for references sent ahead of a push (`WeightReceiver.prime`).
+        Transports without references refuse an update that has some."""
         h = update_info.get("handle")
         if isinstance(h, dict) and h.get("refs"):
             raise ValidationError(f"the {self.name} transport takes no tensors by reference")

@@ -38,7 +38,8 @@ import anyio
 import torch
 
 from ..cache import BoundedCache
-from ..errors import ValidationError
+from ..errors import StreamSyncError, ValidationError
+from ..log import get_logger
 from ..message import ChunkHandle, Recipient, UpdateMessage
 from ..pack import Layout, TensorMeta, dtype_from_name, dtype_name, plan_layout
 from ..plan.chunk import ChunkPlan, layout_key
@@ -370,10 +371,16 @@ async def prime_chunk(refs: References, plan: ChunkPlan, tensors: Sequence[torch
         if not e.takes_prime:
             continue
         info = {"chunk": plan.index, "handle": refs.fields(cr, i)}
-        with anyio.fail_after(timeout):
-            if await e.prime(info):
-                refs.acknowledged(cr, i)
-                took += 1
+        try:
+            with anyio.fail_after(timeout):
+                taken = await e.prime(info)
+        except (StreamSyncError, TimeoutError) as err:  # an optimization only: the push carries the references
+            get_logger().warning("an engine did not take references ahead of the first push", engine=e.name,
+                                 chunk=plan.index, error=str(err) or type(err).__name__)
+            taken = False
+        if taken:
+            refs.acknowledged(cr, i)
+            took += 1
     return took
 
 
@@ -449,10 +456,12 @@ class ReferenceViews:
         self.map_seconds += time.perf_counter() - t0
         return st
 
-    def views(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]]:
+    def views(self, update_info: dict[str, Any], in_round: bool = True) -> list[tuple[TensorMeta, torch.Tensor]]:
         """The chunk's tensors sent by reference: views on mapped trainer storages, each with its metadata
         (HF name, dtype, shape, part). A view is in the HF shape, or in the sender's *blocked* shape where the
-        strides allow no HF-shaped view (Q of an interleaved QKV): same row-major order (see `pack.fits`)."""
+        strides allow no HF-shaped view (Q of an interleaved QKV): same row-major order (see `pack.fits`).
+        `in_round=False` (references sent ahead of a push): their storages are not counted as the round's, so
+        the next round's end keeps exactly those its push referenced, as the sender does after it."""
         h = update_info.get("handle")
         if not isinstance(h, dict) or ("refs" not in h and "refs_id" not in h):
             return []
@@ -466,7 +475,8 @@ class ReferenceViews:
             if known is None:
                 raise ValidationError(f"{kind} reference set {rid!r:.40} is not known here and the update does "
                                       "not carry it")
-            self._round |= known[1]
+            if in_round:
+                self._round |= known[1]
             return known[0]
         exports = h.get("storages") or {}
         if not isinstance(refs, list) or len(refs) > 1 << 16 or not isinstance(exports, dict) or len(exports) > 1 << 16:
@@ -477,7 +487,8 @@ class ReferenceViews:
                 raise ValidationError(f"malformed {kind} reference {ref!r:.200}")
             token = ref[3]
             st = self._storage(token, exports)
-            self._round.add(token)
+            if in_round:
+                self._round.add(token)
             key = tuple(tuple(x) if isinstance(x, list) else x for x in ref)
             hit = st.views.get(key)
             if hit is None:

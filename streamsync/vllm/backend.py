@@ -80,6 +80,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self._armed = False  # layerwise reload armed for (some of) the model this round
         self._reloading = False
         self._traced = False
+        self._traced_ahead = False  # `prime` traced the plan again since the last round
         self._shared: tuple[object, list[tuple[str, torch.nn.Module]]] | None = None
         # path (and the fast tensors graphs replayed) -> [tensors, bytes]
         self._counts: dict[str, list[int]] = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0]}
@@ -146,9 +147,10 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self._replayed0 = self.graphs.replayed
         self.log.begin()
         with self.log.phase("map"):
-            plan, self._traced = self.fast.ensure() if self.fast_path else (None, False)
-        if self._traced:
+            plan, traced = self.fast.ensure() if self.fast_path else (None, False)
+        if traced:
             self.graphs.clear()  # captured against the plan traced before
+        self._traced, self._traced_ahead = traced or self._traced_ahead, False
         with self.log.phase("arm"), compat.vllm_config_set(self.vllm_config):
             if plan is None:
                 initialize_layerwise_reload(self.model)
@@ -282,6 +284,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             return True
         if traced:
             self.graphs.clear()  # captured against the plan traced before
+            self._traced_ahead = True  # reported by the next round
         rnd = FastRound(plan)
         fast, slow = rnd.split([(m.name, t) for m, t in refs])
         rid = info.get("handle", {}).get("refs_id")

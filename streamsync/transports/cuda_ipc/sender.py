@@ -139,7 +139,11 @@ class CudaIpcTransport(Transport):
     def begin_prime(self, source: Source, engines: Sequence[Engine]) -> bool:
         if not (self.one_copy and any(e.takes_prime for e in engines)) or not torch.cuda.is_available():
             return False
+        seen = self._freed_seen
         self._begin_refs(source, engines)
+        # Every export the prime reuses is checked against its allocation; the next push still compares with the
+        # last push's count (exports the prime did not touch were last checked then).
+        self._segments_freed, self._freed_seen = True, seen
         return bool(self.refs.persistent)
 
     async def prime(self, plan: ChunkPlan, tensors: Sequence[torch.Tensor], engines: Sequence[Engine],
@@ -147,7 +151,8 @@ class CudaIpcTransport(Transport):
         return await prime_chunk(self.refs, plan, tensors, self.pool.device, engines, timeout)
 
     def end_prime(self, ok: bool) -> None:
-        self.refs.end_push(ok)
+        if not ok:  # engines may hold part of it: export afresh (a success keeps every export: no round ended)
+            self.refs.drop_all()
 
     # StorageExporter (refs.References)
     def export(self, t: torch.Tensor) -> tuple[dict[str, Any], Any]:

@@ -36,8 +36,8 @@ class ShmReceiver(Receiver):
         self._used: set[tuple[int, int, str]] = set()
         self.refs = ReferenceViews(self.name, self._map_storage)
 
-    def ref_views(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]]:
-        return self.refs.views(update_info)
+    def ref_views(self, update_info: dict[str, Any], in_round: bool = True) -> list[tuple[TensorMeta, torch.Tensor]]:
+        return self.refs.views(update_info, in_round)
 
     def stats(self) -> dict[str, float]:
         return {"map_storages": self.refs.map_seconds}

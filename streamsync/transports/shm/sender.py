@@ -123,7 +123,8 @@ class ShmTransport(Transport):
 
     def end_prime(self, ok: bool) -> None:
         self._shared = {}
-        self.refs.end_push(ok)
+        if not ok:  # engines may hold part of it: export afresh (a success keeps every export: no round ended)
+            self.refs.drop_all()
 
     def _shareable(self, source: Source) -> set[int]:
         self._shared = {}
