@@ -20,7 +20,8 @@
 
 Each `Sample` carries version spans: which weight version sampled which of its tokens (vLLM's
 `weight_versions` for in-process `AsyncLLM`; for `vllm serve` the client labels tokens by the version live
-when they arrived, which the pause makes exact up to tokens still in flight on the wire when it began).
+when they arrived, which the pause makes exact up to tokens still in flight on the wire when it began; with
+"abort", a stream's tokens all carry the version of its first ones, since the pause ends every stream it finds).
 `max_staleness=k` drops (or, with `stale="flag"`, marks) samples whose oldest token is more than k versions
 behind the newest pushed version. `stats` holds the figures to tune by: generation stall per update, tokens/s,
 samples and versions in flight, stale samples.
@@ -440,8 +441,15 @@ class StreamingRollout:
                 params = {**self.sampling, "max_tokens": remaining}
                 start = len(sample.tokens)
                 begun = self._updates_begun
+                first: int | None = None  # the label of the stream's first tokens
                 async for delta in client.stream(sample.prompt_ids + sample.tokens, params):
-                    sample._extend(delta.tokens, delta.logprobs, self._label)
+                    label = self._label
+                    if self.pause_mode == "abort" and delta.tokens:
+                        # An abort-mode pause ends every request it finds: one stream never spans two versions,
+                        # and its tokens read after an update (buffered while it ran) were sampled before it.
+                        first = label if first is None else first
+                        label = first
+                    sample._extend(delta.tokens, delta.logprobs, label)
                     self.stats.tokens += len(delta.tokens)
                     if delta.spans:
                         sample._relabel(start, delta.spans)
