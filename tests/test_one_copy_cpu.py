@@ -327,24 +327,31 @@ async def test_connect_with_the_model_sends_its_references_ahead_and_loads_nothi
     references by id only, exports nothing and lands exactly, and so does the next."""
     pytest.importorskip("vllm")
     from streamsync.engines.vllm import VllmEngine
-    from streamsync.testing.vllm import trainer_from
+    from streamsync.testing.vllm import generation_matches_reference, greedy, trainer_from
     from streamsync.vllm.extension import expected_digests
 
     engine = VllmEngine(llm, name="llm")
     trainer = trainer_from(model_dir, step=11)
+    # longer than a KV-cache block: the engine's attention over cached blocks computes with the new weights too
+    prompt = llm.get_tokenizer().encode(" ".join(["the weights sent ahead of the push"] * 40))
     sync = WeightSync([engine], transport=ShmTransport(one_copy=True), chunk_bytes=1 << 20)
     try:
         before = await engine.weight_digests()
         packed = await engine.packed_modules()
         assert before != expected_digests(trainer.state_dict(), packed)
+        generated, _ = greedy(llm, prompt)
         await sync.connect(trainer)
         assert await engine.weight_digests() == before  # references mapped, nothing loaded
+        assert greedy(llm, prompt)[0] == generated
         for step in range(2):
             seen = _recording(engine)
             report = await sync.push(trainer, version=sync.version + 1)
             assert seen and all("refs_id" in h and not set(h) & {"refs", "storages"} for h in seen), seen[0]
             assert _refs(report)["referenced"] > 0 and _refs(report)["exports"] == 0, report.trace.counts
             assert await engine.weight_digests() == expected_digests(trainer.state_dict(), packed), step
+            if step == 0:  # it computes with the pushed weights: greedy tokens and logprobs against a reference
+                check = generation_matches_reference(llm, model_dir, trainer, prompt, generated)
+                assert check.ok, f"steps {check.mismatches} differ; max logprob diff {check.max_logprob_diff:.4f}"
             perturb_(trainer, 40 + step)  # in place: the same storages
         await sync.connect(trainer)  # again: the references the engine holds are named by id, nothing is loaded
         assert await engine.weight_digests() != expected_digests(trainer.state_dict(), packed)
