@@ -456,3 +456,71 @@ async def test_non_finite_weights_are_refused_naming_them_before_any_byte_moves(
     assert names[3] in str(err.value) and names[-1] in str(err.value)
     assert await engine.checksums() == before and (await engine.state()).mixed is False
     await sync.close()
+
+
+class _NoCopy:
+    """A transport that moves nothing (the order of the stages is under test, not bytes)."""
+
+    @staticmethod
+    def make() -> object:
+        from streamsync.transports.base import SendBuffer, Transport
+
+        class NoCopy(Transport):
+            name, reaches = "nocopy", "cpu"
+
+            def allocate(self, chunk, tensors):  # type: ignore[no-untyped-def]
+                return SendBuffer(chunk.index, chunk.nbytes, torch.empty(0, dtype=torch.uint8), {})
+
+            async def pack(self, buf, layout, tensors) -> None:  # type: ignore[no-untyped-def]
+                pass
+
+            def free(self, buf) -> None:  # type: ignore[no-untyped-def]
+                pass
+
+        return NoCopy()
+
+
+@pytest.mark.parametrize("signals", [True, False])
+async def test_on_a_gpu_a_chunk_is_gathered_once_the_requests_of_the_one_before_left(monkeypatch, signals):
+    """A source gathering its own tensors on a GPU: gather, convert and pack run in turn, one chunk at a time, and
+    chunk i+1 starts only once chunk i's request left for the engine (`DISPATCHED`), but before the engine
+    answered it (its load overlaps the next pack). An engine that does not signal counts as dispatched when its
+    update is called."""
+    from streamsync.engines.base import DISPATCHED, Engine
+    from streamsync.sources.module import ModuleSource
+
+    monkeypatch.setattr(ModuleSource, "device", property(lambda self: torch.device("cuda")))
+    times: dict[str, dict[int, float]] = {"called": {}, "dispatched": {}, "answered": {}}
+
+    class Slow(Engine):
+        name, signals_dispatch = "slow", signals
+
+        async def init_transfer(self, init_info): ...  # type: ignore[no-untyped-def]
+        async def start_update(self) -> None: ...
+        async def finish_update(self, version: int) -> None: ...
+        async def get_version(self) -> int | None:
+            return None
+
+        async def update(self, message) -> None:  # type: ignore[no-untyped-def]
+            times["called"][message.chunk] = time.perf_counter()
+            await anyio.sleep(0.05)  # the request on its way
+            if signals:
+                times["dispatched"][message.chunk] = time.perf_counter()
+                DISPATCHED.get()()
+            await anyio.sleep(0.2)  # the engine loads the chunk
+            times["answered"][message.chunk] = time.perf_counter()
+
+    model = StateModule([(f"model.layers.{i}.w", "float32", [64, 64]) for i in range(4)])
+    sync = WeightSync([Slow()], transport=_NoCopy.make(), chunk_bytes=64 * 64 * 4, check_finite=False)
+    report = await sync.push(model)
+    assert report.chunks == 4
+    t0 = report.trace.t0
+    spans = {(s.stage, s.chunk): (t0 + s.start, t0 + s.end) for s in report.trace.spans if s.receiver is None}
+    gone = times["dispatched"] if signals else times["called"]
+    for i in range(report.chunks):
+        gather, convert, pack = spans[("gather", i)], spans[("convert", i)], spans[("pack", i)]
+        assert gather[1] <= convert[0] and convert[1] <= pack[0]  # in turn, one task
+        if i:
+            assert gather[0] >= gone[i - 1]  # not before chunk i-1's request left
+            assert pack[1] < times["answered"][i - 1]  # but while the engine loads it
+    await sync.close()

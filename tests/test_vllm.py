@@ -518,3 +518,27 @@ async def test_after_a_push_a_repeated_prompt_finds_nothing_in_the_prefix_cache(
     assert cached() == 0  # the push's reset (the engine core's, shortened) left no block hashed
     assert llm.get_weight_version() == str(version) and await engine.get_version() == version
     await sync.close()
+
+
+async def test_an_llm_call_says_on_its_loop_when_its_request_left(llm):
+    """An `LLM`'s calls block, so VllmEngine makes them from a thread; the engine-core client's send is watched, so a
+    call made under `DISPATCHED` (the send stage's) reports once, on the caller's loop, when its request is on the
+    engine core's socket: the pipeline packs the next chunk only then (`test_push`). Calls made without it
+    report nothing, and a second client of the same LLM does not wrap the send twice."""
+    import threading
+
+    from streamsync.engines.base import DISPATCHED
+
+    engine = VllmEngine(llm, name="dispatch")
+    assert engine._caller.watched and VllmEngine(llm, name="again")._caller.watched
+    send = llm.llm_engine.engine_core._send_input
+    assert send.__streamsync__ and not getattr(send.__wrapped__, "__streamsync__", False)
+    seen: list[int] = []
+    token = DISPATCHED.set(lambda: seen.append(threading.get_ident()))
+    try:
+        await engine.rpc("streamsync_weight_version")
+    finally:
+        DISPATCHED.reset(token)
+    assert seen == [threading.get_ident()]
+    await engine.rpc("streamsync_weight_version")
+    assert len(seen) == 1

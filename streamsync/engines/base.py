@@ -21,13 +21,15 @@ is open, so two syncs never mix two models under one version.
 Capabilities are declared here, never probed: `device`, `remote` and `rendezvous_addr` (where it runs, for
 `transport="auto"`), `workers` (how many receiving processes it has), `fused_layout()` (its own fused tensors),
 `expected_weights()` (what a push must carry), `pause`/`resume` (whether it can freeze generation),
-`delta_base()` (the push a delta sent to it must be computed against).
+`delta_base()` (the push a delta sent to it must be computed against), `signals_dispatch` (whether it says
+when an update's request has left, `DISPATCHED`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,13 @@ if TYPE_CHECKING:
 
 #: Version string a vLLM engine reports after a failed push left part of that push's weights in it.
 MIXED = "mixed:"
+
+#: Set while the send stage awaits an engine's `update`: call it once the update's request has left for the
+#: engine (on the event loop's thread). The sender's next chunk is gathered and packed only then: on a GPU
+#: that is Python on the loop's thread, and an engine call made from another thread (an in-process `LLM`'s
+#: blocking call) would otherwise wait for the GIL behind it before its request even went out. Engines that
+#: do not say (`Engine.signals_dispatch` False) count as dispatched when `update` is called.
+DISPATCHED: ContextVar[Callable[[], None] | None] = ContextVar("streamsync_dispatched", default=None)
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,8 @@ class Engine(ABC):
     remote: bool = False
     #: an address of the sender's host that the engine can reach: where a collective rendezvous listens
     rendezvous_addr: str | None = None
+    #: `update` calls `DISPATCHED` itself once its request has left (else the send stage does when it calls it)
+    signals_dispatch: bool = False
 
     async def locate(self) -> None:  # noqa: B027 - optional hook
         """Learn where the engine runs (set `device`, `remote`, `rendezvous_addr`); `WeightSync.connect` calls

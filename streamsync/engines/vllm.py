@@ -18,6 +18,7 @@ pending call waiting forever, so without it a dead engine would be reported only
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import queue
 import threading
@@ -31,7 +32,7 @@ from ..message import UpdateMessage, wire
 from ..plan.shards import Box, EngineLayout, Need
 from ..vllm import compat, core_rpc
 from ..vllm.compat import VllmInfo
-from .base import MIXED, Engine, EngineState, parse_version
+from .base import DISPATCHED, MIXED, Engine, EngineState, parse_version
 
 if TYPE_CHECKING:
     import torch
@@ -436,12 +437,51 @@ def _on_asyncio() -> bool:
     return True
 
 
+def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's loop is closed: nobody waits for this
+        pass
+
+
 def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     if not fut.done():  # a caller that gave up (timeout, cancellation) cancelled it
         if error is not None:
             fut.set_exception(error)
         else:
             fut.set_result(result)
+
+
+_sending = threading.local()  # `fire`: what a call thread runs once its request went out (`_watch_sends`)
+
+
+def _watch_sends(llm: Any) -> bool:
+    """Make the `LLM`'s engine-core client say when a request has left (`engines.base.DISPATCHED`): its
+    `_send_input` (vLLM's multiprocess client; the request is on its socket when it returns) runs the calling
+    thread's `_sending.fire` after it. False where the client has none (the engine core in this process: a
+    call is then dispatched once its thread starts it)."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    send = getattr(client, "_send_input", None)
+    if not callable(send):
+        return False
+    if getattr(send, "__streamsync__", False):
+        return True
+
+    @functools.wraps(send)
+    def send_input(*args: Any, **kwargs: Any) -> Any:
+        out = send(*args, **kwargs)
+        fire = getattr(_sending, "fire", None)
+        if fire is not None:
+            _sending.fire = None
+            fire()
+        return out
+
+    send_input.__streamsync__ = True  # type: ignore[attr-defined]
+    try:
+        client._send_input = send_input  # type: ignore[union-attr]
+    except AttributeError:  # a client with slots
+        return False
+    return True
 
 
 class _Caller:
@@ -454,11 +494,14 @@ class _Caller:
     timed wait: the wait wakes every `_LIVENESS_S` to ask whether the engine died (a killed engine core leaves
     vLLM's pending call waiting forever), and ends at the engine's timeout. A call given up on keeps running in
     the thread (vLLM calls cannot be interrupted); the calls after it wait their turn, as they did for the lock.
-    The thread ends after `_IDLE_S` without a call, so engine clients a program is done with leave none behind."""
+    The thread ends after `_IDLE_S` without a call, so engine clients a program is done with leave none behind.
+    A call made under `DISPATCHED` reports on its loop when its request left: from the client's send where it is
+    watched (`_watch_sends`), else as the thread starts it."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._queue: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Any]] = (
+        self.watched = False  # the engine's client says when a request left (`_watch_sends`)
+        self._queue: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Any, Any]] = (
             queue.SimpleQueue())
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -466,22 +509,26 @@ class _Caller:
     def _serve(self) -> None:
         while True:
             try:
-                loop, fut, fn = self._queue.get(timeout=_IDLE_S)
+                loop, fut, fn, gone = self._queue.get(timeout=_IDLE_S)
             except queue.Empty:  # idle: the thread ends (a later call starts another)
                 with self._start_lock:
                     if self._queue.empty():
                         self._thread = None
                         return
                 continue
+            if gone is not None:
+                fire = functools.partial(_threadsafe, loop, gone)
+                if self.watched:
+                    _sending.fire = fire
+                else:
+                    fire()
             try:
                 result, error = fn(), None
             except BaseException as e:  # handed to the caller, whatever it is
                 result, error = None, e
-            try:
-                loop.call_soon_threadsafe(_settle, fut, result, error)
-            except RuntimeError:  # the caller's loop is closed: nobody waits for this answer
-                pass
-            del loop, fut, fn, result, error  # keep nothing of a served call while idle
+            _sending.fire = None
+            _threadsafe(loop, _settle, fut, result, error)
+            del loop, fut, fn, gone, result, error  # keep nothing of a served call while idle
 
     async def call(self, engine: _Guarded, what: str, fn: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -490,7 +537,7 @@ class _Caller:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
                 self._thread.start()
-            self._queue.put((loop, fut, fn))
+            self._queue.put((loop, fut, fn, DISPATCHED.get()))
         deadline = loop.time() + engine.timeout
         try:
             while not fut.done():
@@ -523,6 +570,7 @@ class VllmEngine(_Guarded):
 
     in_process = True
     open_with_first_update = end_with_last_update = True
+    signals_dispatch = True
 
     def __init__(self, llm: Any, *, name: str = "vllm", timeout: float = 300.0, fast_path: bool = True) -> None:
         self.llm = llm
@@ -534,6 +582,7 @@ class VllmEngine(_Guarded):
         # call abandoned on timeout keeps it until it really returns and the next call waits for that.
         self._lock = threading.Lock()
         self._caller = _Caller(f"streamsync-{name}")
+        self._caller.watched = _watch_sends(llm)
 
     async def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         def locked() -> Any:
@@ -542,6 +591,9 @@ class VllmEngine(_Guarded):
 
         if _on_asyncio():
             return await self._caller.call(self, what, locked)
+        gone = DISPATCHED.get()
+        if gone is not None:  # the thread below starts it at once
+            gone()
 
         async def go() -> Any:
             return await anyio.to_thread.run_sync(locked, abandon_on_cancel=True)

@@ -69,8 +69,9 @@ class Push:
     started: anyio.Event | None = None  # set once every engine opened its round: sends wait for it
     send_idle: bool = False  # the send stage waits for its next chunk
     send_took: anyio.Event | None = None  # set when the send stage takes the chunk the pack stage waits on
-    #: chunk -> set once the send stage took it up (`Source.gathers_here`: the next chunk's gather waits for it)
-    taken: dict[int, anyio.Event] = field(default_factory=dict)
+    #: chunk -> set once its requests left for every engine (`engines.base.DISPATCHED`), or its send ended
+    #: (`Source.gathers_here` on a GPU: the next chunk's gather waits for it)
+    dispatched: dict[int, anyio.Event] = field(default_factory=dict)
     sent_any: bool = False  # a chunk was handed to the engines: a failed push may have left them mixed
     bytes_alive: int = 0
     peak_bytes: int = 0

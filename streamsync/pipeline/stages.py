@@ -17,9 +17,11 @@ on, and that stage is timed.
 
 The sender's event loop is a resource: everything a push does on the host runs on it, so a stage's Python time
 delays the others. Three hand-offs keep the first chunk from waiting behind the second: on a GPU, a source whose
-gathers are the sender's own tensors gathers a chunk only once the one before it went out (`_gather`); an idle
-send stage takes a packed chunk before the pack stage starts the next (`_pack_loop`); and the send stage waits
-for the engines' `start_update` only while it has not finished (`_send_loop`).
+gathers are the sender's own tensors is gathered, converted and packed by one task, a chunk only once the requests
+of the one before it left for the engines (`_gather_to_pack`, `engines.base.DISPATCHED`: an engine call made from
+a thread needs the GIL until then); elsewhere an idle send stage takes a packed chunk before the pack stage starts
+the next (`_pack_loop`); and the send stage waits for the engines' `start_update` only while it has not finished
+(`_send_loop`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..engines.base import Engine
+from ..engines.base import DISPATCHED, Engine
 from ..errors import EngineError, PushError, ValidationError
 from ..log import bound
 from ..message import UpdateMessage
@@ -50,23 +52,31 @@ async def run(push: Push) -> None:
         return
     n = push.max_inflight
     credits = anyio.Semaphore(n)
-    g_tx, g_rx = anyio.create_memory_object_stream[Work](n)
-    c_tx, c_rx = anyio.create_memory_object_stream[Work](n)
     p_tx, p_rx = anyio.create_memory_object_stream[Work](n)
     s_tx, s_rx = anyio.create_memory_object_stream[Work](n)
     transport = push.transport
     assert transport is not None and push.messages is not None
     # A delta sync packs every piece: its receivers read a chunk's pieces in layout order.
     transport.begin_push(push.plans, push.source, push.engines, by_reference=push.delta is None)
+    # On a GPU the sender's own tensors are gathered, converted and packed by launches from the loop's thread:
+    # one chunk's three stages cannot overlap another's there (only the engines' work can), so one task runs
+    # them in turn instead of three tasks handing each chunk on through queues.
+    here = push.source.gathers_here and push.source.device.type == "cuda"
+    done = anyio.Event()
     ok = False
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_watchdog, push)
-            tg.start_soon(_gather, push, credits, g_tx)
-            tg.start_soon(_convert_loop, push, g_rx, c_tx)
-            tg.start_soon(_pack_loop, push, c_rx, p_tx)
+            tg.start_soon(_watchdog, push, done)
+            if here:
+                tg.start_soon(_gather_to_pack, push, credits, p_tx)
+            else:
+                g_tx, g_rx = anyio.create_memory_object_stream[Work](n)
+                c_tx, c_rx = anyio.create_memory_object_stream[Work](n)
+                tg.start_soon(_gather, push, credits, g_tx)
+                tg.start_soon(_convert_loop, push, g_rx, c_tx)
+                tg.start_soon(_pack_loop, push, c_rx, p_tx)
             tg.start_soon(_send_loop, push, p_rx, s_tx)
-            tg.start_soon(_release, push, credits, s_rx, tg.cancel_scope)
+            tg.start_soon(_release, push, credits, s_rx, done)
         ok = True
     except BaseExceptionGroup as eg:
         raise first_push_error(eg) from None
@@ -114,11 +124,15 @@ def _wrap(push: Push, stage: str, chunk: int | None, e: Exception) -> PushError:
     return err
 
 
-async def _watchdog(push: Push) -> None:
-    """Fail the push when a stage has worked on one chunk for longer than `push.timeout`."""
+async def _watchdog(push: Push, done: anyio.Event) -> None:
+    """Fail the push when a stage has worked on one chunk for longer than `push.timeout`; end when `done` is set
+    (every chunk released: ending by an event costs the push's last moments less than a cancellation)."""
     tick = min(1.0, push.timeout / 8)
     while True:
-        await anyio.sleep(tick)
+        with anyio.move_on_after(tick):
+            await done.wait()
+        if done.is_set():
+            return
         now = time.perf_counter()
         for stage, (chunk, since) in list(push.busy.items()):
             if now - since > push.timeout:
@@ -182,18 +196,11 @@ async def _gather_only(push: Push) -> None:
 
 
 async def _gather(push: Push, credits: anyio.Semaphore, out: MemoryObjectSendStream[Work]) -> None:
-    # On a GPU the sender's own tensors are gathered, converted and packed by launches from the loop: one chunk's
-    # stages cannot overlap another's there, only the engines' work can.
-    here = push.source.gathers_here and push.source.device.type == "cuda"
     async with out:
         for plan in push.plans:
             # No timeout here: a credit comes back when the oldest chunk is released, and every stage in between
             # has its own timeout.
             await credits.acquire()
-            if here and plan.index > 0:
-                # Depth first on one loop: the chunk before goes out before this one is gathered (it then
-                # gathers while the engines load that one). Untimed for the same reason as the credit.
-                await _taken(push, plan.index - 1).wait()
             push.chunks_alive += 1
             push.trace.sample("chunks_alive", push.chunks_alive)
             w = Work(plan)
@@ -202,10 +209,29 @@ async def _gather(push: Push, credits: anyio.Semaphore, out: MemoryObjectSendStr
             push.trace.sample("queue gather→convert", out.statistics().current_buffer_used)
 
 
-def _taken(push: Push, chunk: int) -> anyio.Event:
-    ev = push.taken.get(chunk)
+async def _gather_to_pack(push: Push, credits: anyio.Semaphore, out: MemoryObjectSendStream[Work]) -> None:
+    """Gather, convert and pack each chunk in turn (a source gathering its own tensors on a GPU: `run`), depth
+    first: a chunk is gathered once the requests of the one before it left for the engines, so it is packed
+    while the engines load that one and never delays its going out. Waits are untimed, as the credit's is."""
+    async with out:
+        for plan in push.plans:
+            await credits.acquire()
+            if plan.index > 0:
+                await _dispatched(push, plan.index - 1).wait()
+            push.chunks_alive += 1
+            push.trace.sample("chunks_alive", push.chunks_alive)
+            w = Work(plan)
+            await _work(push, "gather", w, _gather_one)
+            await _work(push, "convert", w, _convert)
+            await _work(push, "pack", w, _pack)
+            await out.send(w)
+            push.trace.sample("queue pack→next", out.statistics().current_buffer_used)
+
+
+def _dispatched(push: Push, chunk: int) -> anyio.Event:
+    ev = push.dispatched.get(chunk)
     if ev is None:
-        ev = push.taken[chunk] = anyio.Event()
+        ev = push.dispatched[chunk] = anyio.Event()
     return ev
 
 
@@ -290,7 +316,6 @@ async def _send_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out: Me
             push.send_idle = False
             if push.send_took is not None:
                 push.send_took.set()
-            _taken(push, w.plan.index).set()
             if push.started is not None and not push.started.is_set():
                 # The engines' start_update runs alongside the first gathers and packs; its wait is not the send
                 # stage's time (start has its own timeout per engine). Once set, no wait: waiting on a set event
@@ -310,32 +335,64 @@ async def _send(push: Push, w: Work) -> None:
                            handles, fuse=push.engine_layout and transport.fusable and push.delta is None,
                            delta=w.delta)
     push.sent_any = True
-    await transport.send(buf, built, [SendLane(e, push.trace, w.plan) for e in push.engines])
+    gone = _Dispatch(len(push.engines), _dispatched(push, w.plan.index))
+    try:
+        await transport.send(buf, built, [SendLane(e, push.trace, w.plan, gone) for e in push.engines])
+    finally:
+        gone.event.set()
+
+
+class _Dispatch:
+    """Counts a chunk's engines whose requests left (`engines.base.DISPATCHED`); sets `event` at the last."""
+
+    __slots__ = ("event", "left")
+
+    def __init__(self, engines: int, event: anyio.Event) -> None:
+        self.left, self.event = engines, event
+        if engines <= 0:
+            event.set()
+
+    def one(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.event.set()
 
 
 class SendLane:
     """An engine's lane in the trace: delivers one chunk's message to the engine and records a send span of
     its own, so that a slow engine shows."""
 
-    __slots__ = ("engine", "plan", "trace")
+    __slots__ = ("engine", "gone", "plan", "said", "trace")
 
-    def __init__(self, engine: Engine, trace: Trace, plan: ChunkPlan) -> None:
-        self.engine, self.trace, self.plan = engine, trace, plan
+    def __init__(self, engine: Engine, trace: Trace, plan: ChunkPlan, gone: _Dispatch | None = None) -> None:
+        self.engine, self.trace, self.plan, self.gone, self.said = engine, trace, plan, gone, False
 
     @property
     def name(self) -> str:
         return self.engine.name
 
+    def dispatched(self) -> None:
+        """The request left for the engine (once per lane, whoever says it first)."""
+        if not self.said:
+            self.said = True
+            if self.gone is not None:
+                self.gone.one()
+
     async def update(self, message: UpdateMessage) -> None:
         start = self.trace.now()
+        token = DISPATCHED.set(self.dispatched)
+        if not self.engine.signals_dispatch:
+            self.dispatched()
         try:
             await self.engine.update(message)
         finally:
+            DISPATCHED.reset(token)
+            self.dispatched()
             self.trace.add_span("send", self.plan.index, start, self.trace.now(), self.plan.nbytes, self.engine.name)
 
 
 async def _release(push: Push, credits: anyio.Semaphore, inbox: MemoryObjectReceiveStream[Work],
-                   done: anyio.CancelScope) -> None:
+                   done: anyio.Event) -> None:
     async with inbox:
         async for w in inbox:
             await _work(push, "release", w, _free)
@@ -344,7 +401,7 @@ async def _release(push: Push, credits: anyio.Semaphore, inbox: MemoryObjectRece
             credits.release()
             if push.on_chunk is not None:
                 push.on_chunk(w.plan.index, len(push.plans))
-    done.cancel()  # every chunk is through: stop the watchdog
+    done.set()  # every chunk is through: stop the watchdog
 
 
 async def _free(push: Push, w: Work) -> None:
