@@ -102,6 +102,8 @@ class ChunkRefs:
     plan: ChunkPlan
     tensors: Sequence[torch.Tensor]
     compact: Compact
+    #: the tensors of the packed part (`compact.packed`): the same list while the source hands back the same one
+    packed: Sequence[torch.Tensor] = ()
     #: engine -> (its reference set if a valid one was found, the set's cache key), looked up once per chunk
     looked_up: dict[int, tuple[RefSet | None, tuple]] = field(default_factory=dict)
     #: engine -> the handle fields naming its references, made while the chunk was packed
@@ -147,6 +149,10 @@ class References:
         self._masks: BoundedCache[str, tuple[Sequence[torch.Tensor], int, tuple[bool, ...]]] = BoundedCache(4096)
         # (engine, layout key) -> (tensor list, reference set, its key): see `_cached`
         self._fast: BoundedCache[tuple[int, str], tuple[Sequence[torch.Tensor], RefSet, tuple]] = BoundedCache(4096)
+        # layout key -> (the source's tensor list, its compact layout, the packed part's tensors): a transport
+        # that sees the same packed list again skips its per-tensor work (cuda_ipc: graph key, stream records)
+        self._packed: BoundedCache[str, tuple[Sequence[torch.Tensor], Compact, list[torch.Tensor]]] = (
+            BoundedCache(4096))
 
     @property
     def chunk_bytes(self) -> int | None:
@@ -227,7 +233,10 @@ class References:
                 tuple(i for i, m in enumerate(mask) if m))
         self.counts["referenced"] += len(compact.refs)
         self.counts["packed"] += len(compact.packed)
-        return ChunkRefs(plan, tensors, compact)
+        sub = self._packed.get(plan.layout_key)
+        if sub is None or sub[0] is not tensors or sub[1] is not compact:
+            sub = self._packed[plan.layout_key] = (tensors, compact, [tensors[i] for i in compact.packed])
+        return ChunkRefs(plan, tensors, compact, sub[2])
 
     def _cached(self, cr: ChunkRefs, engine: int) -> tuple[RefSet | None, tuple]:
         """The chunk's reference set for `engine` if one made before is still valid (its tensors at the same

@@ -16,7 +16,7 @@ from ...pack import ALIGN, Layout, batched, castable, coalesce, dtype_from_name,
 from ...plan.chunk import ChunkPlan
 from ..base import SendBuffer, Transport
 from ..pool import BufferPool, PoolBuffer, captured
-from ..refs import Export, References, deliver, handles_with_refs, prime_chunk
+from ..refs import Export, References, deliver, handles_with_refs, prime_chunk, storage_address
 from . import driver as cuda_driver
 from .handle import PROCESS_ID, export_handle, gpu_uuid
 
@@ -216,16 +216,20 @@ class CudaIpcTransport(Transport):
         assert pb is not None
         if buf.refs is not None:  # only the chunk's packed part goes into the buffer
             layout = buf.refs.compact.layout
-            tensors = [tensors[i] for i in buf.refs.compact.packed]
+            tensors = buf.refs.packed
         # The same tensor list as this buffer's last pack of this layout (a source that caches its views):
-        # its destination views and graph key are the same too, without a pass over hundreds of tensors.
+        # its destination views, graph key and temporaries are the same too, without a pass over its tensors.
         fast = pb.cache.get(("fast", layout))
         if fast is not None and fast[0] is tensors:
-            dsts, key = fast[1], fast[2]
+            dsts, key, temporaries = fast[1], fast[2], fast[3]
         else:
             dsts = self._dst_views(pb, layout, tensors)
             key = ("graph", layout, tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors))
-            pb.cache[("fast", layout)] = (tensors, dsts, key)
+            # the source's own storages live through the push; anything else (a conversion's output) may be
+            # freed before the side stream copied it
+            persistent = self.refs.persistent
+            temporaries = [t for t in tensors if t.is_cuda and storage_address(t) not in persistent]
+            pb.cache[("fast", layout)] = (tensors, dsts, key, temporaries)
         device = pb.tensor.device
         stream = self.side_stream(device)
         ready = self._ready_event(pb)
@@ -242,9 +246,8 @@ class CudaIpcTransport(Transport):
                 else:
                     _copy_all(dsts, tensors)
                 ready.record(stream)  # receivers wait for this on the device
-                for t in tensors:  # conversion temporaries may be freed before these copies ran
-                    if t.is_cuda:
-                        t.record_stream(stream)
+                for t in temporaries:  # they may be freed before these copies ran
+                    t.record_stream(stream)
         buf.ready = ready
 
     def _graph(self, pb: PoolBuffer, key: tuple, dsts: list[torch.Tensor], tensors: Sequence[torch.Tensor],

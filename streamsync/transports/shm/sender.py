@@ -206,7 +206,7 @@ class ShmTransport(Transport):
             if not buf.refs.compact.packed:
                 return
             layout = buf.refs.compact.layout
-            tensors = [tensors[i] for i in buf.refs.compact.packed]
+            tensors = buf.refs.packed
         await super().pack(buf, layout, tensors)
 
     def handles(self, buf: SendBuffer, engines: int) -> Sequence[ChunkHandle]:
