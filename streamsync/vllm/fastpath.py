@@ -389,32 +389,43 @@ class Plan:
 
 class _KeyCheck:
     """`Plan.current` as a few C-level passes over flat lists: every round's start checks hundreds of tensors (an
-    MoE's thousands) before its first copy, so that check is on every push's critical path."""
+    MoE's thousands) before its first copy, so that check is on every push's critical path. No Python function
+    runs per tensor or module: each pass is a `map` of a C method (`operator.methodcaller` for the dicts)."""
 
     def __init__(self, plan: Plan) -> None:
-        self.slots: list[tuple[dict[str, Any], str]] = []
-        for mod, name, _, _, _, _ in plan.key:  # the dict that holds it (a module's parameters, else its buffers)
-            self.slots.append((mod._parameters if name in mod._parameters else mod._buffers, name))
+        # the dict that holds each tensor (its module's parameters, else its buffers) and its name there
+        self.dicts: list[dict[str, Any]] = [mod._parameters if name in mod._parameters else mod._buffers
+                                            for mod, name, *_ in plan.key]
+        self.names = [k[1] for k in plan.key]
         self.tensors = [k[2] for k in plan.key]
         self.ptrs = [k[3] for k in plan.key]
         self.shapes = [torch.Size(k[4]) for k in plan.key]
         self.strides = [k[5] for k in plan.key]
-        self.modules = [m for m, _ in plan.methods]
-        self.kinds = [k for _, k in plan.methods]
+        # A module's quant method is read from its __dict__ where it lives there (or nowhere: the module's class
+        # has none either, so None); a class-level one through `_quant_method`.
+        own = [("quant_method" in vars(m) or not hasattr(type(m), "quant_method"), m, k) for m, k in plan.methods]
+        self.method_dicts = [vars(m) for o, m, _ in own if o]
+        self.method_kinds = [k for o, _, k in own if o]
+        self.modules = [m for o, m, _ in own if not o]
+        self.kinds = [k for o, _, k in own if not o]
 
     def holds(self) -> bool:
-        now = [d.get(n) for d, n in self.slots]
-        if not all(map(operator.is_, now, self.tensors)):
+        if not all(map(operator.is_, map(dict.get, self.dicts, self.names), self.tensors)):
             return False
         ts = self.tensors
         # TensorBase's own methods, with subclasses' `__torch_function__` off: vLLM's parameters define one, and
         # every method call on them would otherwise go through Python (several microseconds each)
         with torch._C.DisableTorchFunctionSubclass():
-            if list(map(_TB.data_ptr, ts)) != self.ptrs or list(map(_TB.size, ts)) != self.shapes:
+            if list(map(_TB.data_ptr, ts)) != self.ptrs or list(map(_TB.stride, ts)) != self.strides:
                 return False
-            if list(map(_TB.stride, ts)) != self.strides:
+            if list(map(_TB.size, ts)) != self.shapes:
                 return False
+        if list(map(type, map(_GET_QUANT, self.method_dicts))) != self.method_kinds:
+            return False
         return list(map(type, map(_quant_method, self.modules))) == self.kinds
+
+
+_GET_QUANT = operator.methodcaller("get", "quant_method")
 
 
 def build_plan(model: torch.nn.Module, traced: Traced) -> Plan:
