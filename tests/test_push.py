@@ -480,24 +480,30 @@ class _NoCopy:
         return NoCopy()
 
 
-@pytest.mark.parametrize("signals", [True, False])
-async def test_on_a_gpu_a_chunk_is_gathered_once_the_requests_of_the_one_before_left(monkeypatch, signals):
+@pytest.mark.parametrize(("signals", "slow_start"), [(True, False), (False, False), (True, True)])
+async def test_on_a_gpu_a_chunk_is_gathered_once_the_requests_of_the_one_before_left(monkeypatch, signals,
+                                                                                     slow_start):
     """A source gathering its own tensors on a GPU: gather, convert and pack run in turn, one chunk at a time, and
     chunk i+1 starts only once chunk i's request left for the engine (`DISPATCHED`), but before the engine
     answered it (its load overlaps the next pack). An engine that does not signal counts as dispatched when its
-    update is called."""
+    update is called. While the engines still open their round (`start_update`), the next chunk is gathered: the
+    first one cannot leave before the round is open anyway."""
     from streamsync.engines.base import DISPATCHED, Engine
     from streamsync.sources.module import ModuleSource
 
     monkeypatch.setattr(ModuleSource, "device", property(lambda self: torch.device("cuda")))
-    times: dict[str, dict[int, float]] = {"called": {}, "dispatched": {}, "answered": {}}
+    times: dict[str, dict[int, float]] = {"called": {}, "dispatched": {}, "answered": {}, "started": {}}
 
     class Slow(Engine):
         name, signals_dispatch = "slow", signals
 
         async def init_transfer(self, init_info): ...  # type: ignore[no-untyped-def]
-        async def start_update(self) -> None: ...
         async def finish_update(self, version: int) -> None: ...
+
+        async def start_update(self) -> None:
+            if slow_start:
+                await anyio.sleep(0.3)
+            times["started"][0] = time.perf_counter()
         async def get_version(self) -> int | None:
             return None
 
@@ -520,7 +526,9 @@ async def test_on_a_gpu_a_chunk_is_gathered_once_the_requests_of_the_one_before_
     for i in range(report.chunks):
         gather, convert, pack = spans[("gather", i)], spans[("convert", i)], spans[("pack", i)]
         assert gather[1] <= convert[0] and convert[1] <= pack[0]  # in turn, one task
-        if i:
+        if i == 1 and slow_start:
+            assert pack[1] < times["started"][0]  # prepared while the round opens
+        elif i:
             assert gather[0] >= gone[i - 1]  # not before chunk i-1's request left
             assert pack[1] < times["answered"][i - 1]  # but while the engine loads it
     await sync.close()

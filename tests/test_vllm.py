@@ -531,8 +531,10 @@ async def test_an_llm_call_says_on_its_loop_when_its_request_left(llm):
 
     engine = VllmEngine(llm, name="dispatch")
     assert engine._caller.watched and VllmEngine(llm, name="again")._caller.watched
-    send = llm.llm_engine.engine_core._send_input
+    client = llm.llm_engine.engine_core
+    send = client._send_input
     assert send.__streamsync__ and not getattr(send.__wrapped__, "__streamsync__", False)
+    assert "_send_input" not in vars(client)  # on the class: nothing of the client refers to itself
     seen: list[int] = []
     token = DISPATCHED.set(lambda: seen.append(threading.get_ident()))
     try:

@@ -456,20 +456,23 @@ _sending = threading.local()  # `fire`: what a call thread runs once its request
 
 
 def _watch_sends(llm: Any) -> bool:
-    """Make the `LLM`'s engine-core client say when a request has left (`engines.base.DISPATCHED`): its
+    """Make the `LLM`'s engine-core client say when a request has left (`engines.base.DISPATCHED`): its class's
     `_send_input` (vLLM's multiprocess client; the request is on its socket when it returns) runs the calling
-    thread's `_sending.fire` after it. False where the client has none (the engine core in this process: a
-    call is then dispatched once its thread starts it)."""
+    thread's `_sending.fire` after it, which only an engine's call thread sets. The class, not the instance: a
+    wrapper held by the client would keep it alive past `del llm` (vLLM shuts its engine core down when the
+    client is freed). False where the client has none (the engine core in this process: a call is then
+    dispatched once its thread starts it)."""
     client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    send = getattr(client, "_send_input", None)
-    if not callable(send):
+    cls: Any = type(client)
+    send = getattr(cls, "_send_input", None)
+    if client is None or not callable(send):
         return False
     if getattr(send, "__streamsync__", False):
         return True
 
     @functools.wraps(send)
-    def send_input(*args: Any, **kwargs: Any) -> Any:
-        out = send(*args, **kwargs)
+    def send_input(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = send(self, *args, **kwargs)
         fire = getattr(_sending, "fire", None)
         if fire is not None:
             _sending.fire = None
@@ -478,8 +481,8 @@ def _watch_sends(llm: Any) -> bool:
 
     send_input.__streamsync__ = True  # type: ignore[attr-defined]
     try:
-        client._send_input = send_input  # type: ignore[union-attr]
-    except AttributeError:  # a client with slots
+        cls._send_input = send_input
+    except (AttributeError, TypeError):  # a class that takes no attributes
         return False
     return True
 

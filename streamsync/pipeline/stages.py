@@ -56,12 +56,12 @@ async def run(push: Push) -> None:
     s_tx, s_rx = anyio.create_memory_object_stream[Work](n)
     transport = push.transport
     assert transport is not None and push.messages is not None
-    # A delta sync packs every piece: its receivers read a chunk's pieces in layout order.
-    transport.begin_push(push.plans, push.source, push.engines, by_reference=push.delta is None)
     # On a GPU the sender's own tensors are gathered, converted and packed by launches from the loop's thread:
     # one chunk's three stages cannot overlap another's there (only the engines' work can), so one task runs
     # them in turn instead of three tasks handing each chunk on through queues.
     here = push.source.gathers_here and push.source.device.type == "cuda"
+    # A delta sync packs every piece: its receivers read a chunk's pieces in layout order.
+    transport.begin_push(push.plans, push.source, push.engines, by_reference=push.delta is None)
     done = anyio.Event()
     ok = False
     try:
@@ -319,7 +319,9 @@ async def _send_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out: Me
             if push.started is not None and not push.started.is_set():
                 # The engines' start_update runs alongside the first gathers and packs; its wait is not the send
                 # stage's time (start has its own timeout per engine). Once set, no wait: waiting on a set event
-                # still yields, and the next chunk's pack would then run before this chunk goes out.
+                # still yields, and the next chunk's pack would then run before this chunk goes out. Meanwhile
+                # the next chunk may be gathered: nothing of this one is on its way yet.
+                _dispatched(push, w.plan.index).set()
                 await push.started.wait()
             await _work(push, "send", w, _send)
             await out.send(w)

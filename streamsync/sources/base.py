@@ -42,7 +42,10 @@ class Source(ABC):
     group; `gather` for the chunks is called in plan order on every rank (collectives line up); `convert`
     returns one tensor per spec of the chunk, with exactly the spec's dtype and shape. With `cast=False` a
     floating tensor may keep another floating dtype: the pack stage casts it while it copies (the same
-    rounding as `.to`), which saves a kernel, an allocation and a copy per cast tensor.
+    rounding as `.to`), which saves a kernel, an allocation and a copy per cast tensor. A `convert` may hand
+    back the list it returned for the chunk before (its cached views); it must then hold the same tensors at the
+    same addresses, shapes and strides: transports key their per-chunk work (destination views, captured
+    copies, references) by that list's identity.
     """
 
     @property
@@ -64,8 +67,9 @@ class Source(ABC):
     @property
     def gathers_here(self) -> bool:
         """Gathers are plain work on the event loop (the sender's own tensors: no collective, no thread). On a GPU
-        the pipeline then gathers a chunk only once the one before it went out: gathering it earlier would hold
-        the chunk before back on the same loop (an MoE chunk's gather checks thousands of parameters)."""
+        the pipeline then gathers a chunk only once the requests of the one before it left for the engines:
+        gathering it earlier would hold the chunk before back on the same loop (an MoE chunk's gather checks
+        thousands of parameters)."""
         return False
 
     def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
