@@ -31,6 +31,7 @@ from ..errors import EngineError
 from ..message import UpdateMessage, wire
 from ..plan.shards import Box, EngineLayout, Need
 from ..vllm import compat, core_rpc
+from ..vllm.answers import WORKER_ERROR
 from ..vllm.compat import VllmInfo
 from .base import DISPATCHED, MIXED, Engine, EngineState, parse_version
 
@@ -170,7 +171,8 @@ class _Guarded(Engine):
         """End the open round; the engine then reports `version` (None: what it reported before)."""
         native = (await self.vllm_info()).native_versions
         push_version = version is not None and version.isdigit()
-        if native and not push_version:  # a mark or nothing: vLLM's own finish sets it
+        if native and not push_version and self.workers == 1:  # a mark or nothing: vLLM's own finish sets it
+            # (several workers: the extension's finish below, which every worker answers; `answers`)
             self._reset_asked, self._reset_done = False, None
             await self._vllm_finish(version)
             return
@@ -289,8 +291,10 @@ class _Guarded(Engine):
                 if "already active" not in str(e):
                     raise
             await self.start_update()
-        if ending:
-            await self._fused(info, False, True)
+        if ending or self.workers > 1:
+            # Several workers: through the extension, whose workers answer an error instead of raising (vLLM's
+            # executor stops reading answers at the first worker that raised and the next call reads the rest).
+            await self._fused(info, False, ending)
         else:
             await self._update(info)
 
@@ -425,7 +429,15 @@ class _Guarded(Engine):
 
     async def rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
         """`collective_rpc(method, args, kwargs)` on every worker of the engine: one result per worker (keyword
-        arguments as strings: what vLLM's HTTP route passes)."""
+        arguments as strings: what vLLM's HTTP route passes). A worker that answered with an error in place of
+        raising (`vllm.extension.answering`) fails the call here, naming it."""
+        got = await self._rpc(method, *args, **kwargs)
+        for i, x in enumerate(got if isinstance(got, list) else ()):
+            if isinstance(x, dict) and WORKER_ERROR in x:
+                raise EngineError(self.name, f"{method} failed in worker {i}: {x[WORKER_ERROR]}")
+        return got
+
+    async def _rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
         raise NotImplementedError
 
 
@@ -646,7 +658,7 @@ class VllmEngine(_Guarded):
     async def resume(self) -> None:
         await self._call("resume", self.llm.wake_up, tags=["scheduling"])
 
-    async def rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
+    async def _rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
         return await self._call(method, self.llm.collective_rpc, method, args=args, kwargs=kwargs or None)
 
 
@@ -718,7 +730,7 @@ class AsyncVllmEngine(_Guarded):
     async def resume(self) -> None:
         await self._run("resume", self.engine.resume_generation)
 
-    async def rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
+    async def _rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
         return await self._run(method, self.engine.collective_rpc, method, args=args, kwargs=kwargs or None)
 
 
@@ -835,7 +847,7 @@ class VllmHttpEngine(_Guarded):
         held = parse_version(await self._raw_version())
         return EngineState(held.version, held.mixed, held.failed_version, held.updating, await self.is_paused())
 
-    async def rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
+    async def _rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
         body: dict[str, Any] = {"method": method}
         if args:
             # the route passes string arguments only: a dict (a fused update's chunk) goes as JSON

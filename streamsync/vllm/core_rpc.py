@@ -21,6 +21,8 @@ import functools
 import time
 from typing import Any
 
+from .answers import failed
+
 #: the argument of `streamsync_finish_update` that asks the engine core to reset the prefix cache after it
 RESET = "reset_prefix_cache"
 #: the prefix of the argument that gives the engine core the version to set once the workers finished (where
@@ -46,7 +48,7 @@ def install() -> bool:
     def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> Any:
         out = orig(self, method, timeout, args, kwargs)
-        if method not in ENDS:
+        if method not in ENDS or failed(out):  # a worker failed the round's end: nothing more is done for it
             return out
         args = tuple(args or ())
         version = next((a[len(VERSION):] for a in args if isinstance(a, str) and a.startswith(VERSION)), None)

@@ -22,6 +22,7 @@ import torch
 
 from ..checksum import device_digest, tensor_digest
 from . import compat, register
+from .answers import answering
 
 register()
 
@@ -194,6 +195,7 @@ class StreamSyncWorkerExtension:
         last = engine.last_round if engine is not None else None
         return None if last is None else {**last, "rank": int(getattr(self, "rank", 0))}
 
+    @answering
     def streamsync_update(self, update_info: dict[str, Any] | str, open_: str = "", end: str = "",
                           *asks: str) -> dict[str, Any] | None:
         """vLLM's `update_weights` in this worker. `open_` "open": its `start_weight_update` first, so a push's
@@ -222,6 +224,7 @@ class StreamSyncWorkerExtension:
             engine.log.phases.append(span)
         return None
 
+    @answering
     def streamsync_prime(self, update_info: dict[str, Any] | str) -> bool:
         """A chunk's references ahead of its first push (`StreamSyncWeightTransferEngine.prime`); False where this
         worker has no streamsync backend or does not take them."""
@@ -231,6 +234,7 @@ class StreamSyncWorkerExtension:
         info = update_info.get("streamsync") if isinstance(update_info, dict) else None
         return engine is not None and isinstance(info, dict) and engine.prime(info)
 
+    @answering
     def streamsync_finish_update(self, *asks: str) -> dict[str, Any] | None:
         """vLLM's `finish_weight_update` in this worker, answered with what the round did here
         (`streamsync_round_stats`): the sender's finish and its question in one call. `asks` are for the engine
