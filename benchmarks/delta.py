@@ -7,9 +7,11 @@ changed (the first step separately: Adam's first update moves every weight by ab
 
 Part 2 (`pushes`): the larger model at `--push-lr`. Each step is pushed by two syncs, one with delta=False and
 one with delta=True, each into its own receiver process, over the collective transport (gloo: the remote path,
-a process group as across hosts, here on loopback) and over shared memory (colocated); per path the median push
-time and bytes sent over the steps after the first (full) push, the ratio, and the path `delta="auto"` picks.
-Receivers hold the served state bit for bit after every push (checked by checksums at the end of each path).
+a process group as across hosts, here on loopback), over the p2p transport into an engine of two TP workers
+(sharded: each worker receives and keeps only its slices, as a vLLM TP=2 engine lays them out) and over shared
+memory (colocated); per path the median push time and bytes sent over the steps after the first (full) push,
+the ratio, and the path `delta="auto"` picks. Receivers hold the served state (each TP worker its slices) bit
+for bit after every push (checked by checksums at the end of each path).
 The sender and each receiver use one intra-op thread (`--threads`), as benchmarks.cpu does: on a loaded
 two-core machine two threads per process made torch's elementwise kernels tens of times slower.
 
@@ -34,11 +36,14 @@ import torch
 from benchmarks.report import write_json
 from streamsync.checksum import digests
 from streamsync.models.tiny import make_tiny_qwen3
+from streamsync.plan.vllm_layout import vllm_layout
 from streamsync.report import MiB
 from streamsync.sync import WeightSync
 from streamsync.testing.receiver import ReceiverProcess
+from streamsync.testing.sliced import WorkerGroup, expected_slices
 from streamsync.testing.training import AdamTrainer
 from streamsync.transports.collective import CollectiveTransport
+from streamsync.transports.p2p import P2pTransport
 
 LARGER = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
               num_key_value_heads=8, head_dim=64, intermediate_size=3072, max_position_embeddings=512,
@@ -73,22 +78,66 @@ def changed_per_step(model: str, lr: float, steps: int) -> dict[str, Any]:
             "per_step": fractions}
 
 
+class _Engines:
+    """Per mode ("full", "delta") the engine a path pushes into, and whether it holds the served state."""
+
+    def __init__(self, specs: Path, tr: AdamTrainer, sharded: bool) -> None:
+        self.specs, self.tr, self.sharded = specs, tr, sharded
+        self.procs: dict[str, list[ReceiverProcess]] = {}
+        if sharded:
+            cfg = tr.model.config
+            served = [(n, "bfloat16", tuple(t.shape)) for n, t in tr.served().items()]
+            self.holds = vllm_layout(served, 2, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                                     head_dim=cfg.head_dim)
+
+    def __enter__(self) -> _Engines:
+        for mode in ("full", "delta"):
+            if self.sharded:
+                self.procs[mode] = [ReceiverProcess(str(self.specs), holds=h, name=f"rx-{mode}.w{w}", threads=1)
+                                    for w, h in enumerate(self.holds)]
+            else:
+                self.procs[mode] = [ReceiverProcess(str(self.specs), name=f"rx-{mode}", threads=1)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for procs in self.procs.values():
+            for p in procs:
+                p.stop()
+
+    def engine(self, mode: str) -> Any:
+        procs = self.procs[mode]
+        if not self.sharded:
+            return procs[0].engine(timeout=300)
+        return WorkerGroup([p.engine(timeout=300) for p in procs], f"tp2-{mode}")
+
+    async def exact(self, engine: Any) -> bool:
+        served = self.tr.served()
+        if not self.sharded:
+            return bool(await engine.checksums() == digests(served.items()))
+        got = await engine.checksums()
+        return all(got[w] == expected_slices(served, h) for w, h in enumerate(self.holds))
+
+    async def base_bytes(self, engine: Any) -> int:
+        members = engine.members if self.sharded else [engine]
+        return sum([(await m.call("delta_base"))["bytes"] for m in members])
+
+
 async def pushes(tr: AdamTrainer, steps: int, chunk_mib: int) -> dict[str, Any]:
     specs = tr.save_specs(Path(tempfile.mkdtemp(prefix="streamsync-delta-")) / "specs.json")
     bf16 = {"dtype": torch.bfloat16}
-    paths = {"remote (gloo collective)": lambda: CollectiveTransport("gloo", group_timeout=120),
-             "colocated (shared memory)": lambda: "shm"}
+    paths = {"remote (gloo collective)": (lambda: CollectiveTransport("gloo", group_timeout=120), False),
+             "remote sharded (p2p, TP2)": (lambda: P2pTransport("gloo", group_timeout=120), True),
+             "colocated (shared memory)": (lambda: "shm", False)}
     out: dict[str, Any] = {}
-    with ReceiverProcess(str(specs), name="rx-full", threads=1) as rf, \
-            ReceiverProcess(str(specs), name="rx-delta", threads=1) as rd:
-        for path, transport in paths.items():
-            auto = WeightSync([rd.engine()], transport=transport(), delta="auto")
+    for path, (transport, sharded) in paths.items():
+        with _Engines(specs, tr, sharded) as engines:
+            auto = WeightSync([engines.engine("delta")], transport=transport(), delta="auto")
             await auto.connect()
             picks = auto.delta_on
             await auto.close()
-            syncs = {mode: WeightSync([rx.engine(timeout=300)], transport=transport(), chunk_bytes=chunk_mib * MiB,
+            syncs = {mode: WeightSync([engines.engine(mode)], transport=transport(), chunk_bytes=chunk_mib * MiB,
                                       timeout=300, source_options=bf16, delta=mode == "delta")
-                     for mode, rx in (("full", rf), ("delta", rd))}
+                     for mode in ("full", "delta")}
             rows: dict[str, list[dict[str, Any]]] = {"full": [], "delta": []}
             for i in range(steps + 1):
                 if i:
@@ -103,19 +152,18 @@ async def pushes(tr: AdamTrainer, steps: int, chunk_mib: int) -> dict[str, Any]:
                                        "encodings": d.encodings if d else None,
                                        "shadow_bytes": d.shadow_bytes if d else 0,
                                        "stage_seconds": r.stage_seconds})
-            want = digests(tr.served().items())
-            exact = {mode: await s.engines[0].checksums() == want for mode, s in syncs.items()}
-            base_bytes = (await syncs["delta"].engines[0].call("delta_base"))["bytes"]
+            exact = {mode: await engines.exact(s.engines[0]) for mode, s in syncs.items()}
+            base_bytes = await engines.base_bytes(syncs["delta"].engines[0])
             for s in syncs.values():
                 await s.close()
-            steady = {m: rows[m][1:] for m in rows}
-            med = {m: statistics.median(x["seconds"] for x in steady[m]) for m in steady}
-            wire = {m: statistics.median(x["wire_bytes"] for x in steady[m]) for m in steady}
-            out[path] = {"auto_picks_delta": picks, "exact": exact, "full_ms": med["full"] * 1e3,
-                         "delta_ms": med["delta"] * 1e3, "full_bytes": wire["full"], "delta_bytes": wire["delta"],
-                         "delta_first_ms": rows["delta"][0]["seconds"] * 1e3,
-                         "shadow_bytes": rows["delta"][-1]["shadow_bytes"], "receiver_base_bytes": base_bytes,
-                         "rows": rows}
+        steady = {m: rows[m][1:] for m in rows}
+        med = {m: statistics.median(x["seconds"] for x in steady[m]) for m in steady}
+        wire = {m: statistics.median(x["wire_bytes"] for x in steady[m]) for m in steady}
+        out[path] = {"auto_picks_delta": picks, "exact": exact, "full_ms": med["full"] * 1e3,
+                     "delta_ms": med["delta"] * 1e3, "full_bytes": wire["full"], "delta_bytes": wire["delta"],
+                     "delta_first_ms": rows["delta"][0]["seconds"] * 1e3,
+                     "shadow_bytes": rows["delta"][-1]["shadow_bytes"], "receiver_base_bytes": base_bytes,
+                     "rows": rows}
     return out
 
 
@@ -149,9 +197,9 @@ def main(argv: list[str] | None = None) -> None:
         auto = "delta" if p["auto_picks_delta"] else "full"
         print(f"  {path:28} {p['full_ms']:8.1f}ms {p['delta_ms']:8.1f}ms {p['delta_ms'] / p['full_ms']:10.2f}x "
               f"{p['full_bytes'] / MiB:8.1f}Mi {p['delta_bytes'] / MiB:9.2f}Mi {auto:>6} {all(p['exact'].values())}")
-    some = next(iter(pushed.values()))
-    print(f"  memory: sender shadow {some['shadow_bytes'] / MiB:.1f} MiB, receiver base copy "
-          f"{some['receiver_base_bytes'] / MiB:.1f} MiB (host, served dtype)")
+    for path, p in pushed.items():
+        print(f"  memory, {path}: sender shadow {p['shadow_bytes'] / MiB:.1f} MiB, receivers' base copies "
+              f"{p['receiver_base_bytes'] / MiB:.1f} MiB (host, served dtype)")
     write_json(args.json, {"benchmark": "delta", "changed": changed, "push_model": args.push_model,
                            "push_lr": args.push_lr, "steps": args.steps, "chunk_mib": args.chunk_mib,
                            "pushes": pushed, "seconds": time.perf_counter() - t0,

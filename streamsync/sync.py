@@ -19,6 +19,7 @@ import anyio
 from . import pipeline
 from .delta import Shadow, refused
 from .delta.push import DeltaPush
+from .delta.shadow import PieceShadow
 from .engines.base import Engine
 from .errors import EngineError, PushError, PushTimeout, StreamSyncError, ValidationError
 from .log import bound, get_logger, quiet
@@ -78,8 +79,9 @@ class WeightSync:
             self.live = LiveViewer(live if isinstance(live, str) else "127.0.0.1:8765",
                                    trace_dir=self.observers.trace_dir)
         self.versions = VersionBook()
-        #: what delta pushes are computed against (empty unless this sync pushes deltas)
-        self.shadow = Shadow()
+        #: what delta pushes are computed against (empty unless this sync pushes deltas; a sharded push's
+        #: PieceShadow on every trainer rank)
+        self.shadow: Shadow | PieceShadow = Shadow()
         self._delta_on = False  # decided at connect, by `delta` and the transport
         #: this sync's id: receivers refuse a round from another WeightSync while one of ours is open
         self.owner = uuid.uuid4().hex
@@ -169,9 +171,8 @@ class WeightSync:
             if self.transport is None:
                 self.transport = self._make_transport()
             self._delta_on = self.deltas.delta is True or (self.deltas.delta == "auto" and self.transport.delta_pays)
-            if self._delta_on and self.transport.every_rank:
-                raise ValidationError(f"delta pushes need one sender; transport {self.transport.name!r} sends "
-                                      "every rank's shards: pass delta=False (or 'auto')")
+            if self._delta_on and self.transport.every_rank and not isinstance(self.shadow, PieceShadow):
+                self.shadow = PieceShadow()  # each rank keeps the pieces it sends, per destination
             self.shadow.held = None  # what engines hold is learned afresh: the first push is full
             if self.engines or self.transport.every_rank:  # every_rank: ranks without engines join too
                 if self.engines:
@@ -437,49 +438,103 @@ class WeightSync:
             # repeating the sender's progress lines bury it.
             loud = source.is_sender and (bool(self.engines) or not every_rank)
             with bound(push=push_id, version=v), quiet(not loud and os.environ.get("STREAMSYNC_LOG_ALL_RANKS") != "1"):
+                failed: PushError | None = None
+                report: PushReport | None = None
                 try:
-                    return await self._push(source, plans, push_id, v, window, time_limit, delta)
+                    report = await self._push(source, plans, push_id, v, window, time_limit, delta)
                 except PushError as err:
-                    if delta is None or delta.mode != "delta" or not refused(err):
+                    if delta is None or delta.mode != "delta":
                         raise
-                    return await self._full_after_refusal(source, plans, v, window, time_limit, err)
+                    if not every_rank:
+                        if not refused(err):
+                            raise
+                        return await self._full_after_refusal(source, plans, v, window, time_limit, err)
+                    failed = err
+                if every_rank and delta is not None and delta.mode == "delta":
+                    return await self._settle_sharded(source, plans, v, window, time_limit, failed, report)
+                assert report is not None
+                return report
 
     async def _delta_push(self, source: Source, plans: list[ChunkPlan]) -> DeltaPush | None:
         """This push's delta mode: None (deltas off, or a rank that sends nothing), "full" (every byte; the shadow
         made anew) or "delta" (against the shadow, which every engine holds whole: the sync's bookkeeping says
-        so and each engine's `delta_base` agrees). From here on the shadow is no base until this push succeeds."""
-        if not self._delta_on or not source.is_sender or not self.engines:
+        so and each engine's `delta_base` agrees). From here on the shadow is no base until this push succeeds.
+        A sharded push decides on every trainer rank together: full where any rank's shadow says so."""
+        assert self.transport is not None
+        every = self.transport.every_rank
+        if not self._delta_on or (not every and (not source.is_sender or not self.engines)):
             return None
         sh = self.shadow
-        fresh = sh.prepare(plans)
         why: str | None = None
-        if fresh:
-            why = "first push"
-        elif self.mixed or self.open_rounds:
-            why = f"engines {sorted(set(self.mixed) | self.open_rounds)} hold mixed weights"
-        elif sh.held is None:
-            why = "no base: the last push failed, or none was pushed since connect"
-        elif sh.held[0] != self.versions.version:
-            why = f"the sync's version is {self.versions.version}, the shadow's {sh.held[0]}"
-        elif self.deltas.full_every and sh.since_full + 1 >= self.deltas.full_every:
-            why = f"every {self.deltas.full_every} pushes"
-        else:
-            held = sh.held
-            off: list[str] = []
-
-            async def check(e: Engine) -> None:
-                if await e.delta_base() != held:
-                    off.append(e.name)
-
-            await EngineGroup(self.engines, self.timeout, self.abort_timeout).each("delta_base", check,
-                                                                                    stage="start")
-            if off:
-                why = f"engines {sorted(off)} do not hold version {held[0]} (push {held[1]}) as their base"
+        bad: ValidationError | None = None
+        try:
+            why = await self._why_full(sh.prepare(plans))
+        except ValidationError as e:
+            if not every:
+                raise
+            bad = e
+        if every:  # one decision for every rank: a rank that pushes in full makes every rank's push full
+            views: list[Any] = await self.transport.exchange((why, None if bad is None else str(bad)), self.timeout)
+            if bad is not None:
+                raise bad
+            for r, (w, no) in enumerate(views):
+                if no:
+                    raise ValidationError(f"trainer rank {r} cannot push deltas: {no}")
+                if why is None and w:
+                    why = f"trainer rank {r}: {w}"
         base, sh.held = sh.held, None
         if why is not None:
             get_logger().info("full push of a delta sync", why=why)
             return DeltaPush(sh, "full", len(plans), why_full=why)
         return DeltaPush(sh, "delta", len(plans), base=base, verify=self.deltas.verify_delta)
+
+    async def _why_full(self, fresh: bool) -> str | None:
+        """Why this push of a delta sync must be full (None: it may be a delta)."""
+        sh = self.shadow
+        if fresh:
+            return "first push"
+        if self.mixed or self.open_rounds:
+            return f"engines {sorted(set(self.mixed) | self.open_rounds)} hold mixed weights"
+        if sh.held is None:
+            return "no base: the last push failed, or none was pushed since connect"
+        if sh.held[0] != self.versions.version:
+            return f"the sync's version is {self.versions.version}, the shadow's {sh.held[0]}"
+        if self.deltas.full_every and sh.since_full + 1 >= self.deltas.full_every:
+            return f"every {self.deltas.full_every} pushes"
+        held = sh.held
+        off: list[str] = []
+
+        async def check(e: Engine) -> None:
+            if await e.delta_base() != held:
+                off.append(e.name)
+
+        await EngineGroup(self.engines, self.timeout, self.abort_timeout).each("delta_base", check, stage="start")
+        if off:
+            return f"engines {sorted(off)} do not hold version {held[0]} (push {held[1]}) as their base"
+        return None
+
+    async def _settle_sharded(self, source: Source, plans: list[ChunkPlan], version: int, window: int,
+                              time_limit: float | None, failed: PushError | None, report: PushReport | None
+                              ) -> PushReport:
+        """A sharded delta push ended on this rank: every rank learns how it ended on the others. Where an
+        engine refused the delta, every rank pushes the same version in full; where it failed otherwise, it
+        fails on every rank. (Waits for the slowest rank: one whose sends a failed round left unreceived ends
+        after the group timeout.)"""
+        assert self.transport is not None
+        mine = None if failed is None else (refused(failed), str(failed))
+        ends: list[Any] = await self.transport.exchange(mine, 2 * self.timeout + 30.0)
+        if any(e is not None and e[0] for e in ends):
+            why = next(e[1] for e in ends if e is not None and e[0])
+            err = failed if failed is not None and refused(failed) else PushError(why, stage="send")
+            await self.transport.before_push(self.timeout)  # every rank rebuilds a group the failure broke
+            return await self._full_after_refusal(source, plans, version, window, time_limit, err)
+        if failed is not None:
+            raise failed
+        bad = next(((r, e[1]) for r, e in enumerate(ends) if e is not None), None)
+        if bad is not None:
+            raise PushError(f"the push failed on trainer rank {bad[0]}: {bad[1]}", stage="send")
+        assert report is not None
+        return report
 
     async def _full_after_refusal(self, source: Source, plans: list[ChunkPlan], version: int, window: int,
                                   time_limit: float | None, err: PushError) -> PushReport:
@@ -489,7 +544,7 @@ class WeightSync:
         log = get_logger()
         log.warning("an engine refused a delta: pushing in full", engine=err.receiver, error=err.message)
         assert self.transport is not None
-        if self.transport.broken is not None:
+        if self.transport.broken is not None and not self.transport.every_rank:
             await self.transport.connect(self.engines, self.timeout)
         full = DeltaPush(self.shadow, "full", len(plans), why_full=f"refused: {err.message}")
         report = await self._push(source, plans, uuid.uuid4().hex[:8], version, window, time_limit, full)

@@ -97,6 +97,42 @@ def test_fsdp1_on_two_ranks_through_its_full_state_dict(tmp_path):
     assert out[0]["exact"] == [True, True, True]
 
 
+def _small_deltas(results: list[dict], modes: list[str]) -> None:
+    """Every rank pushed `modes`, and each delta put under a fifth of that rank's full push on the wire."""
+    for r in results:
+        assert r["delta_modes"] == modes, (r["rank"], r["delta_modes"], r["why_full"])
+        full = r["wire_bytes"][0]
+        assert all(b < 0.2 * full for b, m in zip(r["wire_bytes"], modes, strict=True) if m == "delta"), r["wire_bytes"]
+        assert 0 < r["shadow_bytes"] == r["sent_bytes"][r["rank"]]  # a copy of what this rank sends, no more
+
+
+def test_megatron_tp2_pp2_delta_pushes_into_two_engines_of_tp2_workers(tmp_path):
+    """Every rank keeps the pieces it sends and sends each worker only what changed in them; after each step
+    (about 1 % of the elements) every worker of both engines is bit-exact."""
+    case = ShardedCase("tp2pp2-delta", QWEN3, tp=2, pp=2, engines=(EngineShape("a"), EngineShape("b")), delta=True)
+    results = _run(case, 4, tmp_path)
+    assert [r["error"] for r in results] == [None] * 4
+    assert results[0]["exact"] == [True, True, True], results[0]["mismatched"][:5]
+    assert all(r["paths"] == ["sharded"] * 3 for r in results)
+    _small_deltas(results, ["full", "delta", "delta"])
+
+
+def test_fsdp2_delta_pushes_and_a_refused_delta_goes_in_full_on_every_rank(tmp_path):
+    """FSDP2 on two ranks into a TP2 engine with deltas. Before the third push trainer rank 0's shadow misses a
+    change: the worker's box fails the sender's digest and refuses, and every rank pushes the same version in full
+    (the group the failure broke is made anew); the fourth push is a delta again."""
+    case = ShardedCase("fsdp2-delta", TinyModel("qwen3", vocab=256, layers=2), trainer="fsdp2",
+                       engines=(EngineShape("tp2"),), pushes=4, delta=True, corrupt=2, timeout=15.0)
+    results = _run(case, 2, tmp_path)
+    assert [r["error"] for r in results] == [None] * 2
+    assert results[0]["exact"] == [True] * 4, results[0]["mismatched"][:5]
+    assert results[0]["versions"] == [1, 2, 3, 4]
+    for r in results:
+        assert r["delta_modes"] == ["full", "delta", "full", "delta"], (r["delta_modes"], r["why_full"])
+        assert r["fallback"] == [False, False, True, False]
+        assert "digest" in r["why_full"][2], r["why_full"]
+
+
 def test_a_worker_that_dies_fails_the_push_on_every_rank_within_the_timeout(tmp_path):
     case = ShardedCase("kill", TinyModel("qwen3", vocab=256, layers=2), tp=2, engines=(EngineShape("k"),),
                        pushes=2, timeout=10.0, kill=(0, 1))

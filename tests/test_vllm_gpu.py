@@ -157,6 +157,41 @@ async def test_colocated_cuda_ipc_pushes_are_bit_exact_three_times(kind, tie, gp
     await sync.close()
 
 
+def _small_step(model: torch.nn.Module, seed: int) -> None:
+    """About 1 % of every floating tensor's elements take new values (the share an AdamW step at lr 1e-5 to
+    1e-6 changes of bf16 weights)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                m = torch.rand(t.shape, generator=gen, device=t.device) < 0.01
+                t[m] = (t[m].float() * 1.01 + 1e-3).to(t.dtype)
+
+
+@gpu
+async def test_sharded_delta_pushes_over_gloo_land_bit_exact_in_a_gpu_engine(gpu_llms, gpu_model_dirs):
+    """A trainer on the GPU pushes deltas through the p2p transport (gloo: each worker receives its slices into
+    host memory, keeps them as its base and applies the deltas there) into a vLLM engine on the GPU, through its
+    fast path; after every push every parameter equals the trainer's bit for bit (device digests)."""
+    from streamsync.transports.p2p import P2pTransport
+
+    model_dir = gpu_model_dirs["untied"]
+    engine = VllmEngine(gpu_llms["untied"], name="vllm-p2p-delta")
+    trainer = _hf_trainer(model_dir)
+    sync = WeightSync([engine], transport=P2pTransport("gloo"), chunk_bytes=1 << 20, delta=True, timeout=120)
+    reports = []
+    for step in range(3):
+        if step:
+            _small_step(trainer, step)
+        report = await sync.push(trainer)
+        reports.append(report)
+        assert report.path == "sharded" and report.engine_paths == {engine.name: "fast"}, report.engine_rounds
+        await _assert_bit_exact(engine, dict(trainer.state_dict()), tied=False)
+    assert [r.delta.mode for r in reports] == ["full", "delta", "delta"], [r.delta.why_full for r in reports]
+    assert all(r.delta.wire_bytes < 0.2 * reports[0].delta.wire_bytes for r in reports[1:])
+    await sync.close()
+
+
 def _config(model_dir: str) -> dict[str, Any]:
     from streamsync.models.megatron import hf_config
 

@@ -105,6 +105,41 @@ async def test_sharded_sending_gives_each_tp_worker_only_the_slices_its_loaders_
         await sync.close()
 
 
+async def test_sharded_delta_pushes_land_in_each_tp_worker_as_vllms_own_load(tp2, tmp_path):
+    """`transport="p2p", delta=True` from an AdamW trainer: each worker keeps the slices it received and applies
+    only what changed in them, then loads them through the fast path as a full push does; after each push both
+    workers hold what vLLM's own load of the served weights from disk leaves. A delta the worker refuses (the
+    sender's shadow misses a change: the worker's box fails the digest) goes in full at once."""
+    from streamsync.testing.sharded import _corrupt
+    from streamsync.testing.training import AdamTrainer
+
+    tp2_llm, model_dir = tp2
+    engine = VllmEngine(tp2_llm, name="tp2")
+    trainer = AdamTrainer(model_dir, lr=1e-4, seed=5)
+    sync = WeightSync([engine], transport="p2p", chunk_bytes=1 << 20, timeout=60, delta=True,
+                      source_options={"dtype": torch.bfloat16})
+    try:
+        reports = []
+        for i in range(4):
+            if i:
+                trainer.step()
+            if i == 3:
+                _corrupt(sync.shadow, trainer.served())
+            report = await sync.push(trainer.model)
+            reports.append(report)
+            assert report.path == "sharded" and report.engine_paths == {"tp2": "fast"}, report.engine_rounds
+            pushed = _per_worker(tp2_llm)
+            ckpt = save_checkpoint(trainer.served(), like=model_dir, out=tmp_path / f"ckpt{i}", dtype=torch.bfloat16)
+            tp2_llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ckpt)})
+            assert _per_worker(tp2_llm) == pushed, f"push {i} ({report.delta.mode})"
+        modes = [r.delta.mode for r in reports]
+        assert modes == ["full", "delta", "delta", "full"], [r.delta.why_full for r in reports]
+        assert reports[3].delta.fallback and "digest" in reports[3].delta.why_full
+        assert all(r.delta.wire_bytes < 0.5 * reports[0].delta.wire_bytes for r in reports[1:3])
+    finally:
+        await sync.close()
+
+
 @pytest.mark.megatron
 def test_a_megatron_tp2_trainer_sends_each_rank_its_shards_into_a_tp2_vllm_server(tmp_path):
     """Two megatron-core ranks (TP=2, gloo) and a `vllm serve` of two TP workers: every trainer rank sends the

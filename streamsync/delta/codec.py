@@ -226,6 +226,64 @@ def digest(t: torch.Tensor, algo: str | None = None) -> str:
     return f"{algo}:{h.hexdigest()}"
 
 
+# ------------------------------------------------------------------------------------ sharded headers
+# A sharded push's sender tells each worker how each of its pieces is encoded in a header of HEADER int64 per
+# piece, sent ahead of the pieces: [encoding, changed, elements, element size, digest algorithm, digest as
+# 4 x 8 bytes].
+
+HEADER = 9
+_ALGOS = ("", "blake3", "blake2b")
+
+
+def pack_header(rows: list[tuple[str, int, int, int, str]]) -> torch.Tensor:
+    """(encoding, changed, elements, element size, digest or "") per piece, as the int64 header a worker
+    receives."""
+    out = torch.zeros(len(rows), HEADER, dtype=torch.int64)
+    for i, (enc, changed, n, size, dig) in enumerate(rows):
+        algo, _, hexed = dig.partition(":")
+        raw = bytes.fromhex(hexed).ljust(32, b"\0")
+        out[i, :5] = torch.tensor([ENCODINGS.index(enc), changed, n, size, _ALGOS.index(algo)])
+        out[i, 5:] = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    return out.view(-1)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One piece's line of a received header."""
+
+    enc: str
+    changed: int
+    numel: int
+    itemsize: int
+    digest: str  # "" unchecked
+
+    def pieces(self) -> list[tuple[str, torch.dtype, int]]:
+        """(piece, dtype, elements) of each packed piece, in wire order (`encode`'s pieces); values as integers
+        of the element's width (the receiver views them as its dtype)."""
+        n, k = self.numel, self.changed
+        sizes_ = {"counts": (torch.int32, -(-n // BLOCK)), "pos": (torch.int16, k),
+                  "mask": (torch.uint8, -(-n // 8)), "val": (_INT[self.itemsize], n if self.enc == "full" else k)}
+        return [(p, *sizes_[p]) for p in PIECES[self.enc]]
+
+
+def parse_header(header: torch.Tensor, numels: list[int]) -> list[Row]:
+    """A received header, checked against the elements of the pieces the plan says it describes. Refuses
+    (ValidationError) a header that does not fit them."""
+    h = header.view(torch.int64).view(-1, HEADER).tolist()
+    if len(h) != len(numels):
+        raise ValidationError(f"delta header of {len(h)} pieces for {len(numels)}")
+    out = []
+    for (enc, changed, n, size, algo, *dig), want in zip(h, numels, strict=True):
+        if (not (0 <= enc < len(ENCODINGS) and 0 <= algo < len(_ALGOS)) or n != want or not 0 <= changed <= n
+                or size not in _INT or (ENCODINGS[enc] == "same") != (changed == 0)):
+            raise ValidationError(f"malformed delta header row {[enc, changed, n, size, algo]} for a piece of "
+                                  f"{want} elements")
+        raw = torch.tensor(dig, dtype=torch.int64).numpy().tobytes()
+        width = {"blake3": 32, "blake2b": 16}.get(_ALGOS[algo], 0)
+        out.append(Row(ENCODINGS[enc], changed, n, size, f"{_ALGOS[algo]}:{raw[:width].hex()}" if algo else ""))
+    return out
+
+
 def check_digest(t: torch.Tensor, want: str, name: str) -> None:
     """Raise DeltaRefused unless `t` has digest `want`."""
     algo = want.split(":", 1)[0] if isinstance(want, str) else ""

@@ -3,7 +3,8 @@
 A "full" push (the first, every `full_every`-th, and any push after which not every engine holds the shadow's
 version whole) sends every byte as usual and copies each chunk into the shadow; its messages say `keep`, so
 receivers keep what they load as the next base. A "delta" push encodes each chunk against the shadow: the
-pieces go in place of the tensors, and the messages carry the base and the entries.
+pieces go in place of the tensors, and the messages carry the base and the entries (a sharded push: the base and
+`sharded`; each sending rank's headers carry its pieces' entries).
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import anyio
 import torch
 
 from ..plan.chunk import ChunkPlan
-from .shadow import Shadow
+from .shadow import PieceShadow, Shadow
 
 Mode = Literal["full", "delta"]
 
 
 @dataclass
 class DeltaPush:
-    shadow: Shadow
+    shadow: Shadow | PieceShadow
     mode: Mode
     chunks: int
     #: the (version, push id) the deltas are computed against (delta mode)
@@ -40,10 +41,11 @@ class DeltaPush:
                       ) -> tuple[ChunkPlan, Sequence[torch.Tensor], dict[str, Any]]:
         """What the chunk sends (its plan, tensors) and the mark its messages carry. Runs in a worker thread:
         a diff reads the whole chunk."""
+        sharded = {"sharded": True} if isinstance(self.shadow, PieceShadow) else {}
         if self.mode == "full":
             await anyio.to_thread.run_sync(self.shadow.seed, plan, tensors)
             self.wire_bytes += plan.nbytes
-            return plan, tensors, {"chunks": self.chunks, "keep": True}
+            return plan, tensors, {"chunks": self.chunks, "keep": True, **sharded}
         assert self.base is not None
         d = await anyio.to_thread.run_sync(lambda: self.shadow.encode(plan, tensors, verify=self.verify))
         self.wire_bytes += d.wire.nbytes
@@ -51,4 +53,6 @@ class DeltaPush:
         self.elements += d.elements
         for k, v in d.encodings.items():
             self.encodings[k] = self.encodings.get(k, 0) + v
-        return d.wire, d.tensors, {"chunks": self.chunks, "base": list(self.base), "entries": d.entries}
+        # A sharded delta's entries travel in each sending rank's headers, not in trainer rank 0's messages.
+        entries = {"sharded": True} if sharded else {"entries": d.entries}
+        return d.wire, d.tensors, {"chunks": self.chunks, "base": list(self.base), **entries}

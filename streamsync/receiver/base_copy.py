@@ -16,6 +16,10 @@ without the field (its sender pushes no deltas) drops the copy and its memory.
 
 The loader gets whole HF tensors either way, as from a full push: the copy's own tensors (valid until the
 next round changes them).
+
+A sharded push (transport "p2p", `"sharded": true` in the field) keeps each box of an HF tensor this worker
+receives (`keep_box`, `patch_box`): the worker's slice of the model, not the whole of it; its pieces' entries
+come in each sending rank's header (`delta.codec.parse_header`), not in the message.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from typing import Any
 
 import torch
 
-from ..delta.codec import PIECES, DeltaRefused, check_digest, decode_into
+from ..delta.codec import PIECES, DeltaRefused, Row, check_digest, decode_into
 from ..errors import ValidationError
 from ..pack import dtype_from_name
+from ..plan.shards import Box
 
 Entry = tuple[str, torch.dtype, tuple[int, ...], tuple[int, int] | None, str, int, str]
 
@@ -44,7 +49,7 @@ def parse_delta(update_info: Mapping[str, Any]) -> dict[str, Any] | None:
     base = d.get("base")
     if not (isinstance(base, list) and len(base) == 2 and type(base[0]) is int and isinstance(base[1], str)):
         raise ValidationError(f"malformed delta base {base!r:.80}: needs [version, push id]")
-    if not isinstance(d.get("entries"), list):
+    if d.get("sharded") is not True and not isinstance(d.get("entries"), list):
         raise ValidationError("malformed delta field: no 'entries' list")
     return d
 
@@ -75,15 +80,46 @@ class BaseCopy:
         self._touched = False
         self._plain = False
         self._rows: dict[str, int] = {}  # rows of a split tensor patched so far this round
+        #: a sharded push's boxes by (HF name, box)
+        self.boxes: dict[tuple[str, Box], torch.Tensor] = {}
+        self._kept: set[tuple[str, Box]] = set()  # boxes a full sharded push wrote this round
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(t.numel() * t.element_size() for t in (*self.tensors.values(), *self.boxes.values()))
 
     def begin_round(self) -> None:
         self._round, self._chunks, self._seen = None, None, set()
         self._touched = self._plain = False
         self._rows = {}
+        self._kept = set()
+
+    def keep_box(self, name: str, box: Box, t: torch.Tensor) -> None:
+        """A full sharded push: keep a copy of `box` of `name` as received (`t`, of the box's shape)."""
+        self._touched = True
+        key = (name, box)
+        have = self.boxes.get(key)
+        if have is None or have.dtype != t.dtype or have.shape != t.shape:
+            have = self.boxes[key] = torch.empty(t.shape, dtype=t.dtype)
+        have.copy_(t)
+        self._kept.add(key)
+
+    def check_box(self, name: str, box: Box, dtype: torch.dtype) -> torch.Tensor:
+        """The kept `box` of `name`, refused (DeltaRefused) where none of that dtype is held."""
+        have = self.boxes.get((name, box))
+        if have is None or have.dtype != dtype or tuple(have.shape) != box.size:
+            raise DeltaRefused(f"tensor {name!r}: no base of its box {box} ({dtype}) held here")
+        return have
+
+    def patch_box(self, name: str, box: Box, have: torch.Tensor, row: Row, pieces: Mapping[str, torch.Tensor],
+                  *, verify: bool = True) -> torch.Tensor:
+        """Apply one piece's delta onto its kept box `have` (from `check_box`); the box, checked against the
+        sender's digest."""
+        self._touched = True
+        decode_into(have.view(-1), row.enc, row.changed, pieces)
+        if verify and row.digest:
+            check_digest(have, row.digest, f"{name}{list(box.start)}")
+        return have
 
     def note(self, update_info: Mapping[str, Any], delta: dict[str, Any] | None) -> None:
         """A chunk of this round arrived (before it is applied); a delta chunk must name the base held here."""
@@ -161,9 +197,11 @@ class BaseCopy:
         """The round ended (`finished`: not an abort). The copy holds the round's push only if every chunk of it
         arrived; a round that changed the copy otherwise leaves no base; one without deltas drops the copy."""
         if self._plain:
-            self.tensors, self.held = {}, None
+            self.tensors, self.boxes, self.held = {}, {}, None
         elif finished and self._round is not None and self._chunks is not None and len(self._seen) == self._chunks:
             self.held = self._round
+            if self._kept:  # a full sharded push: boxes of an older plan are no longer sent
+                self.boxes = {k: v for k, v in self.boxes.items() if k in self._kept}
         elif self._touched:
             self.held = None
         self.begin_round()

@@ -105,6 +105,7 @@ class WeightReceiver:
         self._touched = 0.0
         #: what deltas apply onto (kept only for senders that push deltas)
         self.base = BaseCopy()
+        self._round_transport: Receiver | None = None  # the transport the open round receives through
         #: the update being loaded, where its loader gets the packed views then the references as they came:
         #: (packed tensors, referenced tensors); None otherwise (a delta, parts)
         self.joined_split: tuple[int, int] | None = None
@@ -146,6 +147,7 @@ class WeightReceiver:
         if self.updating and self.transport is not None:
             self.transport.end_round()  # the previous round failed half-way: drop what it mapped
         self.updating = True
+        self._round_transport = self.transport
         self.owner, self.stale_after = owner, stale_after
         self._touched = time.monotonic()
         self.chunks = self.bytes = 0
@@ -164,30 +166,28 @@ class WeightReceiver:
         if self.transport is None:
             raise ValidationError("update before init: call init_transfer first")
         layout = self._layout(update_info)
-        delta = parse_delta(update_info)
-        opened = self.transport.open(update_info, layout.nbytes)
-        t0 = time.perf_counter()
-        with opened as buf:  # a refused delta is refused with its bytes received: a collective stays in step
-            t1 = time.perf_counter()
-            refs = self.transport.ref_views(update_info)
-            t2 = time.perf_counter()
-            self.base.note(update_info, delta)  # a delta onto another base than the one held: refused here
-            self.dirty = True
-            if buf.numel() < layout.nbytes:
-                raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
-            views: Iterable[tuple[str, torch.Tensor]] = self.transport.views(buf, layout)
-            views, metas, parts = self._join(layout, views, refs, loader)
-            self.joined_split = (len(layout.metas), len(refs)) if delta is None and not parts else None
-            if delta is not None and "base" in delta:
-                loader.load(self.base.apply(views, delta))
-            elif delta is not None:  # a full push of a delta sender: keep what is loaded
-                loader.load(self.base.tee(self._assemble(views, metas) if parts else views))
-            elif parts:
-                loader.load(self._assemble(views, metas))
-            else:
-                self._load(loader, views, layout, buf, update_info)
-            t3 = time.perf_counter()
-            del buf
+        try:
+            delta = parse_delta(update_info)
+            opened = self.transport.open(update_info, layout.nbytes)
+            t0 = time.perf_counter()
+            with opened as buf:  # a refused delta is refused with its bytes received: a collective stays in step
+                t1 = time.perf_counter()
+                refs = self.transport.ref_views(update_info)
+                t2 = time.perf_counter()
+                self.base.note(update_info, delta)  # a delta onto another base than the one held: refused here
+                self.dirty = True
+                if buf.numel() < layout.nbytes:
+                    raise ValidationError(f"chunk buffer holds {buf.numel()} bytes, layout needs {layout.nbytes}")
+                if delta is not None and delta.get("sharded"):  # the transport keeps, or patches, its boxes
+                    self.joined_split = None
+                    loader.load(self.transport.delta_views(buf, layout, self.base, delta))
+                else:
+                    self._load_chunk(loader, buf, layout, refs, delta, update_info)
+                t3 = time.perf_counter()
+                del buf
+        except BaseException:
+            self.transport.abandon()  # this round is lost here: senders still sending to it fail at once
+            raise
         t4 = time.perf_counter()
         tm = self.stats.seconds
         tm["open"] += t1 - t0
@@ -198,6 +198,21 @@ class WeightReceiver:
         self.chunks += 1
         self.bytes += nbytes
         return nbytes
+
+    def _load_chunk(self, loader: Loader, buf: torch.Tensor, layout: Layout,
+                    refs: list[tuple[TensorMeta, torch.Tensor]], delta: dict[str, Any] | None,
+                    update_info: dict[str, Any]) -> None:
+        views: Iterable[tuple[str, torch.Tensor]] = self.transport.views(buf, layout)  # type: ignore[union-attr]
+        views, metas, parts = self._join(layout, views, refs, loader)
+        self.joined_split = (len(layout.metas), len(refs)) if delta is None and not parts else None
+        if delta is not None and "base" in delta:
+            loader.load(self.base.apply(views, delta))
+        elif delta is not None:  # a full push of a delta sender: keep what is loaded
+            loader.load(self.base.tee(self._assemble(views, metas) if parts else views))
+        elif parts:
+            loader.load(self._assemble(views, metas))
+        else:
+            self._load(loader, views, layout, buf, update_info)
 
     def prime(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]] | None:
         """A chunk's references ahead of its first push (`Engine.prime`): the trainer storages they name mapped,
@@ -388,6 +403,8 @@ class WeightReceiver:
             self._check_owner(owner, "abort")
         if self.updating and self.transport is not None:
             self.transport.end_round()
+            if self.transport is self._round_transport:  # not one made since (vLLM aborts at the next start)
+                self.transport.abandon()
         if self.updating:
             self.base.end_round(finished=False)
         self.updating = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +51,11 @@ class ShardedCase:
     timeout: float = 60.0
     #: kill this engine's worker (engine index, worker) while the last push runs
     kill: tuple[int, int] | None = None
+    #: delta pushes (`WeightSync(delta=True)`); each step then changes about 1 % of the elements
+    delta: bool = False
+    #: before this push, trainer rank 0's shadow takes the new values of one piece the step changed: its delta
+    #: misses them, the worker's box then fails the sender's digest, and the push goes in full on every rank
+    corrupt: int | None = None
 
 
 @dataclass
@@ -65,6 +70,11 @@ class ShardedResult:
     versions: list[int | None] = field(default_factory=list)
     error: str | None = None
     seconds: list[float] = field(default_factory=list)
+    delta_modes: list[str | None] = field(default_factory=list)
+    wire_bytes: list[int] = field(default_factory=list)  # this rank's bytes on the wire, per push
+    why_full: list[str | None] = field(default_factory=list)
+    fallback: list[bool] = field(default_factory=list)
+    shadow_bytes: int = 0
 
 
 def layouts(case: ShardedCase) -> list[list[list[tuple[str, Box]]]]:
@@ -150,6 +160,7 @@ def run_sharded(rank: int, world_size: int, case: ShardedCase,
     from ..engines.receiver import ReceiverEngine
     from ..sync import WeightSync
     from ..transports.p2p import P2pTransport
+    from .megatron import small_step
     from .sliced import WorkerGroup, expected_slices
 
     res = ShardedResult(rank)
@@ -167,12 +178,14 @@ def run_sharded(rank: int, world_size: int, case: ShardedCase,
                                     for w, (port, secret, _) in enumerate(workers[i])], e.name)
                        for i, e in enumerate(case.engines)]
         sync = WeightSync(engines, transport=P2pTransport(), chunk_bytes=case.chunk_bytes, timeout=case.timeout,
-                          source_options=options)
+                          source_options=options, delta=case.delta)
         try:
             for i in range(case.pushes):
                 if i:
-                    hf = case.model.hf_state(seed=i)
+                    hf = small_step(hf, seed=100 + i) if case.delta else case.model.hf_state(seed=i)
                     load(hf)
+                if case.corrupt == i and rank == 0:
+                    _corrupt(sync.shadow, hf)
                 if case.kill is not None and i == case.pushes - 1 and rank == 0:
                     e, w = case.kill
                     os.kill(workers[e][w][2], signal.SIGKILL)
@@ -186,6 +199,12 @@ def run_sharded(rank: int, world_size: int, case: ShardedCase,
                 res.peak_bytes.append(report.peak_bytes_inflight)
                 res.paths.append(report.path)
                 res.senders = report.senders
+                if report.delta is not None:
+                    res.delta_modes.append(report.delta.mode)
+                    res.wire_bytes.append(report.delta.wire_bytes)
+                    res.why_full.append(report.delta.why_full)
+                    res.fallback.append(report.delta.fallback)
+                    res.shadow_bytes = report.delta.shadow_bytes
                 res.versions.append(report.version)
                 if i == 0:
                     from ..sources.sharded import ShardedSource
@@ -211,6 +230,21 @@ def run_sharded(rank: int, world_size: int, case: ShardedCase,
 
     anyio.run(main)
     return asdict(res)
+
+
+def _corrupt(shadow: Any, hf: Mapping[str, torch.Tensor]) -> None:
+    """Give `shadow` (a PieceShadow) the new value of `hf` at the first element the step changed in a piece that
+    has other changes (the piece's delta then misses that one)."""
+    from ..delta.codec import bits
+
+    for (name, box, _, _), t in shadow.tensors.items():
+        new = box_view(hf[name], box).to(t.dtype).contiguous().view(-1)
+        flat = t.view(-1)
+        diff = (bits(new) != bits(flat)).nonzero().view(-1)
+        if diff.numel() > 1:
+            flat[int(diff[0])] = new[int(diff[0])]
+            return
+    raise AssertionError("the step changed no piece this rank sends")
 
 
 def run_fsdp_single_sender(rank: int, world_size: int, model: TinyModel, port: int, secret: str,

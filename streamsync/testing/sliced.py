@@ -181,6 +181,11 @@ class WorkerGroup(Engine):
     async def get_version(self) -> int | None:
         return (await self.state()).version
 
+    async def delta_base(self) -> tuple[int, str] | None:
+        """The push every worker keeps as its delta base (None unless all keep the same one)."""
+        held = set(await self._each(lambda i, m: m.delta_base()))
+        return held.pop() if len(held) == 1 else None
+
     async def layout(self) -> EngineLayout | None:
         layouts = await self._each(lambda i, m: m.layout())
         if all(lay is None for lay in layouts):

@@ -104,6 +104,11 @@ class Transport(ABC):
         goes ahead (`error`: this rank cannot push; every rank then raises) and that the transport is intact
         (rebuilding it together where not)."""
 
+    async def exchange(self, obj: object, timeout: float) -> list[object]:
+        """`every_rank` transports, on every rank at the same point: `obj` of every trainer rank, in rank order
+        (a sharded delta push's decisions). A single sender has only its own."""
+        return [obj]
+
     @property
     def ref_chunk_bytes(self) -> int | None:
         """Referenced bytes per chunk where tensors may go by reference (one copy: a referenced tensor costs the
@@ -216,6 +221,12 @@ class Receiver(ABC):
         """(name, view) of every tensor of the chunk in `buf` (the tensor `open` yielded)."""
         return unpack(buf, layout)
 
+    def delta_views(self, buf: torch.Tensor, layout: Layout, base: Any,
+                    delta: dict[str, Any]) -> Iterable[tuple[str, torch.Tensor]]:
+        """`views` of a sharded push's chunk from a sender that pushes deltas (`receiver.base_copy`): only a
+        transport that takes slices from every trainer rank ("p2p") has them."""
+        raise ValidationError(f"the {self.name} transport takes no sharded deltas")
+
     def ref_views(self, update_info: dict[str, Any], in_round: bool = True) -> list[tuple[TensorMeta, torch.Tensor]]:
         """Tensors of the chunk sent by reference instead of packed (one copy): (metadata, view). Called while
         the chunk is open, or with `in_round=False` for references sent ahead of a push (`WeightReceiver.prime`).
@@ -227,6 +238,11 @@ class Receiver(ABC):
 
     def end_round(self) -> None:  # noqa: B027 - optional hook
         """A round (start..finish, or a failed one) ended: drop per-round mappings."""
+
+    def abandon(self) -> None:  # noqa: B027 - optional hook
+        """A round failed (`WeightReceiver.abort`). A transport that other senders may still be sending to
+        (p2p: every trainer rank) closes, so their sends fail at once instead of at their timeout; the senders
+        make it anew before the next push."""
 
     def stats(self) -> dict[str, float]:
         """What this receiving half measured since it started (host seconds mapping trainer storages, ...),

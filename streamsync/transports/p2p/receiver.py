@@ -5,16 +5,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ...delta.codec import HEADER, Row, parse_header
 from ...errors import TransportError, ValidationError
-from ...pack import Layout, dtype_from_name, unpack
+from ...pack import Layout, TensorSpec, dtype_from_name, plan_layout, unpack
 from ...plan.shards import Box
 from ..base import Receiver
 from ..collective.group import BACKENDS, CLOSE_TIMEOUT, broadcast, dispose, make_group
 from ..collective.receiver import CollectiveReceiver, _field
+
+if TYPE_CHECKING:
+    from ...receiver.base_copy import BaseCopy
 
 _MAX_PIECES = 1 << 20
 
@@ -26,7 +30,11 @@ class P2pReceiver(Receiver):
 
     Per update: one receive per sending trainer rank (each with the group timeout), then each piece is
     copied into its box of the bucket's whole tensors (a buffer of the update's layout, reused). Only the
-    tensors this worker received part of are handed to the loader."""
+    tensors this worker received part of are handed to the loader.
+
+    A sharded delta (docs/delta.md): from each sending rank a header first (`delta.codec.parse_header`: each
+    piece's encoding, count and digest), then its pieces' encodings, whose size the header gives; each piece is
+    applied onto this worker's kept box of it (`delta_views`)."""
 
     name: ClassVar[str] = "p2p"
 
@@ -53,6 +61,9 @@ class P2pReceiver(Receiver):
         port = _field(init_info, "master_port", int, lo=1)
         timeout = timedelta(seconds=_field(init_info, "timeout_s", float))
         self.rank, self.world_size, self.backend, self.timeout = rank, world, backend, timeout.total_seconds()
+        # gloo sends and receives host memory (it hands the tensor's pointer to its TCP transport): a CUDA worker
+        # receives into host buffers, and its loader copies from them
+        self._at = self.device if backend == "nccl" else torch.device("cpu")
         self.close_timeout = CLOSE_TIMEOUT
         self._pg: Any = None
         self._store: Any = None
@@ -71,11 +82,13 @@ class P2pReceiver(Receiver):
         self._staging: torch.Tensor | None = None
         self._recv: dict[int, torch.Tensor] = {}  # sending rank -> its receive buffer (grown as needed)
         self._pending: list[tuple[int, int, list[Any]]] = []
+        #: a delta's per sending rank: its header's rows and where each piece's encodings sit in its buffer
+        self._rows: dict[int, tuple[list[Row], Layout]] = {}
         self.received_bytes = 0
 
     def _buffer(self, current: torch.Tensor | None, nbytes: int) -> torch.Tensor:
         if current is None or current.numel() < nbytes:
-            current = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            current = torch.empty(nbytes, dtype=torch.uint8, device=self._at)
         return current
 
     def _segments(self, h: dict[str, Any]) -> list[tuple[int, int, list[Any]]]:
@@ -120,27 +133,65 @@ class P2pReceiver(Receiver):
             raise ValidationError(f"p2p open needs the chunk's layout size, got {nbytes!r:.40}")
         segments = self._segments(h)
         self._seq += 1
-        works = []
-        for src, size, _ in segments:
-            buf = self._recv[src] = self._buffer(self._recv.get(src), size)
-            works.append((src, self._pg.recv([buf[:size]], src, seq)))
+        d = update_info.get("delta")
+        self._rows = {}
+        if isinstance(d, dict) and d.get("sharded") and "base" in d:
+            # A delta: each rank's header first, then as many bytes of encodings as its header says.
+            heads = {src: torch.empty(len(pieces) * HEADER, dtype=torch.int64, device=self._at)
+                     for src, _, pieces in segments}
+            self._receive([(src, heads[src].view(torch.uint8)) for src, _, _ in segments], seq)
+            sizes = []
+            for src, _, pieces in segments:
+                rows = parse_header(heads[src].cpu(), [_numel(p) for p in pieces])
+                lay = plan_layout(TensorSpec("", dt, (n,)) for r in rows for _, dt, n in r.pieces())
+                self._rows[src] = (rows, lay)
+                sizes.append((src, lay.metas[-1].offset + lay.metas[-1].nbytes if lay.metas else 0))
+        else:
+            sizes = [(src, size) for src, size, _ in segments]
+        bufs = []
+        for src, size in sizes:
+            if size:
+                buf = self._recv[src] = self._buffer(self._recv.get(src), size)
+                bufs.append((src, buf[:size]))
+        self._receive(bufs, seq)
+        self._pending = [(src, size, pieces) for (src, size), (_, _, pieces) in zip(sizes, segments, strict=True)]
+        self._staging = self._buffer(self._staging, max(nbytes, 1))
+        yield self._staging[:nbytes]
+
+    def _receive(self, bufs: list[tuple[int, torch.Tensor]], seq: int) -> None:
+        """One receive per (sending rank, buffer), all posted, then each waited for within the timeout."""
+        works = [(src, self._pg.recv([buf], src, seq)) for src, buf in bufs]
         for src, w in works:
             try:
                 w.wait(timedelta(seconds=self.timeout))
             except RuntimeError as e:
                 raise TransportError(f"worker {self.worker}: nothing from trainer rank {src} for chunk {seq} within "
                                      f"{self.timeout:.1f}s (dead or frozen?): {e}") from e
-        self._pending = [(src, size, pieces) for src, size, pieces in segments]
-        self._staging = self._buffer(self._staging, max(nbytes, 1))
-        yield self._staging[:nbytes]
 
     def views(self, buf: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
         """Copy each received piece into its box of its whole tensor in `buf` (laid out as `layout`), each
         checked first; return the tensors this worker received part of (the rest of `buf` was not written)."""
+        return self._copy_in(buf, layout, self._pieces(layout))
+
+    def _copy_in(self, buf: torch.Tensor, layout: Layout, copies: list[tuple[Any, torch.dtype, Box, Any]]
+                 ) -> list[tuple[str, torch.Tensor]]:
+        names = set()
+        for meta, dtype, box, src_bytes in copies:
+            _box_of(buf, meta, dtype, box).copy_(src_bytes.view(dtype).view(box.size))
+            names.add(meta.name)
+            self.received_bytes += src_bytes.numel()
+        self._pending = []
+        return [(n, t) for n, t in unpack(buf, layout) if n in names]
+
+    def _pieces(self, layout: Layout, *, delta: bool = False) -> list[tuple[Any, torch.dtype, Box, Any]]:
+        """Each received piece checked against the update's layout: (its tensor's meta, dtype, box, and its
+        bytes, or with `delta` its header row and encodings by piece name)."""
         metas = {m.name: m for m in layout.metas}
-        copies = []
+        out: list[tuple[Any, torch.dtype, Box, Any]] = []
         for src, size, pieces in self._pending:
-            for piece in pieces:
+            rows, lay = self._rows.get(src, ([], None))
+            at = 0  # the next encoding in `lay`
+            for i, piece in enumerate(pieces):
                 if not (isinstance(piece, list) and len(piece) == 3 and isinstance(piece[0], str)
                         and type(piece[2]) is int):
                     raise ValidationError(f"p2p piece must be [name, box, offset], got {piece!r:.120}")
@@ -152,21 +203,52 @@ class P2pReceiver(Receiver):
                 if not box.within(meta.shape):
                     raise ValidationError(f"p2p piece {box} of {name!r} lies outside its shape {list(meta.shape)}")
                 dtype = dtype_from_name(meta.dtype)
+                if delta:
+                    row = rows[i]
+                    if row.itemsize != dtype.itemsize:
+                        raise ValidationError(f"delta header: piece {box} of {name!r} has {row.itemsize}-byte "
+                                              f"elements, the layout says {meta.dtype}")
+                    enc: dict[str, torch.Tensor] = {}
+                    for p, dt, _ in row.pieces():
+                        m = lay.metas[at] if lay is not None else None
+                        assert m is not None
+                        raw = self._recv[src][m.offset:m.offset + m.nbytes].view(dt)
+                        enc[p] = raw.view(dtype) if p == "val" else raw
+                        at += 1
+                    out.append((meta, dtype, box, (row, enc)))
+                    continue
                 n = box.numel * dtype.itemsize
                 if off < 0 or off + n > size:
                     raise ValidationError(f"p2p piece {box} of {name!r} at byte {off} overruns its segment of "
                                           f"{size} bytes from trainer rank {src}")
-                copies.append((meta, dtype, box, self._recv[src][off:off + n]))
+                out.append((meta, dtype, box, self._recv[src][off:off + n]))
+        return out
+
+    def delta_views(self, buf: torch.Tensor, layout: Layout, base: BaseCopy,
+                    delta: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        """`views` for a sender that pushes deltas: a full push's pieces are also kept in `base`; a delta's are
+        applied onto the boxes kept there (every piece checked, and its base found, before any is written) and
+        copied into their boxes of the bucket's whole tensors."""
+        if "base" not in delta:
+            copies = self._pieces(layout)
+            for meta, dtype, box, src_bytes in copies:
+                base.keep_box(meta.name, box, src_bytes.view(dtype).view(box.size))
+            return self._copy_in(buf, layout, copies)
+        pieces = self._pieces(layout, delta=True)
+        bases = [base.check_box(meta.name, box, dtype) for meta, dtype, box, _ in pieces]
         names = set()
-        for meta, dtype, box, src_bytes in copies:
-            dst = buf[meta.offset: meta.offset + meta.nbytes].view(dtype).view(meta.shape)
-            for d, (s, n) in enumerate(zip(box.start, box.size, strict=True)):
-                dst = dst.narrow(d, s, n)
-            dst.copy_(src_bytes.view(dtype).view(box.size))
+        for (meta, dtype, box, (row, enc)), have in zip(pieces, bases, strict=True):
+            got = base.patch_box(meta.name, box, have, row, enc)
+            _box_of(buf, meta, dtype, box).copy_(got)
             names.add(meta.name)
-            self.received_bytes += src_bytes.numel()
+            self.received_bytes += sum(t.numel() * t.element_size() for t in enc.values())
         self._pending = []
         return [(n, t) for n, t in unpack(buf, layout) if n in names]
+
+    def abandon(self) -> None:
+        """The round failed: leave the group, so trainer ranks still sending this round fail at once (the
+        trainer makes the group anew before its next push, and this worker joins it then)."""
+        self.close()
 
     def stats(self) -> dict[str, float]:
         return {"p2p_received_bytes": float(self.received_bytes)}
@@ -179,3 +261,19 @@ class P2pReceiver(Receiver):
             del pg, store
         self._staging = None
         self._recv = {}
+
+
+def _numel(piece: Any) -> int:
+    """Elements of a piece as the handle lists it ([name, box, offset]); checked again by `_pieces`."""
+    try:
+        return Box.from_json(piece[1]).numel
+    except (TypeError, ValueError, IndexError, KeyError) as e:
+        raise ValidationError(f"p2p piece must be [name, box, offset], got {piece!r:.120}") from e
+
+
+def _box_of(buf: torch.Tensor, meta: Any, dtype: torch.dtype, box: Box) -> torch.Tensor:
+    """`box` of the tensor `meta` places in `buf`."""
+    dst = buf[meta.offset: meta.offset + meta.nbytes].view(dtype).view(meta.shape)
+    for d, (s, n) in enumerate(zip(box.start, box.size, strict=True)):
+        dst = dst.narrow(d, s, n)
+    return dst

@@ -58,6 +58,7 @@ class P2pTransport(Transport):
     reaches: ClassVar[Literal["cpu", "cuda", "remote"]] = "remote"
     every_rank: ClassVar[bool] = True
     fusable: ClassVar[bool] = False
+    delta_pays: ClassVar[bool] = True  # a link between hosts: the bytes a delta saves are its time
 
     def __init__(self, backend: str = "auto", *, master_addr: str = "127.0.0.1", master_port: int = 0,
                  device: torch.device | str | None = None, group_timeout: float | None = None,
@@ -85,6 +86,8 @@ class P2pTransport(Transport):
         self._pool: BufferPool | None = None
         self._source: ShardedSource | None = None
         self._handles: dict[tuple[int, int, str], tuple[dict[str, Any], Any, dict[str, Any], str]] = {}
+        #: a delta push's bucket -> per destination (header offset, bytes; encodings' offset, bytes)
+        self._delta_sends: dict[int, list[tuple[tuple[str, int], int, int, int, int]]] = {}
         self.counts: dict[str, float] = {}
 
     # -- setup -----------------------------------------------------------------------------------------
@@ -187,6 +190,10 @@ class P2pTransport(Transport):
                                  group=self._group, why=self._broken or "not connected")
             await self.connect(self._engines, timeout)
 
+    async def exchange(self, obj: object, timeout: float) -> list[object]:
+        with anyio.fail_after(timeout):
+            return await in_thread(gather_objects, obj)
+
     @property
     def device(self) -> torch.device:
         if self._device is not None:
@@ -222,9 +229,14 @@ class P2pTransport(Transport):
             self._handles = {}
         self._source = source
         self.counts = {"senders": float(source.senders), "sent_bytes": float(source.sent_bytes)}
+        self._delta_sends = {}
         self.pool.begin(max([p.nbytes for p in plans] + [1]))
 
     def allocate(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor]) -> SendBuffer:
+        """A pool buffer for the chunk; a delta push's chunk (`delta.shadow.PieceShadow.encode`: per destination
+        a header, then its pieces' encodings) also notes where each destination's two messages lie in it."""
+        if chunk.keys and isinstance(chunk.keys[0], tuple):
+            self._delta_sends[chunk.index] = _delta_messages(chunk)
         pb = self.pool.take(max(chunk.nbytes, 1))
         return SendBuffer(chunk.index, pb.size, pb.tensor[: chunk.nbytes], {}, pooled=pb)
 
@@ -271,14 +283,16 @@ class P2pTransport(Transport):
 
     def _send_all(self, tensor: torch.Tensor, sends: Sequence[tuple[tuple[str, int], int, int]], seq: int,
                   chunk: int) -> None:
-        """Post every segment of this rank's bucket, then wait for each (a send completes once its worker
-        received it), within the group timeout."""
+        """Post every message of this rank's bucket (each destination's in order), then wait for each (a send
+        completes once its worker received it), within the group timeout."""
         def failed(engine: str, worker: int, e: RuntimeError) -> EngineError:
             return EngineError(engine, f"trainer rank {self.rank}: send of bucket {chunk} to worker {worker} "
                                f"failed or timed out ({self._timeout:.1f}s): {e}", unresponsive=True)
 
         works = []
         for (engine, worker), off, n in sends:
+            if not n:
+                continue
             try:  # posting fails at once where gloo already saw the worker's connection close
                 works.append(((engine, worker), self._pg.send([tensor[off:off + n]], self._dest_rank(engine, worker),
                                                               seq)))
@@ -297,7 +311,11 @@ class P2pTransport(Transport):
         source = self._source
         assert source is not None
         seq = buf.handle["seq"]
-        sends = source.sends(buf.chunk)
+        wire = self._delta_sends.pop(buf.chunk, None)
+        if wire is None:
+            sends = source.sends(buf.chunk)
+        else:  # a delta: each destination's header, then its encodings (which may be none)
+            sends = [m for dest, h_off, h_n, off, n in wire for m in ((dest, h_off, h_n), (dest, off, n))]
         ok = False
 
         async def own() -> None:
@@ -352,3 +370,22 @@ class P2pTransport(Transport):
                                      timeout_s=self.close_timeout)
         if self._pool is not None:
             self._pool.release()
+
+
+def _delta_messages(chunk: ChunkPlan) -> list[tuple[tuple[str, int], int, int, int, int]]:
+    """Per destination of a delta chunk (keys (engine, worker, piece), a "#header" first): (destination, its
+    header's offset and bytes, its encodings' offset and bytes)."""
+    metas = chunk.layout.metas
+    keys: Sequence[tuple[str, int, str]] = chunk.keys  # type: ignore[assignment]
+    out = []
+    i = 0
+    while i < len(keys):
+        j = i + 1
+        while j < len(keys) and keys[j][2] != "#header":
+            j += 1
+        first, last = metas[i + 1] if j > i + 1 else None, metas[j - 1]
+        off = first.offset if first is not None else 0
+        n = last.offset + last.nbytes - off if first is not None else 0
+        out.append(((keys[i][0], keys[i][1]), metas[i].offset, metas[i].nbytes, off, n))
+        i = j
+    return out
