@@ -438,18 +438,18 @@ class WeightSync:
             # repeating the sender's progress lines bury it.
             loud = source.is_sender and (bool(self.engines) or not every_rank)
             with bound(push=push_id, version=v), quiet(not loud and os.environ.get("STREAMSYNC_LOG_ALL_RANKS") != "1"):
-                failed: PushError | None = None
+                failed: Exception | None = None
                 report: PushReport | None = None
                 try:
                     report = await self._push(source, plans, push_id, v, window, time_limit, delta)
-                except PushError as err:
+                except Exception as err:
                     if delta is None or delta.mode != "delta":
                         raise
                     if not every_rank:
-                        if not refused(err):
+                        if not isinstance(err, PushError) or not refused(err):
                             raise
                         return await self._full_after_refusal(source, plans, v, window, time_limit, err)
-                    failed = err
+                    failed = err  # every rank learns it in _settle_sharded, which raises it here
                 if every_rank and delta is not None and delta.mode == "delta":
                     return await self._settle_sharded(source, plans, v, window, time_limit, failed, report)
                 assert report is not None
@@ -466,15 +466,17 @@ class WeightSync:
             return None
         sh = self.shadow
         why: str | None = None
-        bad: ValidationError | None = None
+        bad: Exception | None = None
         try:
             why = await self._why_full(sh.prepare(plans))
-        except ValidationError as e:
+        except Exception as e:  # on every rank too: a rank that skipped the exchange would leave the others in it
             if not every:
                 raise
             bad = e
         if every:  # one decision for every rank: a rank that pushes in full makes every rank's push full
-            views: list[Any] = await self.transport.exchange((why, None if bad is None else str(bad)), self.timeout)
+            # (rank 0 may first spend up to the timeout asking the engines for their base)
+            views: list[Any] = await self.transport.exchange((why, None if bad is None else str(bad)),
+                                                             self._exchange_timeout())
             if bad is not None:
                 raise bad
             for r, (w, no) in enumerate(views):
@@ -513,26 +515,36 @@ class WeightSync:
             return f"engines {sorted(off)} do not hold version {held[0]} (push {held[1]}) as their base"
         return None
 
+    def _exchange_timeout(self) -> float:
+        """How long a rank waits for the others at a sharded delta push's exchanges: another may first spend a
+        whole timeout of its own (the engines' base, a send the group timeout ends)."""
+        group = getattr(self.transport, "group_timeout", None) or 0.0
+        return 2 * max(self.timeout, float(group)) + 30.0
+
     async def _settle_sharded(self, source: Source, plans: list[ChunkPlan], version: int, window: int,
-                              time_limit: float | None, failed: PushError | None, report: PushReport | None
+                              time_limit: float | None, failed: Exception | None, report: PushReport | None
                               ) -> PushReport:
         """A sharded delta push ended on this rank: every rank learns how it ended on the others. Where an
-        engine refused the delta, every rank pushes the same version in full; where it failed otherwise, it
-        fails on every rank. (Waits for the slowest rank: one whose sends a failed round left unreceived ends
-        after the group timeout.)"""
+        engine refused the delta, every rank pushes the same version in full. Where trainer rank 0 (which holds
+        the engines) failed otherwise, every rank fails; where only another rank did, the engines hold the
+        version and rank 0 returns its report. (Waits for the slowest rank: one whose sends a failed round left
+        unreceived ends after the group timeout.)"""
         assert self.transport is not None
-        mine = None if failed is None else (refused(failed), str(failed))
-        ends: list[Any] = await self.transport.exchange(mine, 2 * self.timeout + 30.0)
+        refusal = isinstance(failed, PushError) and refused(failed)
+        mine = None if failed is None else (refusal, f"{type(failed).__name__}: {failed}")
+        ends: list[Any] = await self.transport.exchange(mine, self._exchange_timeout())
         if any(e is not None and e[0] for e in ends):
             why = next(e[1] for e in ends if e is not None and e[0])
-            err = failed if failed is not None and refused(failed) else PushError(why, stage="send")
+            err = failed if isinstance(failed, PushError) and refusal else PushError(why, stage="send")
             await self.transport.before_push(self.timeout)  # every rank rebuilds a group the failure broke
             return await self._full_after_refusal(source, plans, version, window, time_limit, err)
         if failed is not None:
             raise failed
+        if ends[0] is not None:
+            raise PushError(f"the push failed on trainer rank 0, which holds the engines: {ends[0][1]}", stage="send")
         bad = next(((r, e[1]) for r, e in enumerate(ends) if e is not None), None)
-        if bad is not None:
-            raise PushError(f"the push failed on trainer rank {bad[0]}: {bad[1]}", stage="send")
+        if bad is not None:  # the engines hold the version; that rank's shadow is no base, so the next push is full
+            get_logger().warning("a trainer rank's push failed after the engines took it", rank=bad[0], error=bad[1])
         assert report is not None
         return report
 

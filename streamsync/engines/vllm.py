@@ -251,7 +251,7 @@ class _Guarded(Engine):
         that nobody touched for longer than our timeout (its owner crashed: its push has failed by now) is
         ended and the start retried; a live round of another WeightSync is refused, naming it."""
         try:
-            await self._start()
+            await self._start_workers()
             return
         except EngineError as e:
             if "already active" not in str(e):
@@ -263,7 +263,15 @@ class _Guarded(Engine):
             raise EngineError(self.name, f"start refused: the open round belongs to another WeightSync (owner "
                               f"{str(owner)[:8]}, active {idle:.1f} s ago)") from refused
         await self._finish(MIXED if owner is not None else None)  # a chunk claimed it: weights are mixed
-        await self._start()
+        await self._start_workers()
+
+    async def _start_workers(self) -> None:
+        """vLLM's start; in an engine of several workers through the extension, whose calls every worker
+        answers (`vllm.answers`)."""
+        if self.workers > 1:
+            await self.rpc("streamsync_start_update")
+        else:
+            await self._start()
 
     async def _start(self) -> None:
         raise NotImplementedError

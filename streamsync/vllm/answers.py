@@ -3,10 +3,11 @@
 vLLM's multiprocess executor reads the workers' answers to a `collective_rpc` in worker order and raises at the
 first failed one, leaving the answers of the workers after it queued, where the next call of any method reads
 them as its own. A call that fails in one worker of several (a delta one worker refuses, a receive that timed out
-there) would then shift every later answer by one. The extension's round calls (`streamsync_update`,
-`streamsync_finish_update`, `streamsync_prime`) therefore catch what they raise and answer `{WORKER_ERROR:
-"Type: message"}`: every worker answers, and the engine client raises for it (`VllmEngine.rpc`), naming the
-worker.
+there) would then shift every later answer by one. The extension's round calls (`streamsync_start_update`,
+`streamsync_update`, `streamsync_finish_update`, `streamsync_prime`) therefore catch what they raise and answer
+`{WORKER_ERROR: "Type: message"}`: every worker answers, and the engine client raises for it (`VllmEngine.rpc`),
+naming the worker. An engine of several workers opens, loads and ends its rounds through these calls only, never
+through vLLM's own `start_weight_update` / `update_weights` / `finish_weight_update`.
 """
 
 from __future__ import annotations

@@ -225,6 +225,12 @@ class StreamSyncWorkerExtension:
         return None
 
     @answering
+    def streamsync_start_update(self) -> None:
+        """vLLM's `start_weight_update` in this worker (an engine of several workers opens its rounds through
+        this: every worker answers, `answers`)."""
+        self.start_weight_update()  # type: ignore[attr-defined]  # the worker's own method
+
+    @answering
     def streamsync_prime(self, update_info: dict[str, Any] | str) -> bool:
         """A chunk's references ahead of its first push (`StreamSyncWeightTransferEngine.prime`); False where this
         worker has no streamsync backend or does not take them."""
