@@ -64,6 +64,13 @@ class Box:
     def end(self) -> tuple[int, ...]:
         return tuple(s + n for s, n in zip(self.start, self.size, strict=True))
 
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """This box of `t` (a view; `t` itself where the box is all of it)."""
+        for d, (s, n) in enumerate(zip(self.start, self.size, strict=True)):
+            if s or n != t.shape[d]:
+                t = t.narrow(d, s, n)
+        return t
+
     def within(self, shape: Sequence[int]) -> bool:
         return (len(shape) == len(self.start) and all(n >= 0 for n in self.size)
                 and all(s >= 0 and s + n <= d for s, n, d in zip(self.start, self.size, shape, strict=True)))

@@ -31,13 +31,6 @@ def _local_box(t: torch.Tensor) -> tuple[Box, torch.Tensor]:
     return Box(tuple(int(o) for o in offset), tuple(int(n) for n in shape)), t.to_local()  # type: ignore[attr-defined]
 
 
-def _narrow(t: torch.Tensor, start: Sequence[int], size: Sequence[int]) -> torch.Tensor:
-    for d, (s, n) in enumerate(zip(start, size, strict=True)):
-        if s or n != t.shape[d]:
-            t = t.narrow(d, s, n)
-    return t
-
-
 def _fused_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, int, int]]:
     """transformers-5 MoE modules keep a layer's experts stacked (`mlp.experts.gate_up_proj` [E, 2I, H], gate
     rows first, and `mlp.experts.down_proj` [E, H, I]); checkpoints and engines name one tensor per expert
@@ -182,7 +175,7 @@ class ModuleSource(Source):
 
         def local(name: str, box: Box) -> torch.Tensor:
             mine = boxes[name]
-            return _narrow(self._own(name), [a - b for a, b in zip(box.start, mine.start, strict=True)], box.size)
+            return Box(tuple(a - b for a, b in zip(box.start, mine.start, strict=True)), box.size).view(self._own(name))
 
         return Shards(tuple(holds), tensors, local)
 

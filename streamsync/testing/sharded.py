@@ -24,7 +24,7 @@ from ..models.megatron import TinyModel
 from ..models.synthetic import StateModule, save_specs
 from ..plan.shards import Box
 from .receiver import ReceiverProcess
-from .sliced import box_view, vllm_layout
+from .sliced import vllm_layout
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def _build(case: ShardedCase, seed: int) -> tuple[object, Any]:
                 shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                 local = p.to_local()
                 if local.numel():
-                    local.copy_(box_view(state[name], Box(tuple(offset), tuple(shape))))
+                    local.copy_(Box(tuple(offset), tuple(shape)).view(state[name]))
     return module, load_sharded
 
 
@@ -238,7 +238,7 @@ def _corrupt(shadow: Any, hf: Mapping[str, torch.Tensor]) -> None:
     from ..delta.codec import bits
 
     for (name, box, _, _), t in shadow.tensors.items():
-        new = box_view(hf[name], box).to(t.dtype).contiguous().view(-1)
+        new = box.view(hf[name]).to(t.dtype).contiguous().view(-1)
         flat = t.view(-1)
         diff = (bits(new) != bits(flat)).nonzero().view(-1)
         if diff.numel() > 1:

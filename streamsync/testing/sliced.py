@@ -38,12 +38,6 @@ from ..receiver.loaders import Loader, LoadingModule, Weights
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-def box_view(t: torch.Tensor, box: Box) -> torch.Tensor:
-    for d, (s, n) in enumerate(zip(box.start, box.size, strict=True)):
-        t = t.narrow(d, s, n)
-    return t
-
-
 def slice_name(name: str, box: Box, shape: Sequence[int]) -> str:
     """How a worker names the slice it holds in its checksums: the HF name, with the box unless whole."""
     return name if box == Box.whole(shape) else f"{name}{box}"
@@ -65,7 +59,7 @@ class _SliceLoader(Loader):
                     raise ValidationError(f"parameter {name!r}: received {full.dtype}{tuple(full.shape)}, worker's "
                                           f"tensor is {dtype}{shape}")
                 for box, dst in held:
-                    dst.copy_(box_view(full, box))
+                    dst.copy_(box.view(full))
                 loaded.append(name)
         return loaded
 
@@ -119,7 +113,7 @@ def module_args(holds: Iterable[tuple[str, Box]]) -> str:
 
 def expected_slices(hf: Mapping[str, torch.Tensor], holds: Iterable[tuple[str, Box]]) -> dict[str, str]:
     """The checksums a worker holding `holds` reports once it received `hf`."""
-    return digests((slice_name(n, b, tuple(hf[n].shape)), box_view(hf[n], b)) for n, b in holds)
+    return digests((slice_name(n, b, tuple(hf[n].shape)), b.view(hf[n])) for n, b in holds)
 
 
 # ------------------------------------------------------------------------------------------ engine

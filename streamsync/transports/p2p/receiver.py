@@ -208,10 +208,10 @@ class P2pReceiver(Receiver):
                     if row.itemsize != dtype.itemsize:
                         raise ValidationError(f"delta header: piece {box} of {name!r} has {row.itemsize}-byte "
                                               f"elements, the layout says {meta.dtype}")
+                    assert lay is not None  # `open` read this rank's header
                     enc: dict[str, torch.Tensor] = {}
                     for p, dt, _ in row.pieces():
-                        m = lay.metas[at] if lay is not None else None
-                        assert m is not None
+                        m = lay.metas[at]
                         raw = self._recv[src][m.offset:m.offset + m.nbytes].view(dt)
                         enc[p] = raw.view(dtype) if p == "val" else raw
                         at += 1
@@ -273,7 +273,4 @@ def _numel(piece: Any) -> int:
 
 def _box_of(buf: torch.Tensor, meta: Any, dtype: torch.dtype, box: Box) -> torch.Tensor:
     """`box` of the tensor `meta` places in `buf`."""
-    dst = buf[meta.offset: meta.offset + meta.nbytes].view(dtype).view(meta.shape)
-    for d, (s, n) in enumerate(zip(box.start, box.size, strict=True)):
-        dst = dst.narrow(d, s, n)
-    return dst
+    return box.view(buf[meta.offset: meta.offset + meta.nbytes].view(dtype).view(meta.shape))
