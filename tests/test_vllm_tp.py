@@ -108,7 +108,8 @@ async def test_sharded_sending_gives_each_tp_worker_only_the_slices_its_loaders_
 async def test_sharded_delta_pushes_land_in_each_tp_worker_as_vllms_own_load(tp2, tmp_path):
     """`transport="p2p", delta=True` from an AdamW trainer: each worker keeps the slices it received and applies
     only what changed in them, then loads them through the fast path as a full push does; after each push both
-    workers hold what vLLM's own load of the served weights from disk leaves. A delta the worker refuses (the
+    workers hold what vLLM's own load of the served weights from disk leaves, and the engine generates the same
+    greedy tokens (a prompt longer than a KV-cache block) before and after that load. A delta the worker refuses (the
     sender's shadow misses a change: the worker's box fails the digest) goes in full at once."""
     from streamsync.testing.sharded import _corrupt
     from streamsync.testing.training import AdamTrainer
@@ -129,9 +130,11 @@ async def test_sharded_delta_pushes_land_in_each_tp_worker_as_vllms_own_load(tp2
             reports.append(report)
             assert report.path == "sharded" and report.engine_paths == {"tp2": "fast"}, report.engine_rounds
             pushed = _per_worker(tp2_llm)
+            tokens, _ = greedy(tp2_llm, _prompt(tp2_llm), 12)
             ckpt = save_checkpoint(trainer.served(), like=model_dir, out=tmp_path / f"ckpt{i}", dtype=torch.bfloat16)
             tp2_llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ckpt)})
             assert _per_worker(tp2_llm) == pushed, f"push {i} ({report.delta.mode})"
+            assert greedy(tp2_llm, _prompt(tp2_llm), 12)[0] == tokens, f"push {i} ({report.delta.mode})"
         modes = [r.delta.mode for r in reports]
         assert modes == ["full", "delta", "delta", "full"], [r.delta.why_full for r in reports]
         assert reports[3].delta.fallback and "digest" in reports[3].delta.why_full
