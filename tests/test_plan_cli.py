@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from streamsync.cli import main
-from streamsync.plan.scale import Engines, Links, Trainer, predict
+from streamsync.plan.scale import Engines, Links, Trainer, cpu_seconds, predict
 from streamsync.plan.shapes import PRESETS, Shape
 
 TINY_MOE = {"model_type": "qwen3_moe", "num_hidden_layers": 6, "hidden_size": 64, "num_attention_heads": 8,
@@ -27,8 +27,9 @@ def test_cli_json_bytes_add_up_to_the_model_times_the_engines(capsys):
     assert 3 * model <= out["plan_bytes"] <= 3 * model * 1.001
     assert out["received_per_worker"]["mean"] * 6 == pytest.approx(out["plan_bytes"])
     assert out["bound"]["kind"] in ("nic-tx", "nic-rx") and out["bound"]["who"]
-    # the busiest link's bytes at 50 GB/s is the prediction
-    assert out["predicted_s"] == pytest.approx(out["bound"]["bytes"] / 50e9)
+    # the finite check of what each rank holds (2000 GB/s by default), then the busiest link's bytes at 50 GB/s
+    assert out["check_s"] == pytest.approx(out["held_per_rank"]["max"] / 2000e9)
+    assert out["predicted_s"] == pytest.approx(out["check_s"] + out["bound"]["bytes"] / 50e9)
 
 
 def test_cli_text_names_the_bounding_link():
@@ -95,9 +96,66 @@ def test_a_cpu_host_bounds_by_its_processes_cpu_time_over_its_cores():
     assert pred.bound["kind"] == "cpu" and pred.bound["who"] == "node 0"
     work = sum(pred.sent.values()) * 1e-9 + sum(pred.received.values()) * 2e-9
     assert pred.seconds == pytest.approx(work / 2) and pred.seconds > base.seconds
-    per_bucket = predict(shape, trainer, engines, Links(**{**cpu.__dict__, "cpu_bucket_us": 100.0}),
-                         bucket_bytes=1 << 14)
+    per_bucket = predict(shape, trainer, engines, Links(**{**cpu.__dict__, "cpu_bucket_us": 100.0,
+                                                           "cpu_rx_bucket_us": 100.0}), bucket_bytes=1 << 14)
     # each bucket: the ranks that send in it and the workers that receive in it, 100 us each, over 2 cores
     assert per_bucket.seconds > pred.seconds + per_bucket.buckets * 2 * 100e-6 / 2
     one_core = predict(shape, trainer, engines, Links(**{**cpu.__dict__, "cpu_cores": 1}), bucket_bytes=1 << 14)
     assert one_core.seconds == pytest.approx(2 * pred.seconds)
+
+
+def test_the_finite_check_comes_before_the_push_and_ranks_on_a_cpu_host_share_its_cores():
+    """`check_gbyte`: every rank scans what it holds before any byte moves (replicas too), so its time adds to
+    the push's; on a CPU host the ranks of a node scan on its shared cores."""
+    shape = Shape(TINY_MOE)
+    model = shape.parameters() * 2
+    engines = Engines(1, 2)
+    for trainer, copies in [(Trainer(fsdp=4), 1), (Trainer(tp=2, pp=2, ep=2, dp=2), 2)]:
+        base = predict(shape, trainer, engines, Links(), bucket_bytes=1 << 14)
+        checked = predict(shape, trainer, engines, Links(check_gbyte=1.0), bucket_bytes=1 << 14)
+        # FSDP shards every tensor; megatron's TP ranks each hold the norms whole as well
+        assert model * copies <= sum(checked.held.values()) <= model * copies * 1.02
+        assert set(checked.held) == set(range(trainer.world))
+        assert checked.check_seconds == pytest.approx(max(checked.held.values()) / 1e9)
+        assert checked.seconds == pytest.approx(base.seconds + checked.check_seconds)
+        assert checked.summary()["check_s"] == checked.check_seconds
+    host = Links(check_gbyte=1.0, cpu_cores=2)
+    shared = predict(shape, Trainer(fsdp=4, per_node=64), Engines(1, 2, per_node=64), host, bucket_bytes=1 << 14)
+    assert shared.check_seconds == pytest.approx(model / 2 / 1e9)  # four ranks' scans on two cores
+
+
+def test_the_cpu_model_charges_each_process_its_pushes_pieces_and_the_engines_rounds():
+    """Per push, a trainer rank (even one that sends nothing) and an engine worker each pay their fixed CPU
+    cost; per piece each side pays its own; rank 0, which holds the engines, pays per bucket per worker; and
+    the ranks' agreement adds per rank beyond the first."""
+    shape = Shape(TINY_MOE)
+    trainer, engines = Trainer(tp=2, dp=2, per_node=64), Engines(1, 2, per_node=64)
+    links = Links(cpu_cores=64, cpu_push_us=1000.0, cpu_rx_push_us=2000.0, cpu_piece_us=10.0,
+                  cpu_rx_piece_us=20.0, cpu_control_us=5.0)
+    pred = predict(shape, trainer, engines, links, bucket_bytes=1 << 14)
+    procs = pred.processes
+    assert {w for w in procs if w.startswith("trainer")} == {f"trainer rank {r}" for r in range(4)}
+    assert sum(p["pieces"] for w, p in procs.items() if w.startswith("trainer")) == sum(
+        p["pieces"] for w, p in procs.items() if w.startswith("engine")) >= pred.pieces  # counted per layer
+    worker = procs["engine e0 worker 0"]
+    assert cpu_seconds(links, worker) == pytest.approx(2e-3 + worker["pieces"] * 20e-6)
+    rank0 = procs["trainer rank 0"]
+    assert rank0["control"] == sum(p["buckets"] for w, p in procs.items() if w.startswith("engine")) > 0
+    assert cpu_seconds(links, rank0) == pytest.approx(1e-3 + rank0["pieces"] * 10e-6 + rank0["control"] * 5e-6)
+    # 64 cores, so the busiest process bounds it
+    assert pred.seconds == pytest.approx(max(cpu_seconds(links, p) for p in procs.values()))
+    agree = predict(shape, trainer, engines, Links(**{**links.__dict__, "agree_ms": 2.0}), bucket_bytes=1 << 14)
+    assert agree.seconds == pytest.approx(pred.seconds + 3 * 2e-3)
+
+
+def test_engines_on_the_trainers_node_but_other_gpus_go_over_nvlink():
+    """`first_gpu`: with colocated engines, worker 0 on that trainer GPU; one rank to a worker on the next GPU of
+    its node is an NVLink transfer, on its own GPU a copy."""
+    shape = Shape(TINY_MOE)
+    links = Links(nvlink_gbyte=100.0, copy_gbyte=1000.0, colocated=True)
+    own = predict(shape, Trainer(), Engines(1, 1), links)
+    other = predict(shape, Trainer(), Engines(1, 1, first_gpu=1), links)
+    assert own.link_bytes["same-gpu"] == other.link_bytes["intra-node"] == own.plan_bytes
+    assert own.bound["kind"] == "copy" and other.bound["kind"] == "nvlink-tx"
+    assert other.seconds == pytest.approx(other.plan_bytes / 100e9)
+    assert main(["plan", "qwen3-8b", "--colocated", "--engine-first-gpu", "-1"]) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import fields
 
 from ..plan.scale import Engines, Links, Prediction, Trainer, predict
 from ..plan.shapes import PRESETS, Shape, load_shape
@@ -21,20 +22,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-tp", type=int, default=1)
     p.add_argument("--engine-ep", type=int, default=1, help="expert parallel size (vLLM: EP = DP x TP)")
     p.add_argument("--engine-per-node", type=int, default=8, help="engine GPUs per node")
-    p.add_argument("--colocated", action="store_true", help="engine GPUs are the trainer's GPUs (worker g on rank g)")
+    p.add_argument("--colocated", action="store_true",
+                   help="engine GPUs are the trainer's GPUs (worker g on rank g's GPU + --engine-first-gpu)")
+    p.add_argument("--engine-first-gpu", type=int, default=0,
+                   help="with --colocated: the trainer GPU of worker 0 (e.g. 4: trainer on GPUs 0-3, engines on 4-7)")
     p.add_argument("--nic-gbit", "--nic-gbps", dest="nic_gbit", type=float, default=400.0,
                    help="NIC rate per GPU, gigabits/s per direction (400 = 50 GB/s)")
     p.add_argument("--nvlink-gbyte", type=float, default=450.0, help="NVLink per GPU, GB/s per direction")
-    p.add_argument("--copy-gbyte", type=float, default=1000.0, help="same-GPU copy rate (colocated), GB/s")
+    p.add_argument("--copy-gbyte", type=float, default=1000.0,
+                   help="same-GPU rate (colocated), GB/s of bytes moved: each is copied twice (packed, then loaded), "
+                   "so about a quarter of a device's read+write copy rate (an H200: 4200 GB/s)")
     p.add_argument("--host-gbyte", type=float, default=None,
                    help="cap on what one node's processes move together, GB/s (a CPU host); unset: none")
     p.add_argument("--bucket-latency-us", type=float, default=0.0, help="fixed cost per bucket (lock-step rounds)")
     p.add_argument("--push-latency-ms", type=float, default=0.0, help="fixed cost per push")
+    p.add_argument("--agree-ms", type=float, default=0.0,
+                   help="the trainer ranks' agreement before a push, per rank beyond the first")
     p.add_argument("--cpu-cores", type=int, default=None,
                    help="a CPU host: its processes share this many cores per node (then --cpu-*-ns/us count)")
     p.add_argument("--cpu-tx-ns", type=float, default=0.0, help="CPU ns per byte a trainer rank sends")
     p.add_argument("--cpu-rx-ns", type=float, default=0.0, help="CPU ns per byte an engine worker receives")
-    p.add_argument("--cpu-bucket-us", type=float, default=0.0, help="CPU us per bucket per process taking part")
+    for side, who in (("", "trainer rank"), ("rx-", "engine worker")):
+        p.add_argument(f"--cpu-{side}push-us", type=float, default=0.0, help=f"CPU us per push per {who}")
+        p.add_argument(f"--cpu-{side}bucket-us", type=float, default=0.0,
+                       help=f"CPU us per bucket per {who} taking part")
+        p.add_argument(f"--cpu-{side}piece-us", type=float, default=0.0, help=f"CPU us per piece per {who}")
+    p.add_argument("--cpu-control-us", type=float, default=0.0,
+                   help="CPU us on the rank holding the engines per bucket per worker taking part")
+    p.add_argument("--check-gbyte", type=float, default=2000.0,
+                   help="each trainer rank's NaN/inf scan of what it holds before a push, GB/s (an H200 scans "
+                   "about 2000: docs/benchmarks/h200.json); 0: the push skips it (check_finite=False)")
     p.add_argument("--bucket-mib", type=float, default=256.0, help="bytes per sender per bucket, MiB")
     p.add_argument("--dtype", default=None, help="wire dtype instead of the config's (e.g. float8_e4m3fn)")
     p.add_argument("--full", action="store_true", help="plan every layer (default: one layer per kind and stage)")
@@ -46,10 +63,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype:
         cfg["torch_dtype"] = args.dtype
     pred = predict(Shape(cfg), Trainer.parse(args.trainer, args.trainer_per_node),
-                   Engines(args.engines, args.engine_tp, args.engine_ep, args.engine_per_node),
-                   Links(args.nic_gbit, args.nvlink_gbyte, args.copy_gbyte, args.host_gbyte, args.bucket_latency_us,
-                         args.colocated, args.cpu_cores, args.cpu_tx_ns, args.cpu_rx_ns, args.cpu_bucket_us,
-                         args.push_latency_ms),
+                   Engines(args.engines, args.engine_tp, args.engine_ep, args.engine_per_node, args.engine_first_gpu),
+                   Links(**{f.name: getattr(args, f.name) for f in fields(Links)}),
                    name=args.model, bucket_bytes=int(args.bucket_mib * (1 << 20)), full=args.full)
     print(json.dumps(pred.summary(), indent=2) if args.json else render(pred))
     return 0
@@ -74,6 +89,7 @@ def render(p: Prediction) -> str:
              "per link class   " + "  ".join(f"{k} {_gb(v)}" for k, v in p.link_bytes.items()),
              f"bounding link    {b['kind']} of {b['who']}: {_gb(float(b['bytes']))} in {float(b['seconds']):.3f} s",  # type: ignore[arg-type]
              f"predicted push   {p.seconds:.3f} s (every link busy at once; a prediction from link rates, not a "
-             "measurement)",
+             "measurement)" + (f", of which {p.check_seconds:.3f} s the finite check before it" if p.check_seconds
+                               else ""),
              f"lock-step bound  {p.lockstep_seconds:.3f} s (buckets one after another, each its busiest link)"]
     return "\n".join(lines)

@@ -95,12 +95,15 @@ class Trainer:
 
 @dataclass(frozen=True)
 class Engines:
-    """`count` engines of `max(tp, ep)` workers each (vLLM: EP = DP x TP), `per_node` GPUs a node."""
+    """`count` engines of `max(tp, ep)` workers each (vLLM: EP = DP x TP), `per_node` GPUs a node. With
+    `Links.colocated` the workers are on the trainer's GPUs from `first_gpu` on (0: worker g on rank g's GPU;
+    e.g. 4: four trainer GPUs and four engine GPUs in one node of eight)."""
 
     count: int = 1
     tp: int = 1
     ep: int = 1
     per_node: int = 8
+    first_gpu: int = 0
 
     @property
     def workers(self) -> int:
@@ -123,13 +126,29 @@ class Links:
     colocated: bool = False
     #: a CPU host (gloo on shared cores): every process of a node shares `cpu_cores`, and each costs CPU time per
     #: byte it sends (`cpu_tx_ns`: its pack copy and its side of the wire) or receives (`cpu_rx_ns`: its side of
-    #: the wire, assembling, loading) and per bucket it takes part in (`cpu_bucket_us`: messages, Python)
+    #: the wire, assembling, loading); a trainer rank per push whatever it sends (`cpu_push_us`: the pipeline's
+    #: tasks and threads, the ranks' agreement), per bucket it takes part in (`cpu_bucket_us`) and per piece it
+    #: sends (`cpu_piece_us`: a view, a copy call, a source's per-tensor lookups); an engine worker the same
+    #: (`cpu_rx_push_us`, `cpu_rx_bucket_us`, `cpu_rx_piece_us`); the rank holding the engines (rank 0) per
+    #: bucket per worker taking part (`cpu_control_us`: the round's messages)
     cpu_cores: int | None = None
     cpu_tx_ns: float = 0.0
     cpu_rx_ns: float = 0.0
+    cpu_push_us: float = 0.0
     cpu_bucket_us: float = 0.0
+    cpu_piece_us: float = 0.0
+    cpu_rx_push_us: float = 0.0
+    cpu_rx_bucket_us: float = 0.0
+    cpu_rx_piece_us: float = 0.0
+    cpu_control_us: float = 0.0
     #: a fixed cost per push (the rounds' opening and closing calls, the ranks' agreement to push), added once
     push_latency_ms: float = 0.0
+    #: the trainer ranks' agreement before a sharded push (one exchange over the default group), per rank beyond
+    #: the first
+    agree_ms: float = 0.0
+    #: each trainer rank's NaN/inf scan of the weights it holds (`check_finite`, on by default), GB/s per
+    #: process: it runs before any byte moves, so its time adds to the push's; 0: not counted
+    check_gbyte: float = 0.0
 
 
 # ------------------------------------------------------------------------------------------- trainer
@@ -296,7 +315,11 @@ class Prediction:
     layers: int
     links: dict[str, float] = field(default_factory=dict)
     world: int = 0
-    lockstep_seconds: float = 0.0      # buckets strictly one after another                      # trainer ranks
+    lockstep_seconds: float = 0.0      # buckets strictly one after another
+    check_seconds: float = 0.0         # the finite check before any byte moves (in `seconds`)
+    held: dict[int, int] = field(default_factory=dict)  # trainer rank -> bytes it holds
+    #: "trainer rank R" / "engine E worker W" -> node, bytes sent and received, buckets and pieces taken part in
+    processes: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, object]:
         def mmm(v: Iterable[int]) -> dict[str, float]:
@@ -307,7 +330,8 @@ class Prediction:
                 "sent_per_rank": mmm(self.sent.get(r, 0) for r in range(self.world)),
                 "received_per_worker": mmm(self.received.values()), "link_bytes": self.link_bytes,
                 "bound": self.bound, "predicted_s": self.seconds, "transfer_s": self.transfer_seconds,
-                "lockstep_s": self.lockstep_seconds,
+                "lockstep_s": self.lockstep_seconds, "check_s": self.check_seconds,
+                "held_per_rank": mmm(self.held.get(r, 0) for r in range(self.world)),
                 "buckets": self.buckets, "pieces_planned": self.pieces, "layers_planned": self.planned_layers,
                 "layers": self.layers, "links": self.links}
 
@@ -317,9 +341,13 @@ def predict(shape: Shape, trainer: Trainer, engines: Engines, links: Links, *, n
     """Plan the push (module doc) and predict its time."""
     if engines.count < 1 or engines.tp < 1 or engines.ep < 1:
         raise ValidationError("engines, engine tp and engine ep must be at least 1")
+    if engines.first_gpu < 0:
+        raise ValidationError(f"engines' first GPU must not be negative, got {engines.first_gpu}")
     if links.cpu_cores is not None and links.cpu_cores < 1:
         raise ValidationError(f"cpu cores must be at least 1 (or unset: no CPU bound), got {links.cpu_cores}")
-    if min(links.cpu_tx_ns, links.cpu_rx_ns, links.cpu_bucket_us, links.push_latency_ms) < 0:
+    if min(links.cpu_tx_ns, links.cpu_rx_ns, links.cpu_bucket_us, links.push_latency_ms, links.check_gbyte,
+           links.cpu_piece_us, links.cpu_push_us, links.cpu_rx_push_us, links.cpu_rx_bucket_us,
+           links.cpu_rx_piece_us, links.cpu_control_us, links.agree_ms) < 0:
         raise ValidationError("CPU costs and latencies must not be negative")
     check_trainer(shape, trainer)
     stage_of = [0] * shape.layers if trainer.fsdp else _stages(shape.layers, trainer.pp)
@@ -334,7 +362,11 @@ def predict(shape: Shape, trainer: Trainer, engines: Engines, links: Links, *, n
     haves = trainer_haves(shape, specs, trainer)
     layouts = engine_layouts(shape, specs, engines)
     plan = plan_transfers(haves, layouts, tensors, bucket_bytes=bucket_bytes, itemsize=itemsize)
-    return _time(plan, shape, name, trainer, engines, links, count, len(reps))
+    held: dict[int, int] = {}  # trainer rank -> bytes it holds (what its finite check reads)
+    for h in haves:
+        li = layer_index(h.name)
+        held[h.rank] = held.get(h.rank, 0) + h.box.numel * itemsize[h.name] * (count[li] if li is not None else 1)
+    return _time(plan, shape, name, trainer, engines, links, count, len(reps), held)
 
 
 def _itemsize(dtype: str) -> int:
@@ -344,13 +376,28 @@ def _itemsize(dtype: str) -> int:
     return sizes[dtype]
 
 
+def _check_seconds(links: Links, held: dict[int, int], node_of_rank: Callable[[int], int]) -> float:
+    """The finite check before a push: every rank scans what it holds at once, each at `check_gbyte`; on a CPU
+    host a node's ranks share its cores."""
+    if not links.check_gbyte:
+        return 0.0
+    own = {r: b / (links.check_gbyte * GB) for r, b in held.items()}
+    out = max(own.values(), default=0.0)
+    if links.cpu_cores:
+        per_node: dict[int, float] = {}
+        for r, t in own.items():
+            per_node[node_of_rank(r)] = per_node.get(node_of_rank(r), 0.0) + t
+        out = max(out, max(per_node.values(), default=0.0) / links.cpu_cores)
+    return out
+
+
 def _time(plan: ShardPlan, shape: Shape, name: str, trainer: Trainer, engines: Engines, links: Links,
-          count: dict[int, int], planned: int) -> Prediction:
+          count: dict[int, int], planned: int, held: dict[int, int]) -> Prediction:
     per_engine = engines.workers
     t_nodes = -(-trainer.world // trainer.per_node)
 
     def gpu_of_worker(engine: str, worker: int) -> int:
-        return int(engine[1:]) * per_engine + worker
+        return engines.first_gpu + int(engine[1:]) * per_engine + worker
 
     def node_of_rank(r: int) -> int:
         return r // trainer.per_node
@@ -362,6 +409,7 @@ def _time(plan: ShardPlan, shape: Shape, name: str, trainer: Trainer, engines: E
     load: dict[tuple[str, str], float] = {}  # (resource kind, owner) -> bytes
     sent: dict[int, int] = {}
     received: dict[str, int] = {}
+    pieces: dict[str, int] = {}  # process ("trainer rank R" / "engine E worker W") -> pieces it sends or receives
     classes = {"same-gpu": 0, "intra-node": 0, "inter-node": 0}
     host: dict[int, float] = {}
     total = 0
@@ -377,6 +425,9 @@ def _time(plan: ShardPlan, shape: Shape, name: str, trainer: Trainer, engines: E
         sent[p.src] = sent.get(p.src, 0) + b
         wname = f"{p.engine}.w{p.worker}"
         received[wname] = received.get(wname, 0) + b
+        n = count[li] if li is not None else 1
+        for who in (f"trainer rank {p.src}", f"engine {p.engine} worker {p.worker}"):
+            pieces[who] = pieces.get(who, 0) + n
         sn, dn = node_of_rank(p.src), node_of_worker(g)
         host[sn] = host.get(sn, 0) + b
         if dn != sn:
@@ -426,11 +477,15 @@ def _time(plan: ShardPlan, shape: Shape, name: str, trainer: Trainer, engines: E
         if links.host_gbyte is not None:
             t = max(t, max(nodes.values()) / (links.host_gbyte * GB))
         lockstep += weight * t
+    procs = _processes(trainer.world, part, pieces, sent, received, node_of_rank,
+                       lambda e, w: node_of_worker(gpu_of_worker(e, w)))
     if links.cpu_cores:
-        cpu = _cpu_bound(links, part, sent, received, node_of_rank, lambda e, w: node_of_worker(gpu_of_worker(e, w)))
+        cpu = _cpu_bound(links, procs)
         if cpu[0] > secs:
             secs, kind, who, nbytes = cpu
-    latency = buckets * links.bucket_latency_us * 1e-6 + links.push_latency_ms * 1e-3
+    check = _check_seconds(links, held, node_of_rank)
+    latency = (buckets * links.bucket_latency_us * 1e-6 + links.push_latency_ms * 1e-3 + check
+               + links.agree_ms * 1e-3 * max(trainer.world - 1, 0))
     model_bytes = shape.parameters() * _itemsize(shape.dtype)
     pred = Prediction(name, trainer.describe(), engines.describe(), model_bytes, total, sent, received, classes,
                       {"kind": kind, "who": who, "bytes": int(nbytes), "seconds": secs}, secs + latency, secs,
@@ -438,31 +493,65 @@ def _time(plan: ShardPlan, shape: Shape, name: str, trainer: Trainer, engines: E
                       {"nic_GBps": nic / GB, "nvlink_GBps": nvl / GB, "copy_GBps": cpy / GB,
                        "host_GBps": links.host_gbyte or 0.0, "bucket_latency_us": links.bucket_latency_us,
                        "cpu_cores": links.cpu_cores or 0, "cpu_tx_ns": links.cpu_tx_ns, "cpu_rx_ns": links.cpu_rx_ns,
-                       "cpu_bucket_us": links.cpu_bucket_us, "push_latency_ms": links.push_latency_ms})
+                       "cpu_bucket_us": links.cpu_bucket_us, "push_latency_ms": links.push_latency_ms,
+                       "check_GBps": links.check_gbyte, "cpu_piece_us": links.cpu_piece_us,
+                       "cpu_push_us": links.cpu_push_us, "cpu_rx_push_us": links.cpu_rx_push_us,
+                       "cpu_rx_bucket_us": links.cpu_rx_bucket_us, "cpu_rx_piece_us": links.cpu_rx_piece_us,
+                       "cpu_control_us": links.cpu_control_us, "agree_ms": links.agree_ms})
     pred.world = trainer.world
+    pred.check_seconds = check
+    pred.held = held
+    pred.processes = procs
     pred.lockstep_seconds = max(lockstep, secs) + latency  # never below the all-at-once bound (CPU time counts)
     return pred
 
 
-def _cpu_bound(links: Links, part: dict[tuple[int, str], float], sent: dict[int, int], received: dict[str, int],
-               node_of_rank: Callable[[int], int], node_of_worker: Callable[[str, int], int]
-               ) -> tuple[float, str, str, int]:
+def _processes(world: int, part: dict[tuple[int, str], float], pieces: dict[str, int], sent: dict[int, int],
+               received: dict[str, int], node_of_rank: Callable[[int], int],
+               node_of_worker: Callable[[str, int], int]) -> dict[str, dict[str, float]]:
+    """What each process does in a push: its node, bytes sent and received, buckets and pieces it takes part in
+    (every trainer rank, also one that sends nothing, and every engine worker)."""
+    out: dict[str, dict[str, float]] = {}
+    for r in range(world):
+        who = f"trainer rank {r}"
+        node = node_of_rank(r)
+        out[who] = {"node": node, "tx": sent.get(r, 0), "rx": 0, "buckets": part.get((node, who), 0.0),
+                    "pieces": pieces.get(who, 0), "control": 0.0}
+    control = 0.0
+    for w, b in received.items():
+        engine, _, worker = w.rpartition(".w")
+        who = f"engine {engine} worker {worker}"
+        node = node_of_worker(engine, int(worker))
+        out[who] = {"node": node, "tx": 0, "rx": b, "buckets": part.get((node, who), 0.0),
+                    "pieces": pieces.get(who, 0), "control": 0.0}
+        control += out[who]["buckets"]
+    if world:
+        out["trainer rank 0"]["control"] = control
+    return out
+
+
+def cpu_seconds(links: Links, proc: dict[str, float]) -> float:
+    """One process's CPU time in a push by the cpu model (`Links.cpu_*`)."""
+    if proc["rx"]:
+        return (proc["rx"] * links.cpu_rx_ns * 1e-9 + links.cpu_rx_push_us * 1e-6
+                + proc["buckets"] * links.cpu_rx_bucket_us * 1e-6 + proc["pieces"] * links.cpu_rx_piece_us * 1e-6)
+    return (proc["tx"] * links.cpu_tx_ns * 1e-9 + links.cpu_push_us * 1e-6
+            + proc["buckets"] * links.cpu_bucket_us * 1e-6 + proc["pieces"] * links.cpu_piece_us * 1e-6
+            + proc["control"] * links.cpu_control_us * 1e-6)
+
+
+def _cpu_bound(links: Links, procs: dict[str, dict[str, float]]) -> tuple[float, str, str, int]:
     """(seconds, kind, who, bytes) of the CPU bound: per node, its processes' CPU time over its cores, or one
     process's own time where that is longer (a process runs on one core at a time)."""
     assert links.cpu_cores
-    busy: dict[tuple[int, str], tuple[float, int]] = {}
-    for r, b in sent.items():
-        key = (node_of_rank(r), f"trainer rank {r}")
-        busy[key] = (b * links.cpu_tx_ns * 1e-9 + part.get(key, 0.0) * links.cpu_bucket_us * 1e-6, b)
-    for w, b in received.items():
-        engine, _, worker = w.rpartition(".w")
-        key = (node_of_worker(engine, int(worker)), f"engine {engine} worker {worker}")
-        busy[key] = (b * links.cpu_rx_ns * 1e-9 + part.get(key, 0.0) * links.cpu_bucket_us * 1e-6, b)
     per_node: dict[int, float] = {}
     nbytes: dict[int, int] = {}
-    for (node, _), (t, b) in busy.items():
+    out: list[tuple[float, str, str, int]] = []
+    for who, p in procs.items():
+        t, b, node = cpu_seconds(links, p), int(p["tx"] + p["rx"]), int(p["node"])
         per_node[node] = per_node.get(node, 0.0) + t
         nbytes[node] = nbytes.get(node, 0) + b
-    out = [(t / links.cpu_cores, "cpu", f"node {n}", nbytes[n]) for n, t in per_node.items()]
-    out += [(t, "cpu-process", who, b) for (_, who), (t, b) in busy.items()]
+        out.append((t, "cpu-process", who, b))
+    out += [(t / min(links.cpu_cores, sum(1 for p in procs.values() if p["node"] == n)), "cpu", f"node {n}",
+             nbytes[n]) for n, t in per_node.items()]
     return max(out)
