@@ -75,6 +75,11 @@ class ShardedResult:
     why_full: list[str | None] = field(default_factory=list)
     fallback: list[bool] = field(default_factory=list)
     shadow_bytes: int = 0
+    cpu_seconds: list[float] = field(default_factory=list)  # this rank's CPU time (every thread), per push
+    #: per push, the report's seconds: the rounds and the pipeline, after the checks and the ranks' agreement
+    pipeline_seconds: list[float] = field(default_factory=list)
+    #: rank 0: each worker's CPU time per push, by "engine.wN" (read from /proc; empty where it cannot be read)
+    worker_cpu_seconds: dict[str, list[float]] = field(default_factory=dict)
 
 
 def layouts(case: ShardedCase) -> list[list[list[tuple[str, Box]]]]:
@@ -193,9 +198,15 @@ def run_sharded(rank: int, world_size: int, case: ShardedCase,
                     import torch.distributed as dist  # counted in the others' push times
 
                     await anyio.to_thread.run_sync(dist.barrier)
-                t0 = time.perf_counter()
+                before = _worker_cpu(case, workers) if rank == 0 else {}
+                c0, t0 = time.process_time(), time.perf_counter()
                 report = await sync.push(model)
                 res.seconds.append(time.perf_counter() - t0)
+                res.cpu_seconds.append(time.process_time() - c0)
+                res.pipeline_seconds.append(report.seconds)
+                for key, s in _worker_cpu(case, workers).items() if rank == 0 else ():
+                    if key in before:
+                        res.worker_cpu_seconds.setdefault(key, []).append(s - before[key])
                 res.peak_bytes.append(report.peak_bytes_inflight)
                 res.paths.append(report.path)
                 res.senders = report.senders
@@ -230,6 +241,20 @@ def run_sharded(rank: int, world_size: int, case: ShardedCase,
 
     anyio.run(main)
     return asdict(res)
+
+
+def _worker_cpu(case: ShardedCase, workers: Sequence[Sequence[tuple[int, str, int]]]) -> dict[str, float]:
+    """CPU seconds (user and system, every thread) each worker process has used so far, from /proc."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for e, group in zip(case.engines, workers, strict=True):
+        for w, (_, _, pid) in enumerate(group):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[f"{e.name}.w{w}"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
 
 
 def _corrupt(shadow: Any, hf: Mapping[str, torch.Tensor]) -> None:
