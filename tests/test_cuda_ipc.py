@@ -571,3 +571,37 @@ async def test_a_handle_for_another_gpu_is_refused(cuda_mixed):
     with pytest.raises(PushError, match="not visible"):
         await sync.push(model)
     await sync.close()
+
+
+def test_a_p2p_ipc_reference_round_trips_and_a_malformed_one_is_refused():
+    """The reference a trainer rank sends a worker on its GPU (p2p, module ipc): what it names comes back, and
+    a message that is not one is refused naming the rank."""
+    from streamsync.errors import TransportError, ValidationError
+    from streamsync.transports.p2p.ipc import MSG_BYTES, decode_ref, encode_ref
+
+    export = {"driver": 1, "gpu": "GPU-x", "handle": "a" * 88, "offset": 512, "size": 1 << 20, "alloc": 2 << 20}
+    msg = encode_ref(export, 4096, 1000)
+    assert msg.dtype == torch.uint8 and msg.numel() == MSG_BYTES
+    assert decode_ref(msg, 3) == (export, 4096, 1000)
+    broken = encode_ref(export, 0, 1).index_fill_(0, torch.tensor([9]), 0)  # a byte of its JSON gone
+    for bad in (torch.zeros(MSG_BYTES, dtype=torch.uint8), broken):
+        with pytest.raises(ValidationError, match="trainer rank 3"):
+            decode_ref(bad, 3)
+    with pytest.raises(TransportError, match="exceeds"):
+        encode_ref({"pad": "x" * MSG_BYTES}, 0, 1)
+
+
+def test_p2p_pairs_learn_each_others_gpu_from_the_store():
+    """Each side publishes its GPU before it joins the group and reads the others' after; a CPU device has none,
+    so only pairs on one GPU send references."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from streamsync.transports.p2p.ipc import gpu_of, publish_gpu, read_gpus
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    assert gpu_of(torch.device("cpu")) == ""
+    for rank, uuid in enumerate(["GPU-a", "", "GPU-a", "GPU-b"]):
+        publish_gpu(store, "g", rank, uuid)
+    assert read_gpus(store, "g", range(1, 4), 5.0) == {1: "", 2: "GPU-a", 3: "GPU-b"}

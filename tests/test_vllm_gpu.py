@@ -192,6 +192,55 @@ async def test_sharded_delta_pushes_over_gloo_land_bit_exact_in_a_gpu_engine(gpu
     await sync.close()
 
 
+@gpu
+async def test_a_colocated_rank_sends_its_pieces_to_the_worker_on_its_gpu_by_cuda_ipc(gpu_llms, gpu_model_dirs):
+    """p2p with the trainer's buffers on the GPU (`P2pTransport("gloo", device="cuda")`) into a vLLM engine on the
+    same GPU: every piece goes by CUDA IPC (a reference over gloo, the worker copies on the GPU), three full
+    pushes bit-exact by device digests; a delta sync over the same transport sends its deltas over gloo from
+    host copies, and lands bit-exact too. The pushes' times against gloo through host memory are printed."""
+    import time
+
+    from streamsync.transports.p2p import P2pTransport
+
+    model_dir = gpu_model_dirs["untied"]
+    engine = VllmEngine(gpu_llms["untied"], name="vllm-p2p-ipc")
+    trainer = _hf_trainer(model_dir)
+    times: dict[str, list[float]] = {}
+    for device in ("cuda", "cpu"):
+        transport = P2pTransport("gloo", device=device)
+        sync = WeightSync([engine], transport=transport, chunk_bytes=1 << 20, timeout=120)
+        try:
+            for step in range(3):
+                perturb(trainer, 40 + step)
+                t0 = time.perf_counter()
+                report = await sync.push(trainer)
+                times.setdefault(device, []).append(time.perf_counter() - t0)
+                assert report.path == "sharded" and report.engine_paths == {engine.name: "fast"}
+                if device == "cuda":
+                    assert transport.counts["ipc_bytes"] == transport.counts["sent_bytes"] > 0
+                else:
+                    assert transport.counts["ipc_bytes"] == 0
+                await _assert_bit_exact(engine, dict(trainer.state_dict()), tied=False)
+        finally:
+            await sync.close()
+    print(f"p2p into a colocated engine: by CUDA IPC {[round(t * 1e3, 1) for t in times['cuda']]} ms, "
+          f"over gloo through host memory {[round(t * 1e3, 1) for t in times['cpu']]} ms")
+    transport = P2pTransport("gloo", device="cuda")
+    sync = WeightSync([engine], transport=transport, chunk_bytes=1 << 20, delta=True, timeout=120)
+    try:
+        modes = []
+        for step in range(3):
+            if step:
+                _small_step(trainer, step)
+            report = await sync.push(trainer)
+            modes.append(report.delta.mode if report.delta else None)
+            assert (transport.counts["ipc_bytes"] > 0) == (modes[-1] == "full")
+            await _assert_bit_exact(engine, dict(trainer.state_dict()), tied=False)
+        assert modes == ["full", "delta", "delta"]
+    finally:
+        await sync.close()
+
+
 def _config(model_dir: str) -> dict[str, Any]:
     from streamsync.models.megatron import hf_config
 

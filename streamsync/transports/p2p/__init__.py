@@ -18,6 +18,12 @@ a buffer laid out as those tensors, and loads them as any chunk (vLLM's `load_we
 out of each tensor; the rest of the buffer is never read). A send completes only once its receiver took it,
 so each rank's extra memory is its window of packed buckets.
 
+Colocated pairs (`ipc`): a worker on a trainer rank's own GPU, in a gloo group with the rank's buffers on CUDA
+(`P2pTransport("gloo", device="cuda")`), gets a reference to the bytes in the rank's buffer instead of the bytes
+(CUDA IPC; NCCL cannot join two processes of one GPU, and gloo would carry the bytes through host memory), copies
+them on the GPU and answers; other pairs of the same group send over gloo from a host copy. A delta's messages
+always go over gloo.
+
 Failures: every send and receive has the group timeout. A worker that dies fails the sends to it (and the
 receives of its engine's other workers time out): the push fails on every rank within the timeout, naming
 the worker on trainer ranks and the trainer rank on workers. At the next push every trainer rank agrees

@@ -16,6 +16,8 @@ from ...plan.shards import Box
 from ..base import Receiver
 from ..collective.group import BACKENDS, CLOSE_TIMEOUT, broadcast, dispose, make_group
 from ..collective.receiver import CollectiveReceiver, _field
+from ..cuda_ipc.driver import map_storage
+from .ipc import MSG_BYTES, decode_ref, gpu_of, publish_gpu, read_gpus
 
 if TYPE_CHECKING:
     from ...receiver.base_copy import BaseCopy
@@ -67,10 +69,17 @@ class P2pReceiver(Receiver):
         self.close_timeout = CLOSE_TIMEOUT
         self._pg: Any = None
         self._store: Any = None
+        gpu = gpu_of(self.device) if backend == "gloo" else ""
+        self._ipc_srcs: set[int] = set()  # trainer ranks on this worker's GPU: they send references (module ipc)
+        self._mapped: dict[str, torch.Tensor] = {}  # their buffers, mapped
         try:
             store = dist.TCPStore(addr, port, world, False, timeout=timeout)
+            publish_gpu(store, self.group, rank, gpu)
             self._pg = make_group(backend, dist.PrefixStore(self.group, store), rank, world, timeout, addr)
             broadcast(self._pg, torch.zeros(1, dtype=torch.uint8, device=self.device if backend == "nccl" else "cpu"))
+            if gpu:
+                gpus = read_gpus(store, self.group, range(self.trainer_ranks), self.timeout)
+                self._ipc_srcs = {r for r, g in gpus.items() if g == gpu}
         except RuntimeError as e:
             if self._pg is not None:
                 dispose(self._pg).join(self.close_timeout)
@@ -86,9 +95,10 @@ class P2pReceiver(Receiver):
         self._rows: dict[int, tuple[list[Row], Layout]] = {}
         self.received_bytes = 0
 
-    def _buffer(self, current: torch.Tensor | None, nbytes: int) -> torch.Tensor:
-        if current is None or current.numel() < nbytes:
-            current = torch.empty(nbytes, dtype=torch.uint8, device=self._at)
+    def _buffer(self, current: torch.Tensor | None, nbytes: int, device: torch.device | None = None) -> torch.Tensor:
+        device = device or self._at
+        if current is None or current.numel() < nbytes or current.device != device:
+            current = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return current
 
     def _segments(self, h: dict[str, Any]) -> list[tuple[int, int, list[Any]]]:
@@ -148,25 +158,54 @@ class P2pReceiver(Receiver):
                 sizes.append((src, lay.metas[-1].offset + lay.metas[-1].nbytes if lay.metas else 0))
         else:
             sizes = [(src, size) for src, size, _ in segments]
+        ipc = not self._rows and bool(self._ipc_srcs)  # a delta's messages go over the wire (module ipc)
         bufs = []
         for src, size in sizes:
             if size:
-                buf = self._recv[src] = self._buffer(self._recv.get(src), size)
+                at = self.device if ipc and src in self._ipc_srcs else None
+                buf = self._recv[src] = self._buffer(self._recv.get(src), size, at)
                 bufs.append((src, buf[:size]))
-        self._receive(bufs, seq)
+        self._receive(bufs, seq, ipc)
         self._pending = [(src, size, pieces) for (src, size), (_, _, pieces) in zip(sizes, segments, strict=True)]
-        self._staging = self._buffer(self._staging, max(nbytes, 1))
+        self._staging = self._buffer(self._staging, max(nbytes, 1), self.device if ipc else None)
         yield self._staging[:nbytes]
 
-    def _receive(self, bufs: list[tuple[int, torch.Tensor]], seq: int) -> None:
-        """One receive per (sending rank, buffer), all posted, then each waited for within the timeout."""
-        works = [(src, self._pg.recv([buf], src, seq)) for src, buf in bufs]
+    def _receive(self, bufs: list[tuple[int, torch.Tensor]], seq: int, ipc: bool = False) -> None:
+        """One receive per (sending rank, buffer), all posted, then each waited for within the timeout. A rank on
+        this worker's GPU (`ipc`) sends a reference instead: its bytes are copied out of its mapped buffer, and
+        the rank is answered once the copy is done (module ipc)."""
+        refs = {src: torch.empty(MSG_BYTES, dtype=torch.uint8) for src, _ in bufs if ipc and src in self._ipc_srcs}
+        works = [(src, self._pg.recv([refs.get(src, buf)], src, seq)) for src, buf in bufs]
         for src, w in works:
-            try:
-                w.wait(timedelta(seconds=self.timeout))
-            except RuntimeError as e:
-                raise TransportError(f"worker {self.worker}: nothing from trainer rank {src} for chunk {seq} within "
-                                     f"{self.timeout:.1f}s (dead or frozen?): {e}") from e
+            self._wait(w, src, seq)
+        if not refs:
+            return
+        for src, buf in bufs:
+            if src in refs:
+                export, at, n = decode_ref(refs[src], src)
+                if n != buf.numel():
+                    raise ValidationError(f"p2p IPC reference from trainer rank {src}: {n} bytes, the chunk's "
+                                          f"segment has {buf.numel()}")
+                key = f"{export.get('handle')}@{export.get('offset')}"
+                mapped = self._mapped.get(key)
+                if mapped is None:  # kept: a rank reuses its buffers push after push (unmapping syncs the GPU)
+                    if len(self._mapped) >= 16:
+                        self._mapped.clear()
+                    mapped = self._mapped[key] = map_storage(export, self.device.index or 0, f"trainer rank {src}")
+                if at + n > mapped.numel():
+                    raise ValidationError(f"p2p IPC reference from trainer rank {src} overruns its buffer")
+                buf.copy_(mapped[at:at + n])
+        torch.cuda.current_stream(self.device).synchronize()  # copied before the ranks may reuse their buffers
+        done = torch.ones(1, dtype=torch.uint8)
+        for src, w in [(src, self._pg.send([done], src, seq)) for src in refs]:
+            self._wait(w, src, seq)
+
+    def _wait(self, work: Any, src: int, seq: int) -> None:
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise TransportError(f"worker {self.worker}: nothing from trainer rank {src} for chunk {seq} within "
+                                 f"{self.timeout:.1f}s (dead or frozen?): {e}") from e
 
     def views(self, buf: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
         """Copy each received piece into its box of its whole tensor in `buf` (laid out as `layout`), each
@@ -261,6 +300,7 @@ class P2pReceiver(Receiver):
             del pg, store
         self._staging = None
         self._recv = {}
+        self._mapped = {}
 
 
 def _numel(piece: Any) -> int:

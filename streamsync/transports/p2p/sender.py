@@ -28,7 +28,9 @@ from ..collective.group import (
     join_thread,
     make_group,
 )
+from ..cuda_ipc.driver import Held, buffer_id, export_storage
 from ..pool import BufferPool
+from .ipc import encode_ref, gpu_of, publish_gpu, read_gpus
 
 if TYPE_CHECKING:
     from ...engines.base import Engine
@@ -50,7 +52,8 @@ class P2pTransport(Transport):
 
     backend: "gloo", "nccl" or "auto" (NCCL when every engine is on CUDA and this torch has CUDA).
     master_addr/master_port: where trainer rank 0 hosts the rendezvous; every trainer rank and engine worker
-    must reach it. device: where send buffers live (default: CUDA for NCCL, else CPU). group_timeout: the
+    must reach it. device: where send buffers live (default: CUDA for NCCL, else CPU; CUDA with gloo sends a
+    worker on this rank's GPU references by CUDA IPC, package doc). group_timeout: the
     rendezvous, every send and receive (default: the sync's timeout). bucket_bytes: at most this many bytes of
     pieces per rank per bucket (default: the sync's chunk_bytes)."""
 
@@ -89,6 +92,10 @@ class P2pTransport(Transport):
         #: a delta push's bucket -> per destination (header offset, bytes; encodings' offset, bytes)
         self._delta_sends: dict[int, list[tuple[tuple[str, int], int, int, int, int]]] = {}
         self.counts: dict[str, float] = {}
+        #: group ranks of the workers on this rank's GPU (module ipc), and this rank's exported send buffers
+        self._ipc_dests: set[int] = set()
+        self._exports: dict[tuple[int, int], dict[str, Any]] = {}
+        self._held: list[Held] = []
 
     # -- setup -----------------------------------------------------------------------------------------
 
@@ -145,16 +152,19 @@ class P2pTransport(Transport):
         self._seq, self._broken, self._handles = 0, None, {}
         rank, world, addr, port, backend = self.rank, meta["world"], meta["addr"], meta["port"], meta["backend"]
         device = self.device
+        gpu = gpu_of(device) if backend == "gloo" else ""  # colocated pairs (module ipc) need gloo and CUDA buffers
 
         def join() -> Any:
             store = self._store if rank == 0 else dist.TCPStore(addr, port, world, False, timeout=gtimeout)
+            publish_gpu(store, meta["group"], rank, gpu)
             pg = make_group(backend, dist.PrefixStore(meta["group"], store), rank, world, gtimeout, addr)
             # One collective over the whole group first: every pair is connected before the first push.
             broadcast(pg, torch.zeros(1, dtype=torch.uint8, device=device if backend == "nccl" else "cpu"))
-            return pg, store
+            gpus = read_gpus(store, meta["group"], range(self.world, world), gtimeout.total_seconds()) if gpu else {}
+            return pg, store, {r for r, g in gpus.items() if g == gpu}
 
         async def own_side() -> None:
-            self._pg, self._store = await in_thread(join)
+            self._pg, self._store, self._ipc_dests = await in_thread(join)
 
         try:
             with anyio.fail_after(timeout):
@@ -228,7 +238,7 @@ class P2pTransport(Transport):
         if self._source is not source:
             self._handles = {}
         self._source = source
-        self.counts = {"senders": float(source.senders), "sent_bytes": float(source.sent_bytes)}
+        self.counts = {"senders": float(source.senders), "sent_bytes": float(source.sent_bytes), "ipc_bytes": 0.0}
         self._delta_sends = {}
         self.pool.begin(max([p.nbytes for p in plans] + [1]))
 
@@ -282,20 +292,36 @@ class P2pTransport(Transport):
         return self._offsets[engine] + worker
 
     def _send_all(self, tensor: torch.Tensor, sends: Sequence[tuple[tuple[str, int], int, int]], seq: int,
-                  chunk: int) -> None:
+                  chunk: int, ipc: bool = True) -> None:
         """Post every message of this rank's bucket (each destination's in order), then wait for each (a send
-        completes once its worker received it), within the group timeout."""
+        completes once its worker received it), within the group timeout. To a worker on this rank's GPU (`ipc`:
+        not a delta's messages) a reference goes instead, and the send completes once the worker answers that it
+        copied the bytes (module ipc)."""
         def failed(engine: str, worker: int, e: RuntimeError) -> EngineError:
             return EngineError(engine, f"trainer rank {self.rank}: send of bucket {chunk} to worker {worker} "
                                f"failed or timed out ({self._timeout:.1f}s): {e}", unresponsive=True)
 
+        if tensor.is_cuda:  # the pack's kernels are done before a worker reads the buffer or gloo copies it out
+            torch.cuda.current_stream(tensor.device).synchronize()
+        host: torch.Tensor | None = None
         works = []
         for (engine, worker), off, n in sends:
             if not n:
                 continue
+            dest = self._dest_rank(engine, worker)
             try:  # posting fails at once where gloo already saw the worker's connection close
-                works.append(((engine, worker), self._pg.send([tensor[off:off + n]], self._dest_rank(engine, worker),
-                                                              seq)))
+                if ipc and tensor.is_cuda and dest in self._ipc_dests:
+                    ref = encode_ref(self._export(tensor), int(tensor.storage_offset()) + off, n)
+                    works.append(((engine, worker), self._pg.send([ref], dest, seq)))
+                    works.append(((engine, worker), self._pg.recv([torch.empty(1, dtype=torch.uint8)], dest, seq)))
+                    self.counts["ipc_bytes"] = self.counts.get("ipc_bytes", 0.0) + n
+                    continue
+                if tensor.is_cuda and self._backend == "gloo":  # gloo moves host memory
+                    host = tensor.cpu() if host is None else host
+                    part = host[off:off + n]
+                else:
+                    part = tensor[off:off + n]
+                works.append(((engine, worker), self._pg.send([part], dest, seq)))
             except RuntimeError as e:
                 raise failed(engine, worker, e) from e
         for (engine, worker), w in works:
@@ -305,6 +331,17 @@ class P2pTransport(Transport):
                 raise failed(engine, worker, e) from e
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
+
+    def _export(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """The IPC export of the send buffer `tensor` lies in, made once per buffer (held while this transport
+        lives: a pool buffer is reused push after push)."""
+        st = tensor.untyped_storage()
+        key = (st.data_ptr(), buffer_id(st.data_ptr()))
+        if key not in self._exports:
+            export, held = export_storage(tensor, gpu_of(tensor.device))
+            self._exports[key] = export
+            self._held.append(held)
+        return self._exports[key]
 
     async def send(self, buf: SendBuffer, messages: Sequence[UpdateMessage], recipients: Sequence[Recipient]) -> None:
         """This rank's segments of the bucket and, on rank 0, every engine's update, together."""
@@ -320,7 +357,7 @@ class P2pTransport(Transport):
 
         async def own() -> None:
             if sends:
-                await in_thread(self._send_all, buf.tensor, sends, seq, buf.chunk)
+                await in_thread(self._send_all, buf.tensor, sends, seq, buf.chunk, wire is None)
 
         try:
             with anyio.fail_after(self._timeout + 5.0):  # the sends have the group timeout; this is the backstop
@@ -370,6 +407,7 @@ class P2pTransport(Transport):
                                      timeout_s=self.close_timeout)
         if self._pool is not None:
             self._pool.release()
+        self._exports, self._held, self._ipc_dests = {}, [], set()
 
 
 def _delta_messages(chunk: ChunkPlan) -> list[tuple[tuple[str, int], int, int, int, int]]:
