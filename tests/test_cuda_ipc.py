@@ -598,10 +598,15 @@ def test_p2p_pairs_learn_each_others_gpu_from_the_store():
 
     import torch.distributed as dist
 
-    from streamsync.transports.p2p.ipc import gpu_of, publish_gpu, read_gpus
+    from streamsync.transports.p2p.ipc import colocated, gpu_of, publish_gpu, read_gpus
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
     assert gpu_of(torch.device("cpu")) == ""
     for rank, uuid in enumerate(["GPU-a", "", "GPU-a", "GPU-b"]):
         publish_gpu(store, "g", rank, uuid)
-    assert read_gpus(store, "g", range(1, 4), 5.0) == {1: "", 2: "GPU-a", 3: "GPU-b"}
+    assert read_gpus(store, "g", range(1, 4)) == {1: "", 2: "GPU-a", 3: "GPU-b"}
+    # one GPU, two processes: by reference; the same process (CUDA IPC cannot open its own export), another GPU,
+    # or a CPU side: over the wire
+    assert colocated("GPU-a/p1", "GPU-a/p2")
+    assert not colocated("GPU-a/p1", "GPU-a/p1") and not colocated("GPU-a/p1", "GPU-b/p2")
+    assert not colocated("", "GPU-a/p2") and not colocated("GPU-a/p1", "")

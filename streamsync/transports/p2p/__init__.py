@@ -20,9 +20,9 @@ so each rank's extra memory is its window of packed buckets.
 
 Colocated pairs (`ipc`): a worker on a trainer rank's own GPU, in a gloo group with the rank's buffers on CUDA
 (`P2pTransport("gloo", device="cuda")`), gets a reference to the bytes in the rank's buffer instead of the bytes
-(CUDA IPC; NCCL cannot join two processes of one GPU, and gloo would carry the bytes through host memory), copies
-them on the GPU and answers; other pairs of the same group send over gloo from a host copy. A delta's messages
-always go over gloo.
+(CUDA IPC; NCCL cannot join two processes of one GPU, and gloo would carry the bytes through host memory), reads
+its pieces out of it on the GPU and answers once they are copied; other pairs of the same group send over gloo
+from a host copy. A delta's messages always go over gloo.
 
 Failures: every send and receive has the group timeout. A worker that dies fails the sends to it (and the
 receives of its engine's other workers time out): the push fails on every rank within the timeout, naming

@@ -1,18 +1,19 @@
 """Pieces between a trainer rank and an engine worker on the same GPU: by CUDA IPC, not over the wire.
 
 Two processes on one GPU cannot share an NCCL communicator, and gloo would carry the bytes through host memory
-twice. A colocated pair (a worker on a trainer rank's GPU, in a group of `backend="gloo"` with the rank's
-buffers on CUDA) instead exchanges small messages over the group: the rank sends a reference to the bytes in
-its send buffer (`cuda_ipc.driver.export_storage`, made once per buffer), the worker copies them out of the
-mapped buffer on the GPU and answers with one byte once its copy is done, and only then does the rank's send
-complete, so the buffer is never reused while the worker reads it. Each side learns the other's GPU from the
-group's store at connect (`publish_gpu` / `read_gpus`).
+twice. A colocated pair (a worker on a trainer rank's GPU in another process, in a group of `backend="gloo"`
+with the rank's buffers on CUDA) instead exchanges small messages over the group: the rank sends a reference to
+the bytes in its send buffer (`cuda_ipc.driver.export_storage`, made once per pool buffer), the worker reads its
+pieces straight out of the mapped buffer as it assembles the chunk on the GPU and answers with one byte once they
+are copied, and only then does the rank's send complete, so the buffer is never reused while the worker reads
+it. Each side publishes its GPU and process in the group's store at connect (`publish_gpu` / `read_gpus`); a
+rank whose allocator's memory the driver cannot export (e.g. expandable segments) publishes none, and its pairs
+go over gloo.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,16 +24,34 @@ from ...errors import TransportError, ValidationError
 MSG_BYTES = 1024
 
 
-def gpu_of(device: torch.device) -> str:
-    """The physical GPU of `device` ("" for a CPU device, or where CUDA IPC cannot run here)."""
+def gpu_of(device: torch.device, probe: bool = False) -> str:
+    """This process's identity for pairs on one GPU: the physical GPU of `device` and this process ("" for a
+    CPU device, or where CUDA IPC cannot run here). `probe`: also export a fresh buffer of the allocator the
+    sender's buffers come from, and answer "" where the driver refuses it (e.g. expandable segments)."""
     if device.type != "cuda":
         return ""
-    from ..cuda_ipc.driver import available
-    from ..cuda_ipc.handle import gpu_uuid
+    from ..cuda_ipc.driver import available, export_storage
+    from ..cuda_ipc.handle import PROCESS_ID, gpu_uuid
 
     if not available():
         return ""
-    return gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
+    gpu = gpu_uuid(device.index if device.index is not None else torch.cuda.current_device())
+    if probe:
+        try:
+            export_storage(torch.empty(1 << 20, dtype=torch.uint8, device=device), gpu)
+        except TransportError:
+            return ""
+    return f"{gpu}/{PROCESS_ID}"
+
+
+def colocated(mine: str, other: str) -> bool:
+    """Whether a peer that published `other` shares this process's GPU from another process (CUDA IPC cannot
+    open memory of the process that exported it)."""
+    if not mine or not other:
+        return False
+    gpu, _, process = mine.partition("/")
+    their_gpu, _, their_process = other.partition("/")
+    return gpu == their_gpu and process != their_process
 
 
 def _key(group: str, rank: int) -> str:
@@ -43,10 +62,9 @@ def publish_gpu(store: Any, group: str, rank: int, gpu: str) -> None:
     store.set(_key(group, rank), gpu)
 
 
-def read_gpus(store: Any, group: str, ranks: range, timeout: float) -> dict[int, str]:
-    """Every rank's published GPU (each rank publishes before it joins the group, so after the group's first
-    collective every key is there)."""
-    store.set_timeout(timedelta(seconds=timeout))
+def read_gpus(store: Any, group: str, ranks: range) -> dict[int, str]:
+    """Every rank's published identity (each rank publishes before it joins the group, so after the group's
+    first collective every key is there)."""
     return {r: store.get(_key(group, r)).decode() for r in ranks}
 
 

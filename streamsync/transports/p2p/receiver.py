@@ -17,7 +17,7 @@ from ..base import Receiver
 from ..collective.group import BACKENDS, CLOSE_TIMEOUT, broadcast, dispose, make_group
 from ..collective.receiver import CollectiveReceiver, _field
 from ..cuda_ipc.driver import map_storage
-from .ipc import MSG_BYTES, decode_ref, gpu_of, publish_gpu, read_gpus
+from .ipc import MSG_BYTES, colocated, decode_ref, gpu_of, publish_gpu, read_gpus
 
 if TYPE_CHECKING:
     from ...receiver.base_copy import BaseCopy
@@ -72,14 +72,15 @@ class P2pReceiver(Receiver):
         gpu = gpu_of(self.device) if backend == "gloo" else ""
         self._ipc_srcs: set[int] = set()  # trainer ranks on this worker's GPU: they send references (module ipc)
         self._mapped: dict[str, torch.Tensor] = {}  # their buffers, mapped
+        self._answer: tuple[list[int], int] = ([], 0)  # (ranks whose buffers this chunk reads, its sequence)
         try:
             store = dist.TCPStore(addr, port, world, False, timeout=timeout)
             publish_gpu(store, self.group, rank, gpu)
             self._pg = make_group(backend, dist.PrefixStore(self.group, store), rank, world, timeout, addr)
             broadcast(self._pg, torch.zeros(1, dtype=torch.uint8, device=self.device if backend == "nccl" else "cpu"))
             if gpu:
-                gpus = read_gpus(store, self.group, range(self.trainer_ranks), self.timeout)
-                self._ipc_srcs = {r for r, g in gpus.items() if g == gpu}
+                gpus = read_gpus(store, self.group, range(self.trainer_ranks))
+                self._ipc_srcs = {r for r, g in gpus.items() if colocated(gpu, g)}
         except RuntimeError as e:
             if self._pg is not None:
                 dispose(self._pg).join(self.close_timeout)
@@ -159,46 +160,67 @@ class P2pReceiver(Receiver):
         else:
             sizes = [(src, size) for src, size, _ in segments]
         ipc = not self._rows and bool(self._ipc_srcs)  # a delta's messages go over the wire (module ipc)
-        bufs = []
+        bufs, refs = [], []
         for src, size in sizes:
-            if size:
-                at = self.device if ipc and src in self._ipc_srcs else None
-                buf = self._recv[src] = self._buffer(self._recv.get(src), size, at)
+            if size and ipc and src in self._ipc_srcs:
+                refs.append((src, size))
+            elif size:
+                buf = self._recv[src] = self._buffer(self._recv.get(src), size)
                 bufs.append((src, buf[:size]))
-        self._receive(bufs, seq, ipc)
-        self._pending = [(src, size, pieces) for (src, size), (_, _, pieces) in zip(sizes, segments, strict=True)]
-        self._staging = self._buffer(self._staging, max(nbytes, 1), self.device if ipc else None)
-        yield self._staging[:nbytes]
+        ok = False
+        try:
+            self._receive(bufs, seq, refs)
+            self._pending = [(src, size, pieces) for (src, size), (_, _, pieces) in zip(sizes, segments, strict=True)]
+            # pieces read on the GPU are assembled there (a colocated worker holds one bucket's whole tensors)
+            self._staging = self._buffer(self._staging, max(nbytes, 1), self.device if refs else None)
+            yield self._staging[:nbytes]
+            ok = True
+        finally:
+            try:
+                self._release()
+            except TransportError:
+                if ok:  # else the failure already on its way says more
+                    raise
 
-    def _receive(self, bufs: list[tuple[int, torch.Tensor]], seq: int, ipc: bool = False) -> None:
+    def _receive(self, bufs: list[tuple[int, torch.Tensor]], seq: int,
+                 refs: list[tuple[int, int]] | None = None) -> None:
         """One receive per (sending rank, buffer), all posted, then each waited for within the timeout. A rank on
-        this worker's GPU (`ipc`) sends a reference instead: its bytes are copied out of its mapped buffer, and
-        the rank is answered once the copy is done (module ipc)."""
-        refs = {src: torch.empty(MSG_BYTES, dtype=torch.uint8) for src, _ in bufs if ipc and src in self._ipc_srcs}
-        works = [(src, self._pg.recv([refs.get(src, buf)], src, seq)) for src, buf in bufs]
+        this worker's GPU (`refs`: rank, bytes) sends a reference instead: its segment is read straight out of
+        its mapped buffer, and the rank is answered once the pieces are copied in (`_release`; module ipc)."""
+        msgs = {src: torch.empty(MSG_BYTES, dtype=torch.uint8) for src, _ in refs or ()}
+        works = [(src, self._pg.recv([buf], src, seq)) for src, buf in [*bufs, *msgs.items()]]
+        self._answer = (list(msgs), seq)
         for src, w in works:
             self._wait(w, src, seq)
-        if not refs:
+        for src, size in refs or ():
+            export, at, n = decode_ref(msgs[src], src)
+            if n != size:
+                raise ValidationError(f"p2p IPC reference from trainer rank {src}: {n} bytes, the chunk's segment "
+                                      f"has {size}")
+            key = f"{export.get('handle')}@{export.get('offset')}+{export.get('size')}"
+            mapped = self._mapped.get(key)
+            if mapped is None:  # kept: a rank reuses its buffers push after push (unmapping syncs the GPU)
+                if len(self._mapped) >= 16:
+                    self._mapped.clear()
+                mapped = self._mapped[key] = map_storage(export, self.device.index or 0, f"trainer rank {src}")
+            if at + n > mapped.numel():
+                raise ValidationError(f"p2p IPC reference from trainer rank {src} overruns its buffer")
+            self._recv[src] = mapped[at:at + n]
+
+    def _release(self) -> None:
+        """Answer the ranks whose buffers this chunk read, once every copy out of them is done: they may then
+        reuse the buffers (module ipc). Also on a failure, so that no rank waits for the group timeout."""
+        srcs, seq = self._answer
+        if not srcs:
             return
-        for src, buf in bufs:
-            if src in refs:
-                export, at, n = decode_ref(refs[src], src)
-                if n != buf.numel():
-                    raise ValidationError(f"p2p IPC reference from trainer rank {src}: {n} bytes, the chunk's "
-                                          f"segment has {buf.numel()}")
-                key = f"{export.get('handle')}@{export.get('offset')}"
-                mapped = self._mapped.get(key)
-                if mapped is None:  # kept: a rank reuses its buffers push after push (unmapping syncs the GPU)
-                    if len(self._mapped) >= 16:
-                        self._mapped.clear()
-                    mapped = self._mapped[key] = map_storage(export, self.device.index or 0, f"trainer rank {src}")
-                if at + n > mapped.numel():
-                    raise ValidationError(f"p2p IPC reference from trainer rank {src} overruns its buffer")
-                buf.copy_(mapped[at:at + n])
-        torch.cuda.current_stream(self.device).synchronize()  # copied before the ranks may reuse their buffers
+        self._answer = ([], 0)
+        for src in srcs:
+            self._recv.pop(src, None)
+        torch.cuda.current_stream(self.device).synchronize()
         done = torch.ones(1, dtype=torch.uint8)
-        for src, w in [(src, self._pg.send([done], src, seq)) for src in refs]:
-            self._wait(w, src, seq)
+        if self._pg is not None:
+            for src, w in [(src, self._pg.send([done], src, seq)) for src in srcs]:
+                self._wait(w, src, seq)
 
     def _wait(self, work: Any, src: int, seq: int) -> None:
         try:
@@ -220,6 +242,7 @@ class P2pReceiver(Receiver):
             names.add(meta.name)
             self.received_bytes += src_bytes.numel()
         self._pending = []
+        self._release()
         return [(n, t) for n, t in unpack(buf, layout) if n in names]
 
     def _pieces(self, layout: Layout, *, delta: bool = False) -> list[tuple[Any, torch.dtype, Box, Any]]:

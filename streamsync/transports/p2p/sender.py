@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -28,9 +29,9 @@ from ..collective.group import (
     join_thread,
     make_group,
 )
-from ..cuda_ipc.driver import Held, buffer_id, export_storage
-from ..pool import BufferPool
-from .ipc import encode_ref, gpu_of, publish_gpu, read_gpus
+from ..cuda_ipc.driver import export_storage
+from ..pool import BufferPool, PoolBuffer
+from .ipc import colocated, encode_ref, gpu_of, publish_gpu, read_gpus
 
 if TYPE_CHECKING:
     from ...engines.base import Engine
@@ -92,10 +93,9 @@ class P2pTransport(Transport):
         #: a delta push's bucket -> per destination (header offset, bytes; encodings' offset, bytes)
         self._delta_sends: dict[int, list[tuple[tuple[str, int], int, int, int, int]]] = {}
         self.counts: dict[str, float] = {}
-        #: group ranks of the workers on this rank's GPU (module ipc), and this rank's exported send buffers
+        #: group ranks of the workers on this rank's GPU, in other processes (module ipc)
         self._ipc_dests: set[int] = set()
-        self._exports: dict[tuple[int, int], dict[str, Any]] = {}
-        self._held: list[Held] = []
+        self._ipc_lock = threading.Lock()
 
     # -- setup -----------------------------------------------------------------------------------------
 
@@ -152,7 +152,7 @@ class P2pTransport(Transport):
         self._seq, self._broken, self._handles = 0, None, {}
         rank, world, addr, port, backend = self.rank, meta["world"], meta["addr"], meta["port"], meta["backend"]
         device = self.device
-        gpu = gpu_of(device) if backend == "gloo" else ""  # colocated pairs (module ipc) need gloo and CUDA buffers
+        gpu = gpu_of(device, probe=True) if backend == "gloo" else ""  # colocated pairs (module ipc): gloo, CUDA
 
         def join() -> Any:
             store = self._store if rank == 0 else dist.TCPStore(addr, port, world, False, timeout=gtimeout)
@@ -160,8 +160,8 @@ class P2pTransport(Transport):
             pg = make_group(backend, dist.PrefixStore(meta["group"], store), rank, world, gtimeout, addr)
             # One collective over the whole group first: every pair is connected before the first push.
             broadcast(pg, torch.zeros(1, dtype=torch.uint8, device=device if backend == "nccl" else "cpu"))
-            gpus = read_gpus(store, meta["group"], range(self.world, world), gtimeout.total_seconds()) if gpu else {}
-            return pg, store, {r for r, g in gpus.items() if g == gpu}
+            gpus = read_gpus(store, meta["group"], range(self.world, world)) if gpu else {}
+            return pg, store, {r for r, g in gpus.items() if colocated(gpu, g)}
 
         async def own_side() -> None:
             self._pg, self._store, self._ipc_dests = await in_thread(join)
@@ -292,7 +292,7 @@ class P2pTransport(Transport):
         return self._offsets[engine] + worker
 
     def _send_all(self, tensor: torch.Tensor, sends: Sequence[tuple[tuple[str, int], int, int]], seq: int,
-                  chunk: int, ipc: bool = True) -> None:
+                  chunk: int, ipc: bool = True, pooled: PoolBuffer | None = None) -> None:
         """Post every message of this rank's bucket (each destination's in order), then wait for each (a send
         completes once its worker received it), within the group timeout. To a worker on this rank's GPU (`ipc`:
         not a delta's messages) a reference goes instead, and the send completes once the worker answers that it
@@ -304,17 +304,18 @@ class P2pTransport(Transport):
         if tensor.is_cuda:  # the pack's kernels are done before a worker reads the buffer or gloo copies it out
             torch.cuda.current_stream(tensor.device).synchronize()
         host: torch.Tensor | None = None
+        by_ref = 0
         works = []
         for (engine, worker), off, n in sends:
             if not n:
                 continue
             dest = self._dest_rank(engine, worker)
             try:  # posting fails at once where gloo already saw the worker's connection close
-                if ipc and tensor.is_cuda and dest in self._ipc_dests:
-                    ref = encode_ref(self._export(tensor), int(tensor.storage_offset()) + off, n)
+                if ipc and pooled is not None and tensor.is_cuda and dest in self._ipc_dests:
+                    ref = encode_ref(self._export(tensor, pooled), int(tensor.storage_offset()) + off, n)
                     works.append(((engine, worker), self._pg.send([ref], dest, seq)))
                     works.append(((engine, worker), self._pg.recv([torch.empty(1, dtype=torch.uint8)], dest, seq)))
-                    self.counts["ipc_bytes"] = self.counts.get("ipc_bytes", 0.0) + n
+                    by_ref += n
                     continue
                 if tensor.is_cuda and self._backend == "gloo":  # gloo moves host memory
                     host = tensor.cpu() if host is None else host
@@ -331,17 +332,19 @@ class P2pTransport(Transport):
                 raise failed(engine, worker, e) from e
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
+        if by_ref:
+            with self._ipc_lock:  # buckets' sends may run in several threads at once
+                self.counts["ipc_bytes"] = self.counts.get("ipc_bytes", 0.0) + by_ref
 
-    def _export(self, tensor: torch.Tensor) -> dict[str, Any]:
-        """The IPC export of the send buffer `tensor` lies in, made once per buffer (held while this transport
-        lives: a pool buffer is reused push after push)."""
-        st = tensor.untyped_storage()
-        key = (st.data_ptr(), buffer_id(st.data_ptr()))
-        if key not in self._exports:
-            export, held = export_storage(tensor, gpu_of(tensor.device))
-            self._exports[key] = export
-            self._held.append(held)
-        return self._exports[key]
+    @staticmethod
+    def _export(tensor: torch.Tensor, pooled: PoolBuffer) -> dict[str, Any]:
+        """The IPC export of the pool buffer `tensor` lies in, made once and kept with the buffer (the pool
+        forgets it when it drops the buffer; a worker's answer already said it stopped reading)."""
+        kept = pooled.exports.get(-1)
+        if kept is None:
+            export, held = export_storage(tensor, gpu_of(tensor.device).partition("/")[0])
+            kept = pooled.exports[-1] = {"export": export, "held": held}
+        return kept["export"]
 
     async def send(self, buf: SendBuffer, messages: Sequence[UpdateMessage], recipients: Sequence[Recipient]) -> None:
         """This rank's segments of the bucket and, on rank 0, every engine's update, together."""
@@ -357,7 +360,7 @@ class P2pTransport(Transport):
 
         async def own() -> None:
             if sends:
-                await in_thread(self._send_all, buf.tensor, sends, seq, buf.chunk, wire is None)
+                await in_thread(self._send_all, buf.tensor, sends, seq, buf.chunk, wire is None, buf.pooled)
 
         try:
             with anyio.fail_after(self._timeout + 5.0):  # the sends have the group timeout; this is the backstop
@@ -407,7 +410,7 @@ class P2pTransport(Transport):
                                      timeout_s=self.close_timeout)
         if self._pool is not None:
             self._pool.release()
-        self._exports, self._held, self._ipc_dests = {}, [], set()
+        self._ipc_dests = set()
 
 
 def _delta_messages(chunk: ChunkPlan) -> list[tuple[tuple[str, int], int, int, int, int]]:
