@@ -21,9 +21,10 @@ per direction) carries pieces between GPUs of one node, a piece between a traine
 own GPU (colocated) is a device copy (`copy_gbyte`), and `host_gbyte`, when set, caps everything one node's
 processes move together (a CPU host, where the processes share the cores and memory). The predicted push time
 is the largest bytes / rate over all of these (they run concurrently: every sender sends at once, the
-pipeline overlaps packing with sending), plus `bucket_latency_us` per bucket and `push_latency_ms` per push. On a
-CPU host (`cpu_cores`) the processes' CPU time is a resource too: per node, the CPU time of its processes (per
-byte sent, per byte received, per bucket each takes part in) over its cores, or one process's own.
+pipeline overlaps packing with sending), plus `bucket_latency_us` per bucket and `push_latency_ms` per push, and
+before it the finite check every rank runs on what it holds (`check_gbyte`). On a CPU host (`cpu_cores`) the
+processes' CPU time is a resource too: per node, the CPU time of its processes (per byte sent or received, per
+push, per bucket and per piece, `Links.cpu_*`) over its cores, or one process's own.
 `lockstep_seconds` is the other bound: buckets strictly one after another, each taking its own busiest link's
 time (a sender with nothing in a bucket waits); the pipeline's window lets ranks run ahead, so a push lands
 between the two.
