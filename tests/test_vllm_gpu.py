@@ -193,11 +193,14 @@ async def test_sharded_delta_pushes_over_gloo_land_bit_exact_in_a_gpu_engine(gpu
 
 
 @gpu
-async def test_a_colocated_rank_sends_its_pieces_to_the_worker_on_its_gpu_by_cuda_ipc(gpu_llms, gpu_model_dirs):
+async def test_a_colocated_rank_sends_its_pieces_to_the_worker_on_its_gpu_by_cuda_ipc(gpu_llms, gpu_model_dirs,
+                                                                                      tmp_path):
     """p2p with the trainer's buffers on the GPU (`P2pTransport("gloo", device="cuda")`) into a vLLM engine on the
     same GPU: every piece goes by CUDA IPC (a reference over gloo, the worker copies on the GPU), three full
-    pushes bit-exact by device digests; a delta sync over the same transport sends its deltas over gloo from
-    host copies, and lands bit-exact too. The pushes' times against gloo through host memory are printed."""
+    pushes bit-exact by device digests, and the engine then generates what an engine loaded from those weights
+    on disk generates (prompts longer than a KV block, asked before the pushes too); a delta sync over the same
+    transport sends its deltas over gloo from host copies, and lands bit-exact too. The pushes' times against
+    gloo through host memory are printed."""
     import time
 
     from streamsync.transports.p2p import P2pTransport
@@ -205,6 +208,9 @@ async def test_a_colocated_rank_sends_its_pieces_to_the_worker_on_its_gpu_by_cud
     model_dir = gpu_model_dirs["untied"]
     engine = VllmEngine(gpu_llms["untied"], name="vllm-p2p-ipc")
     trainer = _hf_trainer(model_dir)
+    prompts = check_prompts(int(_config(model_dir)["vocab_size"]), count=3)
+    for p in prompts:  # their prefixes cached under the old weights
+        await engine.greedy(p, 4)
     times: dict[str, list[float]] = {}
     for device in ("cuda", "cpu"):
         transport = P2pTransport("gloo", device=device)
@@ -221,6 +227,14 @@ async def test_a_colocated_rank_sends_its_pieces_to_the_worker_on_its_gpu_by_cud
                 else:
                     assert transport.counts["ipc_bytes"] == 0
                 await _assert_bit_exact(engine, dict(trainer.state_dict()), tied=False)
+            if device == "cuda":
+                ckpt = save_checkpoint(trainer.state_dict(), like=model_dir, out=tmp_path / "ipc", dtype=torch.bfloat16)
+                llm = vllm.LLM(model=str(ckpt), **ENGINE, **engine_kwargs())
+                try:
+                    check = await compare_engines(engine, VllmEngine(llm, name="loaded"), prompts, as_served=True)
+                    assert check.ok, check
+                finally:
+                    stop_llm(llm)
         finally:
             await sync.close()
     print(f"p2p into a colocated engine: by CUDA IPC {[round(t * 1e3, 1) for t in times['cuda']]} ms, "
