@@ -301,8 +301,8 @@ class P2pTransport(Transport):
             return EngineError(engine, f"trainer rank {self.rank}: send of bucket {chunk} to worker {worker} "
                                f"failed or timed out ({self._timeout:.1f}s): {e}", unresponsive=True)
 
-        if tensor.is_cuda:  # the pack's kernels are done before a worker reads the buffer or gloo copies it out
-            torch.cuda.current_stream(tensor.device).synchronize()
+        if ipc and tensor.is_cuda and self._ipc_dests:  # the pack's kernels are done before a worker reads the
+            torch.cuda.current_stream(tensor.device).synchronize()  # buffer (a host copy and NCCL order themselves)
         host: torch.Tensor | None = None
         by_ref = 0
         works = []
