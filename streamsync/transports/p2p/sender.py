@@ -92,6 +92,9 @@ class P2pTransport(Transport):
         self._handles: dict[tuple[int, int, str], tuple[dict[str, Any], Any, dict[str, Any], str]] = {}
         #: a delta push's bucket -> per destination (header offset, bytes; encodings' offset, bytes)
         self._delta_sends: dict[int, list[tuple[tuple[str, int], int, int, int, int]]] = {}
+        #: this push: sending ranks, this rank's planned piece bytes (`sent_bytes`), and the bytes it moved by
+        #: IPC reference (`ipc_bytes`) and through the process group (`group_bytes`); these two count whole
+        #: segments, the alignment gaps between a destination's pieces included
         self.counts: dict[str, float] = {}
         #: group ranks of the workers on this rank's GPU, in other processes (module ipc)
         self._ipc_dests: set[int] = set()
@@ -238,7 +241,8 @@ class P2pTransport(Transport):
         if self._source is not source:
             self._handles = {}
         self._source = source
-        self.counts = {"senders": float(source.senders), "sent_bytes": float(source.sent_bytes), "ipc_bytes": 0.0}
+        self.counts = {"senders": float(source.senders), "sent_bytes": float(source.sent_bytes), "ipc_bytes": 0.0,
+                       "group_bytes": 0.0}
         self._delta_sends = {}
         self.pool.begin(max([p.nbytes for p in plans] + [1]))
 
@@ -304,7 +308,7 @@ class P2pTransport(Transport):
         if ipc and tensor.is_cuda and self._ipc_dests:  # the pack's kernels are done before a worker reads the
             torch.cuda.current_stream(tensor.device).synchronize()  # buffer (a host copy and NCCL order themselves)
         host: torch.Tensor | None = None
-        by_ref = 0
+        by_ref = by_group = 0
         works = []
         for (engine, worker), off, n in sends:
             if not n:
@@ -323,6 +327,7 @@ class P2pTransport(Transport):
                 else:
                     part = tensor[off:off + n]
                 works.append(((engine, worker), self._pg.send([part], dest, seq)))
+                by_group += n
             except RuntimeError as e:
                 raise failed(engine, worker, e) from e
         for (engine, worker), w in works:
@@ -332,9 +337,9 @@ class P2pTransport(Transport):
                 raise failed(engine, worker, e) from e
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
-        if by_ref:
-            with self._ipc_lock:  # buckets' sends may run in several threads at once
-                self.counts["ipc_bytes"] = self.counts.get("ipc_bytes", 0.0) + by_ref
+        with self._ipc_lock:  # buckets' sends may run in several threads at once
+            self.counts["ipc_bytes"] = self.counts.get("ipc_bytes", 0.0) + by_ref
+            self.counts["group_bytes"] = self.counts.get("group_bytes", 0.0) + by_group
 
     @staticmethod
     def _export(tensor: torch.Tensor, pooled: PoolBuffer) -> dict[str, Any]:
