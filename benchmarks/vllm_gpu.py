@@ -13,6 +13,9 @@ Cases (`--cases`, in this order by default):
   8b-fp8, moe-fp8   the same bf16 trainers into engines started with `quantization="fp8"` (vLLM quantizes the
         weights as it loads them; a push rebuilds each quantized module through vLLM's own processing).
   8b-1c, moe-1c     8b and moe pushed as one chunk (every tensor by reference in one engine call).
+  8b-p2p    8b through the sharded path (`P2pTransport("gloo", device="cuda")`): the trainer rank plans the pieces
+        the engine's worker holds, packs them into buckets on the GPU and sends each worker on its own GPU a
+        CUDA IPC reference over gloo; the worker copies the bytes on the GPU and answers.
 
 Each push is timed by the wall clock around `sync.push`, after `sync.connect(trainer)` (which plans the push and
 sends the chunks' references ahead: its time is reported too).
@@ -55,7 +58,8 @@ from streamsync.sync import WeightSync
 #: the cases: the trainer shape (benchmarks.cuda.SHAPES), and for a smoke run on CPU the shape used instead
 CASES: dict[str, tuple[str, str]] = {"8b": ("8b", "tiny"), "tiny": ("", ""), "moe": ("moe", "tiny-moe"),
                                      "8b-fp8": ("8b", "tiny"), "moe-fp8": ("moe", "tiny-moe"),
-                                     "8b-1c": ("8b", "tiny"), "moe-1c": ("moe", "tiny-moe")}
+                                     "8b-1c": ("8b", "tiny"), "moe-1c": ("moe", "tiny-moe"),
+                                     "8b-p2p": ("8b", "tiny")}
 #: cases whose push is one chunk: every tensor referenced in one engine call (`CudaIpcTransport.ref_bytes`)
 ONE_CHUNK_GIB = 64.0
 
@@ -220,6 +224,11 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
         from streamsync.transports.cuda_ipc import CudaIpcTransport
 
         transport = CudaIpcTransport(ref_bytes=int(ref_gib * GiB))
+    if case.endswith("-p2p"):
+        from streamsync.transports.p2p import P2pTransport
+
+        label += ", sharded path (p2p, CUDA IPC per piece bucket)"
+        transport = P2pTransport("gloo", device=None if args.smoke else "cuda", group_timeout=600)
     sync = WeightSync([engine], transport=transport, check_finite=False, timeout=600)
     pushes: list[dict[str, Any]] = []
     try:
