@@ -15,6 +15,7 @@ from streamsync import WeightSync
 from streamsync.errors import StreamSyncError, ValidationError
 from streamsync.models.megatron import TinyModel
 from streamsync.models.synthetic import StateModule, perturb_, save_specs
+from streamsync.pack import ALIGN
 from streamsync.plan.shards import Box
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.testing.sharded import (
@@ -40,11 +41,19 @@ def _run(case: ShardedCase, world: int, tmp_path) -> list[dict]:
 
 
 def _balanced(results: list[dict]) -> None:
-    """Bytes sent per rank within 20 % of the mean; each rank's extra memory within 1.2x of the others'."""
+    """Bytes sent per rank within 20 % of the mean, as planned and as each rank's transport counted them (whole
+    segments: the pieces and the alignment gaps between them); each rank's extra memory within 1.2x of the
+    others'."""
     sent = list(results[0]["sent_bytes"].values())
     assert len(sent) == len(results)
     mean = statistics.mean(sent)
     assert all(abs(b - mean) <= 0.2 * mean for b in sent), sent
+    plan = results[0]["sent_bytes"]
+    for r in results:  # a piece's gap before the next is under one alignment
+        planned, gaps = plan[r["rank"]], ALIGN * r["sent_pieces"]
+        assert all(planned <= m < planned + gaps for m in r["moved_bytes"]), (r["rank"], plan, r["moved_bytes"])
+    moved = [r["moved_bytes"][0] for r in results]
+    assert all(abs(b - statistics.mean(moved)) <= 0.2 * statistics.mean(moved) for b in moved), moved
     peaks = [max(r["peak_bytes"]) for r in results]
     assert max(peaks) / min(peaks) <= 1.2, peaks
 

@@ -64,6 +64,7 @@ class ShardedResult:
     exact: list[bool] = field(default_factory=list)     # rank 0: every worker bit-exact after each push
     mismatched: list[str] = field(default_factory=list)
     sent_bytes: dict[int, int] = field(default_factory=dict)  # the plan's bytes per sending rank
+    sent_pieces: int = 0  # the plan's pieces this rank sends
     peak_bytes: list[int] = field(default_factory=list)       # this rank's extra memory, per push
     paths: list[str] = field(default_factory=list)
     senders: int = 0
@@ -72,6 +73,9 @@ class ShardedResult:
     seconds: list[float] = field(default_factory=list)
     delta_modes: list[str | None] = field(default_factory=list)
     wire_bytes: list[int] = field(default_factory=list)  # this rank's bytes on the wire, per push
+    #: per push, the bytes this rank's transport moved (through the group and by IPC reference; whole
+    #: segments, so the alignment gaps between a destination's pieces count too)
+    moved_bytes: list[int] = field(default_factory=list)
     why_full: list[str | None] = field(default_factory=list)
     fallback: list[bool] = field(default_factory=list)
     shadow_bytes: int = 0
@@ -208,6 +212,8 @@ def run_sharded(rank: int, world_size: int, case: ShardedCase,
                     if key in before:
                         res.worker_cpu_seconds.setdefault(key, []).append(s - before[key])
                 res.peak_bytes.append(report.peak_bytes_inflight)
+                counts = report.trace.counts if report.trace is not None else {}
+                res.moved_bytes.append(int(counts.get("group_bytes", 0) + counts.get("ipc_bytes", 0)))
                 res.paths.append(report.path)
                 res.senders = report.senders
                 if report.delta is not None:
@@ -223,6 +229,7 @@ def run_sharded(rank: int, world_size: int, case: ShardedCase,
                     source = sync.plan(model)[0]
                     assert isinstance(source, ShardedSource)
                     res.sent_bytes = dict(source.plan_.sent_bytes)
+                    res.sent_pieces = sum(1 for p in source.plan_.pieces if p.src == rank)
                 if rank == 0:
                     ok = True
                     for g, per_worker in zip(engines, lays, strict=True):
