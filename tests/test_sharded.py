@@ -44,11 +44,11 @@ def _balanced(results: list[dict]) -> None:
     """Bytes sent per rank within 20 % of the mean, as planned and as each rank's transport counted them (whole
     segments: the pieces and the alignment gaps between them); each rank's extra memory within 1.2x of the
     others'."""
-    sent = list(results[0]["sent_bytes"].values())
+    plan = results[0]["sent_bytes"]
+    sent = list(plan.values())
     assert len(sent) == len(results)
     mean = statistics.mean(sent)
     assert all(abs(b - mean) <= 0.2 * mean for b in sent), sent
-    plan = results[0]["sent_bytes"]
     for r in results:  # a piece's gap before the next is under one alignment
         planned, gaps = plan[r["rank"]], ALIGN * r["sent_pieces"]
         assert all(planned <= m < planned + gaps for m in r["moved_bytes"]), (r["rank"], plan, r["moved_bytes"])

@@ -98,7 +98,7 @@ class P2pTransport(Transport):
         self.counts: dict[str, float] = {}
         #: group ranks of the workers on this rank's GPU, in other processes (module ipc)
         self._ipc_dests: set[int] = set()
-        self._ipc_lock = threading.Lock()
+        self._counts_lock = threading.Lock()
 
     # -- setup -----------------------------------------------------------------------------------------
 
@@ -337,7 +337,7 @@ class P2pTransport(Transport):
                 raise failed(engine, worker, e) from e
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
-        with self._ipc_lock:  # buckets' sends may run in several threads at once
+        with self._counts_lock:  # buckets' sends may run in several threads at once
             self.counts["ipc_bytes"] = self.counts.get("ipc_bytes", 0.0) + by_ref
             self.counts["group_bytes"] = self.counts.get("group_bytes", 0.0) + by_group
 
