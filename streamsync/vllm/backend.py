@@ -122,10 +122,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                                                         "captured loads record PyTorch's copies", e)
 
     def _checkpoint(self) -> dict[str, tuple[str, list[int]]] | None:
-        from .extension import checkpoint_weights
+        from .extension import engine_weights
 
-        mc: Any = self.model_config
-        return checkpoint_weights(mc.model, mc.dtype, bool(getattr(mc.hf_config, "tie_word_embeddings", False)))
+        return engine_weights(self.model_config, self.model)
 
     def fused_layout(self) -> dict[str, list[Any]]:
         """The fused tensors this worker takes (`Engine.fused_layout`): none without the fast path."""

@@ -96,12 +96,14 @@ _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "
                        "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
-def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype,
-                       tied: bool = False) -> dict[str, tuple[str, list[int]]] | None:
+def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype, tied: bool = False,
+                       kept: Mapping[str, torch.dtype] | None = None) -> dict[str, tuple[str, list[int]]] | None:
     """HF name -> (dtype name, shape) of every tensor in the checkpoint the engine loaded, read from the
     safetensors headers (no tensor data): exactly the names and shapes its loader accepts. Floating tensors
-    are expected in the engine's dtype (`dtype`), as a push must send them. A tied head is not expected (it
-    is the embedding). None when the checkpoint is not a local folder of safetensors (nothing to check)."""
+    are expected in the engine's dtype (`dtype`), as a push must send them, except those the engine holds under
+    the checkpoint's own name in float32 (`kept`: a router's `e_score_correction_bias`, which vLLM keeps in
+    float32 whatever the model's dtype): those in float32. A tied head is not expected (it is the embedding).
+    None when the checkpoint is not a local folder of safetensors (nothing to check)."""
     from safetensors import safe_open
 
     from ..pack import dtype_name
@@ -119,11 +121,20 @@ def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype,
                 if dt is None:
                     return None  # a dtype streamsync does not carry: do not guess
                 if dt in ("bfloat16", "float16", "float32", "float64"):  # the loader casts these to the engine's
-                    dt = dtype_name(dtype)
+                    dt = dtype_name((kept or {}).get(name, dtype))
                 out[name] = (dt, list(sl.get_shape()))
     if tied:
         out.pop("lm_head.weight", None)
     return out
+
+
+def engine_weights(model_config: Any, model: torch.nn.Module) -> dict[str, tuple[str, list[int]]] | None:
+    """`checkpoint_weights` of the checkpoint a worker's model was loaded from, with the float32 tensors that model
+    keeps under their checkpoint names."""
+    mc = model_config
+    tied = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
+    kept = {n: p.dtype for n, p in model.named_parameters() if p.dtype == torch.float32 != mc.dtype}
+    return checkpoint_weights(mc.model, mc.dtype, tied, kept)
 
 
 def _kv_tensors(caches: object) -> list[torch.Tensor]:
@@ -154,9 +165,8 @@ class StreamSyncWorkerExtension:
 
     def streamsync_expected_weights(self) -> dict[str, tuple[str, list[int]]] | None:
         """What a push into this engine must carry (checked by the sender before any byte moves)."""
-        mc = self.model_runner.model_config  # type: ignore[attr-defined]
-        tied = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
-        return checkpoint_weights(mc.model, mc.dtype, tied)
+        return engine_weights(self.model_runner.model_config,  # type: ignore[attr-defined]
+                              self.model_runner.get_model())  # type: ignore[attr-defined]
 
     def streamsync_zero_kv_cache(self) -> int:
         """Zero this worker's KV-cache memory; returns the number of non-finite values it held. Only safe while

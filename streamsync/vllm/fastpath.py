@@ -279,9 +279,31 @@ def _unwrap_loader(t: torch.Tensor) -> None:
 
 
 def _never_loaded() -> set[str]:
+    """Tensors vLLM's reload never expects a checkpoint to fill. Less the two a push does fill: `bias`, and the
+    router's `e_score_correction_bias`, which DeepSeek-V3 and GLM-4.5 checkpoints hold and training changes."""
     from vllm.model_executor.model_loader.reload import meta
 
-    return set(getattr(meta, "SKIP_LOAD_TENSORS", None) or meta.SKIP_TENSORS) - {"bias"}
+    return set(getattr(meta, "SKIP_LOAD_TENSORS", None) or meta.SKIP_TENSORS) - {"bias", "e_score_correction_bias"}
+
+
+def _expert_layout(layer: torch.nn.Module) -> None:
+    """Put freshly processed unquantized experts into their kernel's own layout. vLLM's unquantized fused-MoE
+    processing runs the experts' layout step (the CPU backend's prepack into its grouped-GEMM layout) only on the
+    first load: on a weight update, its kernel already built, it copies the loaded layout into place and stops, so
+    that kernel would read experts in the wrong layout (vLLM's own layerwise reload leaves the same). A kernel
+    whose experts need no such step (CUDA's Triton) has nothing to run."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsModular
+    except ImportError:  # a vLLM whose experts keep no layout step of their own (0.25)
+        return
+    method = getattr(layer, "quant_method", None)
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    step = getattr(type(experts), "process_weights_after_loading", None)
+    if isinstance(method, UnquantizedFusedMoEMethod) and step is not None \
+            and step is not FusedMoEExpertsModular.process_weights_after_loading:
+        experts.process_weights_after_loading(layer)  # type: ignore[union-attr]
 
 
 #: vLLM's unquantized fused-MoE backends whose kernels read the experts as loaded on CUDA: their processing after
@@ -734,6 +756,7 @@ class FastRound:
                 if hasattr(layer, "_already_called_process_weights_after_loading"):
                     delattr(layer, "_already_called_process_weights_after_loading")
                 layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+                _expert_layout(layer)
                 update: Any = getattr(layer, "update_param_tp_status", None)
                 if update is not None:  # processing may have made new Parameters: vLLM reconciles their TP state
                     update()
