@@ -21,15 +21,30 @@ import torch
 
 from ..errors import ValidationError
 from . import archs as models
+from .archs import TRAINED_BUFFERS
 from .mappings import Dims, Mapping, Vocab, tp_merge, tp_split
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3-moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3-moe", "deepseek-v3", "glm4", "glm4-moe")
 _ALIASES = {
     "llama": "llama", "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3-moe": "qwen3-moe", "qwen3_moe": "qwen3-moe",
+    # DeepSeek-V2 lacks the expert bias and MTP, a subset of V3's table; Kimi-K2 and Moonlight are V3 models
+    "deepseek-v3": "deepseek-v3", "deepseek_v3": "deepseek-v3", "deepseek-v2": "deepseek-v3",
+    "deepseek_v2": "deepseek-v3", "kimi_k2": "deepseek-v3", "kimi-k2": "deepseek-v3", "moonlight": "deepseek-v3",
+    "glm4": "glm4",
+    "glm4-moe": "glm4-moe", "glm4_moe": "glm4-moe",
 }
+#: HF `architectures` each family serves as (what an engine's model class must be)
+HF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "MistralForCausalLM"), "qwen2": ("Qwen2ForCausalLM",),
+    "qwen3": ("Qwen3ForCausalLM",), "qwen3-moe": ("Qwen3MoeForCausalLM",),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM"),
+    "glm4": ("Glm4ForCausalLM",), "glm4-moe": ("Glm4MoeForCausalLM",),
+}
+_MOE = ("qwen3-moe", "deepseek-v3", "glm4-moe")
+_MTP = ("deepseek-v3", "glm4-moe")
 
 
 def canonical_arch(name: str) -> str:
@@ -40,15 +55,24 @@ def canonical_arch(name: str) -> str:
     return _ALIASES[key]
 
 
-def detect_arch(config: object = None, hf_config: object = None) -> str:
+def detect_arch(config: object = None, hf_config: object = None, names: Iterable[str] = ()) -> str:
     """The architecture of a model, from its HF config's `model_type` where given, else from the megatron
-    TransformerConfig: MoE experts -> qwen3-moe, q/k layernorm -> qwen3, qkv bias -> qwen2, else llama."""
+    TransformerConfig: multi-latent attention -> deepseek-v3, MoE experts with shared experts and qkv bias ->
+    glm4-moe, other MoE -> qwen3-moe, q/k layernorm -> qwen3, qkv bias -> qwen2, else llama. GLM-4 dense looks
+    like qwen2 to megatron's config; its layers' sandwich norms among the parameter `names` tell it apart."""
     model_type = getattr(hf_config, "model_type", None) or (
         hf_config.get("model_type") if isinstance(hf_config, dict) else None)
     if model_type:
         return canonical_arch(str(model_type))
     if config is None:
         raise ValidationError("cannot detect the architecture: pass arch= or hf_config=")
+    if getattr(config, "multi_latent_attention", False):
+        return "deepseek-v3"
+    if any(".post_self_attn_layernorm." in n for n in names):
+        return "glm4"
+    if getattr(config, "num_moe_experts", None) and getattr(config, "moe_shared_expert_intermediate_size", None) \
+            and getattr(config, "add_qkv_bias", False):
+        return "glm4-moe"
     if getattr(config, "num_moe_experts", None):
         return "qwen3-moe"
     if getattr(config, "qk_layernorm", False):
@@ -56,6 +80,37 @@ def detect_arch(config: object = None, hf_config: object = None) -> str:
     if getattr(config, "add_qkv_bias", False):
         return "qwen2"
     return "llama"
+
+
+def check_config(arch: str, config: object) -> None:
+    """Refuse, naming the option, a megatron-core TransformerConfig whose weights mean something the table of
+    `arch` does not map (the push would otherwise send tensors an engine computes differently with, or fail
+    later on a missing tensor)."""
+    def has(field: str) -> object:
+        return getattr(config, field, None)
+
+    problems = []
+    if has("add_bias_linear"):
+        problems.append("add_bias_linear=True (biases on every linear layer: no HF family here has them)")
+    if has("moe_shared_expert_gate"):
+        problems.append("moe_shared_expert_gate=True (a gated shared expert, Qwen2-MoE's: not mapped)")
+    mla = bool(has("multi_latent_attention"))
+    if mla != (arch == "deepseek-v3"):
+        problems.append(f"multi_latent_attention={mla} (the {arch} table maps "
+                        f"{'MLA' if arch == 'deepseek-v3' else 'grouped-query'} attention)")
+    if mla and has("q_lora_rank") and not has("qk_layernorm"):
+        problems.append("qk_layernorm=False with a query low rank (the checkpoint holds q_a_layernorm and "
+                        "kv_a_layernorm, which megatron builds only with qk_layernorm=True)")
+    if has("num_moe_experts") and arch not in _MOE:
+        problems.append(f"num_moe_experts={has('num_moe_experts')} (the {arch} table is dense; MoE tables: {_MOE})")
+    if has("moe_router_enable_expert_bias") and arch == "qwen3-moe":
+        problems.append("moe_router_enable_expert_bias=True (Qwen3-MoE checkpoints hold no expert bias)")
+    if has("moe_shared_expert_intermediate_size") and arch == "qwen3-moe":
+        problems.append("moe_shared_expert_intermediate_size set (Qwen3-MoE has no shared experts)")
+    if has("mtp_num_layers") and arch not in _MTP:
+        problems.append(f"mtp_num_layers={has('mtp_num_layers')} (MTP layers are mapped for {_MTP})")
+    if problems:
+        raise ValidationError(f"megatron config does not match the {arch} table: " + "; ".join(problems))
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,11 +210,11 @@ class Converter:
 
 
 def get_converter(arch: str, *, tied: bool = False) -> Converter:
-    """The converter of `arch` ('qwen3', 'qwen2', 'llama', 'mistral', 'qwen3-moe'); `tied`: the model shares
-    its embedding with the output layer (HF `tie_word_embeddings`)."""
+    """The converter of `arch` (a name of `ARCHS` or an alias: 'mistral', 'qwen3_moe', 'kimi_k2', 'glm4_moe',
+    ...); `tied`: the model shares its embedding with the output layer (HF `tie_word_embeddings`)."""
     key = canonical_arch(arch)
     return Converter(key, models.table(key, tied=tied))
 
 
-__all__ = ["ARCHS", "Converter", "Dims", "Resolved", "canonical_arch", "detect_arch", "get_converter", "tp_merge",
-           "tp_split"]
+__all__ = ["ARCHS", "HF_ARCHITECTURES", "TRAINED_BUFFERS", "Converter", "Dims", "Resolved", "canonical_arch",
+           "check_config", "detect_arch", "get_converter", "tp_merge", "tp_split"]

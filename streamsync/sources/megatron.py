@@ -29,6 +29,7 @@ sharded; cached per model, so later pushes of the same model exchange nothing).
 
 from __future__ import annotations
 
+import itertools
 import re
 import weakref
 from collections.abc import Iterator, Sequence
@@ -40,7 +41,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from ..convert import Dims, Resolved, canonical_arch, detect_arch, get_converter
+from ..convert import TRAINED_BUFFERS, Dims, Resolved, canonical_arch, check_config, detect_arch, get_converter
 from ..convert.mappings import TPLayout, tp_merge
 from ..errors import ValidationError
 from ..pack import TensorSpec, dtype_from_name, dtype_name
@@ -50,6 +51,8 @@ from ..plan.shards import Box, Shards
 from .base import AddressCache, Source
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+# an MTP layer and the decoder layer it holds (megatron-core 0.16 `transformer_layer`, later `mtp_model_layer`)
+_MTP = re.compile(r"mtp\.layers\.(\d+)\.(?:(transformer_layer|mtp_model_layer)\.)?")
 # local expert index: SequentialMLP `experts.local_experts.<i>.`, TEGroupedMLP `experts.linear_fc1.weight<i>`
 _SEQ_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.linear_fc\d\.weight(\d+)$")
@@ -82,21 +85,30 @@ def unwrap_chunks(model: object) -> list[Any]:
     return out
 
 
-def global_parameters(chunks: Sequence[Any]) -> Iterator[tuple[str, torch.nn.Parameter, bool]]:
-    """(global name, parameter, is_expert) for every parameter on this rank.
+def global_parameters(chunks: Sequence[Any]) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(global name, parameter, is_expert) for every parameter on this rank, and every buffer training changes
+    (`convert.TRAINED_BUFFERS`: the router's expert bias).
 
     megatron-core numbers `decoder.layers.i` per pipeline stage (and per virtual stage) and local experts
     per expert-parallel rank; global names use the layer's `layer_number` and the MoE layer's
-    `local_expert_indices`, so every rank names a tensor the same way.
+    `local_expert_indices`, so every rank names a tensor the same way. MTP layers (`mtp.layers.m`, on the last
+    stage) are named by the index HF checkpoints give them, num_layers + m.
     """
     for chunk in chunks:
         layers: Any = chunk.decoder.layers
-        for name, p in chunk.named_parameters():
+        mtp: Any = getattr(chunk, "mtp", None)
+        buffers = ((n, b) for n, b in chunk.named_buffers() if n.endswith(TRAINED_BUFFERS))
+        for name, p in itertools.chain(chunk.named_parameters(), buffers):
             expert = False
             m = _LAYER.match(name)
+            t = _MTP.match(name) if m is None and mtp is not None else None
             if m:
                 layer = layers[int(m.group(1))]
                 name = f"decoder.layers.{layer.layer_number - 1}.{name[m.end():]}"
+            elif t:
+                layer = getattr(mtp.layers[int(t.group(1))], t.group(2) or "", None)
+                name = f"mtp.layers.{chunk.config.num_layers + int(t.group(1))}.{name[t.end(1) + 1:]}"
+            if m or t:
                 e = _expert_match(name)
                 if e:
                     expert = True
@@ -202,7 +214,7 @@ class ParamInfo:
 _Record = tuple[tuple[int, ...], list[tuple[str, tuple[int, ...], str, int | None, int, bool]]]
 
 
-def _local_record(coords: Coords, params: dict[str, tuple[torch.nn.Parameter, bool]]) -> _Record:
+def _local_record(coords: Coords, params: dict[str, tuple[torch.Tensor, bool]]) -> _Record:
     rows = []
     for name, (p, expert) in params.items():
         dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else None
@@ -276,9 +288,11 @@ class _Batch:
 class MegatronSource(Source):
     """A megatron-core GPTModel (or the list of its virtual-pipeline chunks) as a stream of HF tensors.
 
-    arch:        'qwen3', 'qwen2', 'llama', 'mistral', 'qwen3-moe'; default: detected from `hf_config`'s
-                 model_type, else from the megatron config (experts -> qwen3-moe, qk_layernorm -> qwen3,
-                 add_qkv_bias -> qwen2, else llama).
+    arch:        a name of `convert.ARCHS` or an alias ('qwen3', 'qwen3-moe', 'deepseek-v3', 'kimi_k2', 'glm4',
+                 'glm4-moe', 'llama', 'mistral', ...); default: detected from `hf_config`'s model_type, else from
+                 the megatron config (`convert.detect_arch`). A config option the table does not map (linear
+                 biases, a gated shared expert, MLA on a grouped-query table, ...) is refused, named
+                 (`convert.check_config`).
     dtype:       the receiver's dtype for floating tensors (norms that megatron keeps in float32 are cast);
                  default: `hf_config`'s dtype, else the megatron `params_dtype`.
     vocab_size:  the HF vocabulary; padding rows beyond it are dropped. Default: `hf_config.vocab_size`,
@@ -312,7 +326,9 @@ class MegatronSource(Source):
         if hf_tied is not None and bool(hf_tied) != self.tied:
             raise ValidationError(f"hf_config.tie_word_embeddings={hf_tied} but the megatron model has "
                                   f"share_embeddings_and_output_weights={self.tied}")
-        self.arch = canonical_arch(arch) if arch else detect_arch(cfg, hf_config)
+        names = (n for n, _ in first.named_parameters())
+        self.arch = canonical_arch(arch) if arch else detect_arch(cfg, hf_config, names)
+        check_config(self.arch, cfg)
         self.converter = get_converter(self.arch, tied=self.tied)
         vocab = vocab_size or _hf_get(hf_config, "vocab_size") or first.vocab_size
         self.dims = Dims(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads,
@@ -342,7 +358,7 @@ class MegatronSource(Source):
             _check_layout(name, r, info)
             self._resolved[name] = r
             shapes = r.mapping.hf_shapes(info.shape, self.dims)
-            out_dtype = self.dtype if info.dtype.is_floating_point else info.dtype
+            out_dtype = r.mapping.hf_dtype or (self.dtype if info.dtype.is_floating_point else info.dtype)
             self._specs[name] = tuple(TensorSpec(h, out_dtype, s) for h, s in zip(r.hf, shapes, strict=True))
         self._leaders = self._find_leaders()
         if vocab_size is None and _hf_get(hf_config, "vocab_size") is None and self.is_sender \
@@ -475,7 +491,7 @@ class MegatronSource(Source):
         c, g = self.coords, self.groups
         holds: list[tuple[str, Box]] = []
         tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-        where: dict[str, list[tuple[Box, Box, torch.nn.Parameter]]] = {}
+        where: dict[str, list[tuple[Box, Box, torch.Tensor]]] = {}
         for name, (p, expert) in self._local.items():
             r, info = self._resolved[name], self.table[name]
             if not r.mapping.send:
@@ -571,10 +587,11 @@ class MegatronSource(Source):
 
     def _batches(self, keys: Sequence[str], numel: dict[str, int], wire: bool = False) -> list[_Batch]:
         """Group tensors into collectives: by dtype, in buckets of at most `bucket_bytes`. `wire`: floating
-        tensors travel in the receiver's dtype (the sender casts to it anyway, so the bits are the same)."""
+        tensors travel in the dtype they are sent in (the receiver's, or a mapping's own: the float32 expert
+        bias), which the sender casts to anyway, so the bits are the same."""
         def dtype(k: str) -> torch.dtype:
             t = self.table[k].dtype
-            return self.dtype if wire and t.is_floating_point else t
+            return (self._resolved[k].mapping.hf_dtype or self.dtype) if wire and t.is_floating_point else t
 
         by_dtype: dict[torch.dtype, list[_Batch]] = {}
         for k in keys:
