@@ -8,8 +8,18 @@ import pytest
 import torch
 
 from streamsync.checksum import digests
-from streamsync.convert import Dims, canonical_arch, detect_arch, get_converter
-from streamsync.convert.mappings import COLUMN, GATED, QKV, ROW, GatedMLP, Vocab, tp_merge, tp_split
+from streamsync.convert import Dims, canonical_arch, check_config, detect_arch, get_converter
+from streamsync.convert.mappings import (
+    COLUMN,
+    GATED,
+    QKV,
+    ROW,
+    FusedGatedMLP,
+    GatedMLP,
+    Vocab,
+    tp_merge,
+    tp_split,
+)
 from streamsync.errors import ValidationError
 from streamsync.models.megatron import TinyModel
 
@@ -19,6 +29,11 @@ MODELS = {
     "llama": TinyModel("llama", vocab=128, heads=8, kv_heads=8, head_dim=8),
     "qwen3-moe": TinyModel("qwen3-moe", vocab=101, experts=4),
     "qwen2-tied": TinyModel("qwen2", vocab=99, tie=True),
+    "deepseek-v3": TinyModel("deepseek-v3", vocab=101, layers=3, experts=4, shared_ffn=32, first_dense=1, q_lora=32),
+    "deepseek-v3 no q low rank": TinyModel("deepseek-v3", vocab=101, experts=4, shared_ffn=32, first_dense=1),
+    "glm4": TinyModel("glm4", vocab=101),
+    "glm4-moe": TinyModel("glm4-moe", vocab=101, layers=3, experts=4, shared_ffn=32, first_dense=1),
+    "glm4-moe no q/k norm": TinyModel("glm4-moe", vocab=101, experts=4, shared_ffn=32, first_dense=1, qk_norm=False),
 }
 
 
@@ -177,6 +192,8 @@ def test_missing_hf_tensor_is_named() -> None:
     (SimpleNamespace(num_moe_experts=None, qk_layernorm=True), "qwen3"),
     (SimpleNamespace(num_moe_experts=None, qk_layernorm=False, add_qkv_bias=True), "qwen2"),
     (SimpleNamespace(num_moe_experts=None, qk_layernorm=False, add_qkv_bias=False), "llama"),
+    (SimpleNamespace(multi_latent_attention=True, num_moe_experts=8), "deepseek-v3"),
+    (SimpleNamespace(num_moe_experts=8, moe_shared_expert_intermediate_size=64, add_qkv_bias=True), "glm4-moe"),
 ])
 def test_arch_is_detected_from_the_megatron_config(config: object, arch: str) -> None:
     assert detect_arch(config) == arch
@@ -187,3 +204,104 @@ def test_hf_model_type_wins_and_aliases_resolve() -> None:
     assert canonical_arch("Qwen3_MoE") == "qwen3-moe"
     with pytest.raises(ValidationError, match="unknown architecture"):
         get_converter("gpt2")
+
+
+def test_the_new_families_resolve_by_their_hf_names() -> None:
+    for name in ("deepseek_v3", "kimi_k2", "moonlight", "deepseek_v2"):
+        assert canonical_arch(name) == "deepseek-v3"
+    assert detect_arch(None, {"model_type": "glm4_moe"}) == "glm4-moe"
+    assert detect_arch(None, {"model_type": "glm4"}) == "glm4"
+
+
+def test_mla_projections_are_renames_with_their_tp_split() -> None:
+    conv = get_converter("deepseek-v3")
+    want = {
+        "self_attention.linear_q_proj.weight": ("self_attn.q_proj.weight", COLUMN),
+        "self_attention.linear_q_down_proj.weight": ("self_attn.q_a_proj.weight", COLUMN),
+        "self_attention.q_layernorm.weight": ("self_attn.q_a_layernorm.weight", None),
+        "self_attention.linear_q_up_proj.layer_norm_weight": ("self_attn.q_a_layernorm.weight", None),
+        "self_attention.linear_q_up_proj.weight": ("self_attn.q_b_proj.weight", COLUMN),
+        "self_attention.linear_kv_down_proj.weight": ("self_attn.kv_a_proj_with_mqa.weight", COLUMN),
+        "self_attention.kv_layernorm.weight": ("self_attn.kv_a_layernorm.weight", None),
+        "self_attention.linear_kv_up_proj.weight": ("self_attn.kv_b_proj.weight", COLUMN),
+        "self_attention.linear_proj.weight": ("self_attn.o_proj.weight", ROW),
+        "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_experts.down_proj.weight", ROW),
+    }
+    for meg, (hf, tp) in want.items():
+        r = conv.resolve(f"decoder.layers.5.{meg}")
+        assert r.hf == (f"model.layers.5.{hf}",) and r.mapping.tp == tp, (meg, r)
+    shared = conv.resolve("decoder.layers.5.mlp.shared_experts.linear_fc1.weight")
+    assert shared.hf == ("model.layers.5.mlp.shared_experts.gate_proj.weight",
+                         "model.layers.5.mlp.shared_experts.up_proj.weight") and shared.mapping.tp == GATED
+
+
+def test_the_expert_bias_is_a_trained_buffer_sent_in_float32() -> None:
+    for arch in ("deepseek-v3", "glm4-moe"):
+        r = get_converter(arch).resolve("decoder.layers.3.mlp.router.expert_bias")
+        assert r.hf == ("model.layers.3.mlp.gate.e_score_correction_bias",)
+        assert r.mapping.buffer and r.mapping.hf_dtype == torch.float32 and r.mapping.tp is None
+        bias = torch.randn(8)
+        assert r.mapping.to_megatron([bias.to(torch.bfloat16)], Dims(1, 1, 1, 1)).dtype == torch.float32
+
+
+def test_mtp_layers_are_named_by_their_hf_index_under_either_megatron_name() -> None:
+    conv = get_converter("deepseek-v3")
+    assert conv.resolve("mtp.layers.61.enorm.weight").hf == ("model.layers.61.enorm.weight",)
+    assert conv.resolve("mtp.layers.61.hnorm.weight").hf == ("model.layers.61.hnorm.weight",)
+    assert conv.resolve("mtp.layers.61.eh_proj.weight").mapping.tp == COLUMN
+    assert conv.resolve("mtp.layers.61.final_layernorm.weight").hf == ("model.layers.61.shared_head.norm.weight",)
+    for sub in ("transformer_layer", "mtp_model_layer"):
+        r = conv.resolve(f"mtp.layers.61.{sub}.mlp.experts.local_experts.7.linear_fc2.weight")
+        assert r.hf == ("model.layers.61.mlp.experts.7.down_proj.weight",) and r.layer == 61 and r.expert == 7
+
+
+def test_glm4s_fused_gate_up_shard_holds_each_half_of_that_rank() -> None:
+    conv = get_converter("glm4")
+    r = conv.resolve("decoder.layers.0.mlp.linear_fc1.weight")
+    assert isinstance(r.mapping, FusedGatedMLP) and r.hf == ("model.layers.0.mlp.gate_up_proj.weight",)
+    full = torch.arange(8 * 3).reshape(8, 3)  # gate rows 0-3, up rows 4-7
+    for rank, shard in enumerate(tp_split(full, r.mapping.tp, 2)):
+        parts = r.mapping.shard_parts(tuple(shard.shape), Dims(1, 1, 1, 1), 2, rank)
+        assert [(p.hf, p.box.start[0], p.box.size[0]) for p in parts] == [(0, 2 * rank, 2), (0, 4 + 2 * rank, 2)]
+        for p in parts:  # the shard's rows are the full tensor's rows the box names
+            assert torch.equal(shard[p.local.start[0]:p.local.start[0] + p.local.size[0]],
+                               full[p.box.start[0]:p.box.start[0] + p.box.size[0]])
+    assert [n for n, _, _ in TinyModel("glm4").hf_specs() if "post_" in n and "layers.0." in n] == [
+        "model.layers.0.post_attention_layernorm.weight", "model.layers.0.post_self_attn_layernorm.weight",
+        "model.layers.0.post_mlp_layernorm.weight"]
+
+
+@pytest.mark.parametrize(("arch", "config", "named"), [
+    ("qwen3", SimpleNamespace(add_bias_linear=True), "add_bias_linear"),
+    ("qwen3-moe", SimpleNamespace(num_moe_experts=8, moe_shared_expert_gate=True), "moe_shared_expert_gate"),
+    ("qwen3", SimpleNamespace(multi_latent_attention=True), "multi_latent_attention"),
+    ("deepseek-v3", SimpleNamespace(multi_latent_attention=False), "multi_latent_attention"),
+    ("deepseek-v3", SimpleNamespace(multi_latent_attention=True, q_lora_rank=64, qk_layernorm=False), "qk_layernorm"),
+    ("glm4", SimpleNamespace(num_moe_experts=8), "num_moe_experts"),
+    ("qwen3-moe", SimpleNamespace(num_moe_experts=8, moe_router_enable_expert_bias=True),
+     "moe_router_enable_expert_bias"),
+    ("llama", SimpleNamespace(mtp_num_layers=1), "mtp_num_layers"),
+])
+def test_a_megatron_option_the_table_does_not_map_is_refused_by_name(arch: str, config: object, named: str) -> None:
+    with pytest.raises(ValidationError, match=named):
+        check_config(arch, config)
+    check_config("deepseek-v3", SimpleNamespace(multi_latent_attention=True, q_lora_rank=64, qk_layernorm=True,
+                                                num_moe_experts=8, moe_router_enable_expert_bias=True,
+                                                mtp_num_layers=1))
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4", "glm4_moe"])
+def test_the_tiny_specs_are_what_transformers_saves_for_that_family(model_type: str, tmp_path) -> None:
+    """The test models' HF names, shapes and dtypes are those of the family's own transformers class, as
+    `save_pretrained` writes them (per-expert tensors, the expert bias in float32): an independent reference."""
+    from safetensors import safe_open
+
+    from streamsync.models.megatron import _tiny_from_config, hf_config
+    from streamsync.models.tiny import make_tiny
+
+    model_dir = make_tiny(model_type, tmp_path)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        saved = {n: (str(f.get_slice(n).get_dtype()), tuple(f.get_slice(n).get_shape())) for n in f.keys()}  # noqa: SIM118
+    short = {"bfloat16": "BF16", "float32": "F32"}
+    specs = {n: (short[d], tuple(s)) for n, d, s in _tiny_from_config(hf_config(model_dir)).hf_specs()}
+    assert specs == saved

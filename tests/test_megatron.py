@@ -33,6 +33,12 @@ LLAMA = TinyModel("llama", heads=8, kv_heads=8, head_dim=8)  # plain MHA: one he
 LLAMA_TIED_4L = TinyModel("llama", vocab=99, layers=4, tie=True)
 MOE = TinyModel("qwen3-moe", vocab=101, experts=4)
 MOE_4L = TinyModel("qwen3-moe", vocab=101, experts=4, layers=4)
+# MLA with a query low rank, a dense first layer, routed + shared experts, the float32 expert bias, an MTP layer
+DSV3 = TinyModel("deepseek-v3", vocab=101, experts=4, shared_ffn=32, first_dense=1, q_lora=32, mtp=1)
+DSV3_4L = TinyModel("deepseek-v3", vocab=101, layers=4, experts=4, shared_ffn=32, first_dense=1, q_lora=32, mtp=1)
+DSV3_NO_Q_LORA = TinyModel("deepseek-v3", vocab=101, experts=4, shared_ffn=32, first_dense=1, tie=True)
+GLM4 = TinyModel("glm4", vocab=101)  # q/k/v biases, sandwich norms, the checkpoint's fused gate_up_proj
+GLM4_MOE = TinyModel("glm4-moe", vocab=101, layers=3, experts=4, shared_ffn=32, first_dense=1, mtp=1)
 
 TWO = [
     Case("qwen3 tp2", QWEN3, tp=2, seed=1, pushes=2),
@@ -44,6 +50,12 @@ TWO = [
     Case("qwen3 dp2 (unsharded)", QWEN3, seed=7),
     Case("qwen3 tp2 1 MiB chunks", QWEN3, tp=2, seed=8, chunk_bytes=1 << 20),
     Case("qwen3 tp2 1 MiB chunks per-parameter", QWEN3, tp=2, seed=9, chunk_bytes=1 << 20, bucket_bytes=1),
+    Case("deepseek-v3 tp2", DSV3, tp=2, seed=31, pushes=2),
+    Case("deepseek-v3 ep2", DSV3, ep=2, seed=32),
+    Case("deepseek-v3 pp2 (MTP and a copy of the embedding on the last stage)", DSV3_4L, pp=2, seed=33),
+    Case("deepseek-v3 no q low rank, tied, tp2", DSV3_NO_Q_LORA, tp=2, seed=34),
+    Case("glm4 tp2", GLM4, tp=2, seed=35),
+    Case("glm4-moe tp2 (expert tp2)", GLM4_MOE, tp=2, seed=36),
     # BlockingWeightSync on every rank from a plain loop: three pushes, no anyio.run in the trainer
     Case("qwen3 tp2 blocking", QWEN3, tp=2, seed=10, pushes=3, blocking=True),
 ]
@@ -54,6 +66,9 @@ FOUR = [
     Case("qwen3-moe ep2 pp2", MOE_4L, ep=2, pp=2, seed=14),
     Case("qwen3 tp2 pp2 vpp2", QWEN3_4L, tp=2, pp=2, vpp=2, seed=15),
     Case("qwen3 tp2 dp2", QWEN3, tp=2, seed=16),
+    Case("glm4-moe tp2 ep2 (expert tp2)", GLM4_MOE, tp=2, ep=2, seed=37),
+    Case("deepseek-v3 ep2 pp2", DSV3_4L, ep=2, pp=2, seed=38),
+    Case("deepseek-v3 tp2 pp2 vpp2", DSV3_4L, tp=2, pp=2, vpp=2, seed=39),
 ]
 CASES = {c.name: c for c in TWO + FOUR}
 
@@ -100,8 +115,8 @@ def _expected_events(case: Case, plan: list[list]) -> Counter:
     for i, keys in enumerate(plan):
         groups = set()
         for _name, dtype, stage, expert, split in keys:
-            if stage:
-                groups.add((f"pp{stage}", "bfloat16"))
+            if stage:  # in the dtype they are sent in: the float32 expert bias stays float32
+                groups.add((f"pp{stage}", "float32" if _name.endswith("expert_bias") else "bfloat16"))
                 continue
             if split:
                 groups.add(("etp" if expert else "tp", dtype))

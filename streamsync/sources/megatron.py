@@ -247,8 +247,12 @@ def _build_table(records: Sequence[_Record], groups: Groups) -> tuple[dict[str, 
             if old is None:
                 table[name] = info
                 first_seen[name] = len(first_seen)
-            elif (old.shape, old.dtype, old.stage, old.ep) != (info.shape, info.dtype, info.stage, info.ep):
+            elif (old.shape, old.dtype, old.ep) != (info.shape, info.dtype, info.ep):
                 raise ValidationError(f"parameter {name!r} differs between ranks: {old} vs {info}")
+            elif info.stage < old.stage:
+                # a replica megatron keeps on another stage too (the embedding the last stage's MTP layers
+                # read): sent once, from the first stage that holds it
+                table[name] = info
 
     def key(n: str) -> tuple:
         m = _expert_match(n) if table[n].expert else None

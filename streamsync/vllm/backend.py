@@ -34,7 +34,7 @@ from ..receiver import kernels
 from ..receiver.loaders import FunctionLoader
 from ..receiver.state import WeightReceiver
 from . import compat
-from .fastpath import CapturedLoads, FastPath, FastRound
+from .fastpath import CapturedLoads, FastPath, FastRound, relayout_reloaded_experts
 from .stats import RoundLog
 
 
@@ -323,10 +323,11 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             logging.getLogger(__name__).warning("streamsync: %d module(s) not completely received keep their old "
                                                 "weights: %s", len(left), ", ".join(left[:5]))
         with compat.vllm_config_set(self.vllm_config):
+            plan = rnd.plan if rnd is not None else None
             if self._armed:
                 finalize_layerwise_reload(self.model, self.model_config)
+                relayout_reloaded_experts(plan.arm if plan is not None else [self.model])
             self._armed = False
-            plan = rnd.plan if rnd is not None else None
             if plan is None:
                 refresh_shared_kernels(self.model)
             else:  # the modules to refresh are found once per plan (a walk over every module)

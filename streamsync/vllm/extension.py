@@ -100,10 +100,11 @@ def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype, tied: bool = F
                        kept: Mapping[str, torch.dtype] | None = None) -> dict[str, tuple[str, list[int]]] | None:
     """HF name -> (dtype name, shape) of every tensor in the checkpoint the engine loaded, read from the
     safetensors headers (no tensor data): exactly the names and shapes its loader accepts. Floating tensors
-    are expected in the engine's dtype (`dtype`), as a push must send them, except those the engine holds under
-    the checkpoint's own name in float32 (`kept`: a router's `e_score_correction_bias`, which vLLM keeps in
-    float32 whatever the model's dtype): those in float32. A tied head is not expected (it is the embedding).
-    None when the checkpoint is not a local folder of safetensors (nothing to check)."""
+    are expected in the engine's dtype (`dtype`), as a push must send them, except float32 ones the engine also
+    holds in float32 under the checkpoint's own name (`kept`: a router's `e_score_correction_bias`, which
+    checkpoints and vLLM keep in float32 whatever the model's dtype): those in float32. A tied head is not
+    expected (it is the embedding). None when the checkpoint is not a local folder of safetensors (nothing to
+    check)."""
     from safetensors import safe_open
 
     from ..pack import dtype_name
@@ -121,7 +122,7 @@ def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype, tied: bool = F
                 if dt is None:
                     return None  # a dtype streamsync does not carry: do not guess
                 if dt in ("bfloat16", "float16", "float32", "float64"):  # the loader casts these to the engine's
-                    dt = dtype_name((kept or {}).get(name, dtype))
+                    dt = dtype_name((kept or {}).get(name, dtype) if dt == "float32" else dtype)
                 out[name] = (dt, list(sl.get_shape()))
     if tied:
         out.pop("lm_head.weight", None)

