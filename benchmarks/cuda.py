@@ -78,6 +78,16 @@ SHAPES: dict[str, dict[str, Any]] = {
                  head_dim=32, ffn=256),
     "tiny-moe": dict(label="tiny Qwen3-MoE", arch="qwen3-moe", vocab=1024, hidden=128, layers=2, heads=4,
                      kv_heads=2, head_dim=32, ffn=256, experts=8, moe_ffn=64),
+    # Moonlight-16B-A3B (DeepSeek-V3 architecture: MLA without a query low rank, the first layer dense, then 64
+    # routed experts beside 2 shared ones, the router's expert bias), 12 of its 27 layers: trainer and engine
+    # fit one 80 GB GPU side by side.
+    "moonlight": dict(label="Moonlight-16B-A3B layers x12 (MLA, MoE 64 experts + 2 shared)", arch="deepseek-v3",
+                      vocab=163840, hidden=2048, layers=12, heads=16, kv_heads=16, head_dim=192, ffn=11264,
+                      experts=64, moe_ffn=1408, shared_ffn=2816, first_dense=1, q_lora=0, kv_lora=512,
+                      rope_dim=64, nope_dim=128, v_dim=128),
+    "tiny-mla": dict(label="tiny DeepSeek-V3", arch="deepseek-v3", vocab=1024, hidden=128, layers=2, heads=4,
+                     kv_heads=4, head_dim=96, ffn=256, experts=8, moe_ffn=64, shared_ffn=64, first_dense=1,
+                     q_lora=0, kv_lora=512, rope_dim=64, nope_dim=32, v_dim=32),
 }
 _DEV = torch.device("cuda")  # "cpu" in a smoke run
 
@@ -217,15 +227,24 @@ def build_megatron(shape: dict[str, Any], ddp: bool = False) -> torch.nn.Module:
 
     _init_megatron()
     tiny = TinyModel(**{k: v for k, v in shape.items() if k != "label"})
+    if tiny.arch not in ("qwen3", "qwen3-moe"):  # MLA and dense-then-MoE layers: the block spec's builder
+        from streamsync.models.megatron import build_model
+
+        (built,) = build_model(tiny, use_cpu_initialization=not _cuda(), perform_initialization=True)
+        return _wrap(built.to(_DEV), ddp)
     cfg = tiny.transformer_config(use_cpu_initialization=not _cuda(), perform_initialization=True)
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
     model = GPTModel(cfg, spec, vocab_size=tiny.padded_vocab(1), max_sequence_length=4096, pre_process=True,
                      post_process=True, share_embeddings_and_output_weights=False, position_embedding_type="rope")
-    model = model.to(_DEV)
+    return _wrap(model.to(_DEV), ddp)
+
+
+def _wrap(model: torch.nn.Module, ddp: bool) -> torch.nn.Module:
     if ddp:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+        cfg: Any = model.config
         model = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
     return model
 

@@ -13,6 +13,9 @@ Cases (`--cases`, in this order by default):
   8b-fp8, moe-fp8   the same bf16 trainers into engines started with `quantization="fp8"` (vLLM quantizes the
         weights as it loads them; a push rebuilds each quantized module through vLLM's own processing).
   8b-1c, moe-1c     8b and moe pushed as one chunk (every tensor by reference in one engine call).
+  moonlight Moonlight-16B-A3B shape (DeepSeek-V3 architecture: MLA, the first layer dense, 64 routed + 2 shared
+        experts, the expert bias), 12 of its 27 layers. MLA's kv_b_proj takes vLLM's reload (its attention derives
+        absorbed matrices from it), every other tensor the fast path. Needs the MoE kernels, as moe does.
   8b-p2p    8b through the sharded path (`P2pTransport("gloo", device="cuda")`): the trainer rank plans the pieces
         the engine's worker holds, packs them into buckets on the GPU and sends each worker on its own GPU a
         CUDA IPC reference over gloo; the worker copies the bytes on the GPU and answers.
@@ -59,7 +62,7 @@ from streamsync.sync import WeightSync
 CASES: dict[str, tuple[str, str]] = {"8b": ("8b", "tiny"), "tiny": ("", ""), "moe": ("moe", "tiny-moe"),
                                      "8b-fp8": ("8b", "tiny"), "moe-fp8": ("moe", "tiny-moe"),
                                      "8b-1c": ("8b", "tiny"), "moe-1c": ("moe", "tiny-moe"),
-                                     "8b-p2p": ("8b", "tiny")}
+                                     "8b-p2p": ("8b", "tiny"), "moonlight": ("moonlight", "tiny-mla")}
 #: cases whose push is one chunk: every tensor referenced in one engine call (`CudaIpcTransport.ref_bytes`)
 ONE_CHUNK_GIB = 64.0
 

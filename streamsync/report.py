@@ -157,6 +157,9 @@ class PushReport:
     trace: Trace | None = field(default=None, repr=False)
     #: a sync that pushes deltas: what this push sent (None: delta pushes are off)
     delta: DeltaReport | None = None
+    #: engine -> the tensors of this push it did not load (an MTP layer's, where the engine's main model skips
+    #: them: `Engine.declined_layers`); logged once per engine too
+    not_loaded: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:

@@ -20,7 +20,7 @@ from . import pipeline
 from .delta import Shadow, refused
 from .delta.push import DeltaPush
 from .delta.shadow import PieceShadow
-from .engines.base import Engine
+from .engines.base import Declined, Engine
 from .errors import EngineError, PushError, PushTimeout, StreamSyncError, ValidationError
 from .log import bound, get_logger, quiet
 from .metrics import Metrics
@@ -31,7 +31,7 @@ from .pipeline.stages import first_push_error
 from .pipeline.threads import responsive_threads
 from .plan.check import Expected, check_plan, nonfinite
 from .plan.chunk import ChunkPlan
-from .plan.chunking import split_layers
+from .plan.chunking import layer_index, split_layers
 from .report import ChunkDone, DeltaReport, EngineRound, GiB, MiB, PushReport
 from .rounds import EngineGroup, Rounds
 from .sources import GatheredElsewhere, Source, as_source, is_fsdp1
@@ -91,6 +91,8 @@ class WeightSync:
         self._checked: dict[int, tuple[ChunkPlan, Sequence[Any]]] = {}  # see pipeline.stages._convert
         self._hold_cache: tuple[list[ChunkPlan], dict[int, list[str]]] | None = None
         self._expected: dict[str, Expected] = {}
+        self._declined: dict[str, Declined] = {}  # engine -> the layers it does not load (MTP layers)
+        self._warned_declined: set[str] = set()
         self._messages = Messages([None] * len(self.engines))
         self._lock = anyio.Lock()
         #: engines found paused at connect, by another client (a trainer that died inside `paused()`): resumed
@@ -236,6 +238,10 @@ class WeightSync:
         if exp is not None:
             self._expected[e.name] = exp
         with anyio.fail_after(self.timeout):
+            declined = await e.declined_layers()
+        if declined is not None:
+            self._declined[e.name] = declined
+        with anyio.fail_after(self.timeout):
             layout = await e.fused_layout()
         with anyio.fail_after(self.timeout):
             state = await e.state()
@@ -373,7 +379,8 @@ class WeightSync:
         if self.transport is not None:  # sharded sending: what this rank sends of it (collective there)
             source = self.transport.source_for(source, budget)
         plans = source.plan(budget, ref_bytes=max(ref_bytes, budget) if ref_bytes else None)
-        check_plan(source.delivers(plans), self._expected, once=not isinstance(source, ShardedSource))
+        check_plan(source.delivers(plans), self._expected, once=not isinstance(source, ShardedSource),
+                   declined=self._declined)
         if reuse:  # the model itself is kept too, so its id cannot be reused by another object
             self._plan_cache = (key, model, source, plans)
         return source, plans
@@ -673,6 +680,7 @@ class WeightSync:
             max_chunks_alive=trace.max_alive(), collectives=source.collectives,
             engines=[e.name for e in self.engines], cache_reset=cache_reset, trace=trace,
             gc_ms=trace.counts.get("gc_us", 0) / 1e3, delta=delta, engine_rounds=engine_rounds,
+            not_loaded=self._not_loaded(job.plans),
         )
         if isinstance(source, ShardedSource):
             report.path, report.senders = "sharded", source.senders
@@ -693,6 +701,20 @@ class WeightSync:
         if self.observers.on_push is not None:
             _call_hook(self.observers.on_push, report, "on_push")
         return report
+
+    def _not_loaded(self, plans: Sequence[ChunkPlan]) -> dict[str, list[str]]:
+        """Engine -> the tensors of this push it does not load (`Engine.declined_layers`), said once per engine."""
+        out: dict[str, list[str]] = {}
+        for engine, declined in self._declined.items():
+            names = sorted({s.name for p in plans for s in p.specs if layer_index(s.name) in declined})
+            if names:
+                out[engine] = names
+                if engine not in self._warned_declined:
+                    self._warned_declined.add(engine)
+                    get_logger().warning("engine does not load some tensors of the push", engine=engine,
+                                         tensors=len(names), layers=f"{declined.start}..{declined.stop - 1}",
+                                         reason=declined.reason)
+        return out
 
     def _delta_done(self, job: pipeline.Push, total: int) -> DeltaReport | None:
         """A delta sync's push succeeded: every engine holds it whole, so the shadow is the next push's base."""

@@ -105,3 +105,55 @@ async def test_three_pushes_leave_the_engine_as_loading_the_same_checkpoint_from
         finally:
             loaded_llm.llm_engine.engine_core.shutdown()
     await sync.close()
+
+
+def _with_mtp_layer(src: Path, out: Path, seed: int) -> Path:
+    """`src` (a DeepSeek-V3 checkpoint) with one MTP layer, as DeepSeek-V3 checkpoints hold it: its own tensors
+    (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`), a decoder layer, and copies of the embedding and output
+    layer, at index num_hidden_layers; `num_nextn_predict_layers` 1 in the config."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from streamsync.models.megatron import _tiny_from_config
+    from streamsync.models.synthetic import StateModule
+
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    state = load_file(str(out / "model.safetensors"))
+    n = cfg["num_hidden_layers"]
+    specs = [s for s in _tiny_from_config(cfg).hf_specs() if s[0].startswith(f"model.layers.{n}.")]
+    state.update(StateModule(specs, fill="random", seed=seed).state_dict())
+    state[f"model.layers.{n}.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state[f"model.layers.{n}.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    return out
+
+
+async def test_a_trainers_mtp_layer_is_reported_as_not_loaded_by_an_engine_without_an_mtp_draft(tmp_path):
+    """A megatron-core DeepSeek-V3 trainer with an MTP layer into an engine whose main model skips the MTP layer
+    (no MTP speculative decoding): the push goes through, every other tensor lands bit for bit (held against an
+    engine started on the same checkpoint), and the report names every MTP tensor as not loaded."""
+    model_dir = make_tiny("deepseek_v3", tmp_path)
+    start = _with_mtp_layer(model_dir, tmp_path / "start", seed=1)
+    ref = _with_mtp_layer(_reference(model_dir, 5, tmp_path / "ref-dense"), tmp_path / "ref", seed=2)
+    trainer = megatron_from_hf(ref)
+    assert any(n.startswith("mtp.layers.") for n, _ in trainer[0].named_parameters())
+    cpu_env()
+    llms = [vllm.LLM(model=str(d), **ENGINE_ARGS, **engine_kwargs()) for d in (start, ref)]
+    try:
+        pushed, loaded = VllmEngine(llms[0], name="pushed"), VllmEngine(llms[1], name="loaded")
+        sync = WeightSync([pushed], chunk_bytes=1 << 20)
+        report = await sync.push(trainer, version=1)
+        n = int(TINY["deepseek_v3"]["num_hidden_layers"])
+        mtp = [name for name in report.not_loaded["pushed"]]
+        assert mtp and all(name.startswith(f"model.layers.{n}.") for name in mtp)
+        assert f"model.layers.{n}.eh_proj.weight" in mtp and f"model.layers.{n}.enorm.weight" in mtp
+        got, want = await pushed.weight_digests(), await loaded.weight_digests()
+        assert got == want
+        await sync.close()
+    finally:
+        for llm in llms:
+            llm.llm_engine.engine_core.shutdown()

@@ -82,6 +82,18 @@ def parse_version(v: object) -> EngineState:
     return EngineState(None)
 
 
+@dataclass(frozen=True)
+class Declined:
+    """Decoder layers [start, stop) an engine does not load, and why (`Engine.declined_layers`)."""
+
+    start: int
+    stop: int
+    reason: str
+
+    def __contains__(self, layer: object) -> bool:
+        return isinstance(layer, int) and self.start <= layer < self.stop
+
+
 class Engine(ABC):
     """One inference engine (all of its workers) as seen by the sender."""
 
@@ -134,6 +146,12 @@ class Engine(ABC):
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
         """HF name -> (dtype name, shape) the engine will accept, if it can say; checked before bytes move."""
+        return None
+
+    async def declined_layers(self) -> Declined | None:
+        """Decoder layers whose tensors the engine does not load, though its checkpoint holds them (a DeepSeek-V3
+        or GLM-4.5 checkpoint's MTP layers, which vLLM's main model skips): a push may carry them (a trainer
+        with MTP layers) or not, and reports them as not loaded (`PushReport.not_loaded`). None: every layer."""
         return None
 
     async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:

@@ -39,7 +39,7 @@ import anyio
 
 from ..errors import EngineError, ValidationError
 from ..message import UpdateMessage, wire
-from .base import Engine, EngineState
+from .base import Declined, Engine, EngineState
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 #: the calls a sender may make on the actor's engine (nothing else is reachable through the mixin)
 CALLS = frozenset({
     "locate", "init_transfer", "start_update", "update", "finish_update", "abort_update", "get_version", "state",
-    "expected_weights", "reset_cache", "pause", "resume", "weight_digests", "packed_modules",
+    "expected_weights", "declined_layers", "reset_cache", "pause", "resume", "weight_digests", "packed_modules",
     "received_digests", "clear_kv_cache", "greedy", "rpc", "delta_base",
 })
 PLACEMENTS = ("auto", "local", "remote")
@@ -329,6 +329,9 @@ class RayVllmEngine(Engine):
 
     async def expected_weights(self) -> dict[str, tuple[str, tuple[int, ...]]] | None:
         return await self._call("expected_weights")
+
+    async def declined_layers(self) -> Declined | None:
+        return await self._call("declined_layers")
 
     async def reset_cache(self) -> bool:
         return await self._call("reset_cache")

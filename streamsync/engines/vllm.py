@@ -33,7 +33,7 @@ from ..plan.shards import Box, EngineLayout, Need
 from ..vllm import compat, core_rpc
 from ..vllm.answers import WORKER_ERROR
 from ..vllm.compat import VllmInfo
-from .base import DISPATCHED, MIXED, Engine, EngineState, parse_version
+from .base import DISPATCHED, MIXED, Declined, Engine, EngineState, parse_version
 
 if TYPE_CHECKING:
     import torch
@@ -381,6 +381,12 @@ class _Guarded(Engine):
         engine was started from something other than a local safetensors folder."""
         got = (await self.rpc("streamsync_expected_weights"))[0]
         return None if got is None else {n: (d, tuple(s)) for n, (d, s) in got.items()}
+
+    async def declined_layers(self) -> Declined | None:
+        """The checkpoint's MTP layers, which the workers' main model does not load (`extension.mtp_layers`)."""
+        got = (await self.rpc("streamsync_declined_layers"))[0]
+        start, stop = got["layers"]
+        return Declined(int(start), int(stop), str(got["reason"])) if stop > start else None
 
     async def delta_base(self) -> tuple[int, str] | None:
         """The push every worker keeps as its delta base (None unless all keep the same one)."""

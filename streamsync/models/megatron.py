@@ -288,7 +288,7 @@ def build_model(tiny: TinyModel, *, divisible_by: int = 8, **config: Any) -> lis
             spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm",
                                               vp_stage=stage)
             for layer in spec.layer_specs:
-                _cpu_layer_spec(layer, arch)
+                _local_layer_spec(layer, arch)
             if cfg.mtp_num_layers and post:
                 mtp_spec = get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False,
                                                   vp_stage=stage)
@@ -300,7 +300,7 @@ def build_model(tiny: TinyModel, *, divisible_by: int = 8, **config: Any) -> lis
         orig = LanguageModule._is_in_embd_group
         LanguageModule._is_in_embd_group = lambda self: False
         try:
-            with _cpu_shims(cfg):
+            with _build_shims(cfg):
                 chunks.append(GPTModel(cfg, spec, vocab_size=tiny.padded_vocab(cfg.tensor_model_parallel_size,
                                                                                 divisible_by),
                                        max_sequence_length=256, pre_process=pre, post_process=post,
@@ -336,7 +336,7 @@ def _glm4_layer(base: type) -> type:
     return type("Glm4TransformerLayer", (base,), {"__init__": init})
 
 
-def _cpu_layer_spec(layer: Any, arch: str) -> None:
+def _local_layer_spec(layer: Any, arch: str) -> None:
     attention = layer.submodules.self_attention.submodules
     if arch == "deepseek-v3" and hasattr(attention, "core_attention"):
         attention.core_attention = _WeightlessCoreAttention
@@ -345,12 +345,14 @@ def _cpu_layer_spec(layer: Any, arch: str) -> None:
 
 
 @contextlib.contextmanager
-def _cpu_shims(cfg: Any) -> Iterator[None]:
-    """What megatron-core 0.16 needs to build MLA and expert-bias models without CUDA: the MLA rotary embedding
-    and the router's expert bias ask `torch.cuda.current_device()` for their device, and
-    `multi_latent_attention.HAVE_TE` is True whether or not Transformer Engine imports."""
+def _build_shims(cfg: Any) -> Iterator[None]:
+    """What megatron-core 0.16 needs to build MLA and expert-bias models with its local layer spec:
+    `multi_latent_attention.HAVE_TE` is True whether or not Transformer Engine imports (so MLA would take TE's
+    modules), and the MLA rotary embedding and the router's expert bias ask `torch.cuda.current_device()` for
+    their device, also for a model built on the CPU (`use_cpu_initialization`)."""
     mla = bool(getattr(cfg, "multi_latent_attention", False))
-    if torch.cuda.is_available() or not (mla or getattr(cfg, "moe_router_enable_expert_bias", False)):
+    bias = bool(getattr(cfg, "moe_router_enable_expert_bias", False))
+    if not (mla or bias):
         yield
         return
     import megatron.core.transformer.multi_latent_attention as mla_module
@@ -361,7 +363,8 @@ def _cpu_shims(cfg: Any) -> Iterator[None]:
             import transformer_engine  # noqa: F401
         except ImportError:
             mla_module.HAVE_TE = False
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    if not torch.cuda.is_available() or getattr(cfg, "use_cpu_initialization", False):  # all of it on the CPU
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     try:
         yield
     finally:
@@ -393,9 +396,7 @@ def _tiny_from_config(cfg: dict[str, Any]) -> TinyModel:
         # (newer transformers write Qwen3-MoE's expert count as num_local_experts)
         moe = dict(experts=cfg.get("num_experts") or cfg["num_local_experts"], moe_ffn=cfg["moe_intermediate_size"])
     if arch in ("deepseek-v3", "glm4-moe"):
-        if (cfg.get("n_shared_experts") or 0) > 1:
-            raise ValueError(f"megatron_from_hf builds one shared expert; this config has n_shared_experts="
-                             f"{cfg['n_shared_experts']}")
+        # n shared experts are one MLP n times as wide, in HF (`shared_experts.*`) and in megatron alike
         moe = dict(experts=cfg["n_routed_experts"], moe_ffn=cfg["moe_intermediate_size"],
                    shared_ffn=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
                    first_dense=cfg.get("first_k_dense_replace") or 0, mtp=cfg.get("num_nextn_predict_layers") or 0)

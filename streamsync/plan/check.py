@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 from ..errors import ValidationError
 from ..pack import dtype_name
 from .chunk import ChunkPlan
+from .chunking import layer_index
 
 #: HF name -> (dtype name, shape): what an engine holds and a push must carry
 Expected = Mapping[str, tuple[str, tuple[int, ...]]]
@@ -66,11 +67,13 @@ def vocab_hint(plans: Sequence[ChunkPlan], expected: Expected) -> str:
     return ""
 
 
-def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected], *, once: bool = True) -> None:
+def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected], *, once: bool = True,
+               declined: Mapping[str, Container[int]] | None = None) -> None:
     """Refuse a plan that names a tensor twice, or that does not match what an engine holds (`expected`, by
     engine name): unknown names, dtype or shape mismatches, missing tensors, each named with its chunk.
     `once=False`: a tensor may be in several chunks (a sharded push sends each worker's slices of it in the
-    bucket that worker's layer falls in)."""
+    bucket that worker's layer falls in). `declined`: by engine, the decoder layers it does not load (MTP
+    layers): their tensors are neither unknown nor missing there."""
     if not plans:
         raise ValidationError("nothing to push: the source planned no chunks")
     seen: dict[str, int] = {}
@@ -86,8 +89,11 @@ def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected], *, 
     for engine, holds in expected.items():
         problems = []
         cast_to = None  # the engine's dtype where only dtypes differ
+        skip = (declined or {}).get(engine)
         for p in plans:
             for s in p.specs:
+                if skip is not None and layer_index(s.name) in skip:
+                    continue
                 exp = holds.get(s.name)
                 if exp is None:
                     problems.append(f"unknown parameter {s.name!r} (chunk {p.index})")

@@ -68,8 +68,9 @@ def generation_matches_reference(llm: Any, model_dir: str | os.PathLike, trainer
 
 def shaped_checkpoint(out: str | os.PathLike, *, arch: str = "qwen3", vocab: int, hidden: int, layers: int,
                       heads: int, kv_heads: int, head_dim: int, ffn: int, experts: int = 0, moe_ffn: int = 0,
-                      tie: bool = False, names: bool = False, **_: Any) -> str:
-    """A checkpoint folder holding a Qwen3 / Qwen3-MoE config of these shapes and a word-level tokenizer, and no
+                      tie: bool = False, names: bool = False, **mla: Any) -> str:
+    """A checkpoint folder holding a Qwen3 / Qwen3-MoE / DeepSeek-V3 config of these shapes (`mla`: the
+    DeepSeek-V3 fields of `models.megatron.TinyModel`) and a word-level tokenizer, and no
     weights: a vLLM engine starts on it with `load_format="dummy"` (random weights), which is how the GPU
     benchmarks get an 8B-shaped engine without a download or 16 GB written to disk. (The keywords are those of
     `benchmarks.cuda.SHAPES` entries; others are ignored.)
@@ -96,31 +97,47 @@ def shaped_checkpoint(out: str | os.PathLike, *, arch: str = "qwen3", vocab: int
     elif arch == "qwen3":
         # without `architectures` vLLM serves the config as an embedding model (no generate)
         cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    elif arch == "deepseek-v3":
+        shared = mla.get("shared_ffn", 0)
+        cfg.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], n_routed_experts=experts,
+                   moe_intermediate_size=moe_ffn, n_shared_experts=shared // moe_ffn if moe_ffn else 0,
+                   first_k_dense_replace=mla.get("first_dense", 0), num_experts_per_tok=min(6, experts),
+                   n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                   routed_scaling_factor=1.0, q_lora_rank=mla.get("q_lora") or None,
+                   kv_lora_rank=mla.get("kv_lora", 512), qk_rope_head_dim=mla.get("rope_dim", 64),
+                   qk_nope_head_dim=mla.get("nope_dim", 128), v_head_dim=mla.get("v_dim", 128),
+                   num_nextn_predict_layers=0, rope_theta=10000.0)
     else:
-        raise ValueError(f"shaped_checkpoint makes qwen3 and qwen3-moe configs, not {arch!r}")
+        raise ValueError(f"shaped_checkpoint makes qwen3, qwen3-moe and deepseek-v3 configs, not {arch!r}")
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     save_word_tokenizer(folder, vocab)
     if names:
         from ..models.megatron import TinyModel
 
         tiny = TinyModel(arch, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-                         head_dim=head_dim, ffn=ffn, experts=experts, moe_ffn=moe_ffn, tie=tie)
-        sparse_safetensors(folder / "model.safetensors", [(n, tuple(shape)) for n, _, shape in tiny.hf_specs()])
+                         head_dim=head_dim, ffn=ffn, experts=experts, moe_ffn=moe_ffn, tie=tie,
+                         **{k: v for k, v in mla.items() if k in _MLA_FIELDS})
+        sparse_safetensors(folder / "model.safetensors",
+                           [(n, tuple(shape), dt) for n, dt, shape in tiny.hf_specs()])
     return str(folder)
 
 
-def sparse_safetensors(path: str | os.PathLike, tensors: list[tuple[str, tuple[int, ...]]]) -> int:
-    """A valid bf16 safetensors file of these tensors whose data is a hole (`truncate` past the header: no
-    bytes written); returns its size."""
+_MLA_FIELDS = ("shared_ffn", "first_dense", "q_lora", "kv_lora", "rope_dim", "nope_dim", "v_dim")
+
+
+def sparse_safetensors(path: str | os.PathLike, tensors: list[tuple[str, tuple[int, ...], str]]) -> int:
+    """A valid safetensors file of these tensors (name, shape, dtype name: bfloat16 or float32) whose data is a
+    hole (`truncate` past the header: no bytes written); returns its size."""
     import json
     import math
     import struct
 
     header: dict[str, Any] = {}
     offset = 0
-    for name, shape in tensors:
-        n = math.prod(shape) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+    for name, shape, dtype in tensors:
+        tag, size = {"bfloat16": ("BF16", 2), "float32": ("F32", 4)}[dtype]
+        n = math.prod(shape) * size
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned

@@ -66,6 +66,10 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         super().__init__(config, vllm_config, device, model)
         install_reload_warning_filter(model)
         self.rx = WeightReceiver(device)
+        from .extension import mtp_layers
+
+        #: layers whose tensors this worker does not load (`extension.mtp_layers`)
+        self._declined = mtp_layers(self.model_config.hf_config)
         self.record_digests = False
         self.received_digests: dict[str, str] = {}
         #: copy received tensors straight into the engine's tensors where they can go (`fastpath`); False:
@@ -188,6 +192,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
         def load(weights: Any) -> None:
             weights = weights if isinstance(weights, list) else list(weights)
+            if self._declined:  # an MTP layer's tensors: the sender reports them as not loaded
+                weights = [(n, t) for n, t in weights if layer_index(n) not in self._declined]
             if self.record_digests:
                 self.received_digests.update((n, tensor_digest(self._hf(n, t))) for n, t in weights)
             rnd = self._round

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..checksum import device_digest, tensor_digest
+from ..plan.chunking import layer_index
 from . import compat, register
 from .answers import answering
 
@@ -131,11 +132,28 @@ def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype, tied: bool = F
 
 def engine_weights(model_config: Any, model: torch.nn.Module) -> dict[str, tuple[str, list[int]]] | None:
     """`checkpoint_weights` of the checkpoint a worker's model was loaded from, with the float32 tensors that model
-    keeps under their checkpoint names."""
+    keeps under their checkpoint names, less those it declines (`declined_weights`)."""
     mc = model_config
     tied = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
     kept = {n: p.dtype for n, p in model.named_parameters() if p.dtype == torch.float32 != mc.dtype}
-    return checkpoint_weights(mc.model, mc.dtype, tied, kept)
+    found = checkpoint_weights(mc.model, mc.dtype, tied, kept)
+    if found is None:
+        return None
+    mtp = mtp_layers(mc.hf_config)
+    return {n: v for n, v in found.items() if layer_index(n) not in mtp}
+
+
+def mtp_layers(hf_config: Any) -> range:
+    """The checkpoint's MTP layers (DeepSeek-V3, GLM-4.5: `model.layers.{num_hidden_layers + i}`), which vLLM's
+    main model skips as it loads: they belong to its MTP draft model."""
+    n = getattr(hf_config, "num_hidden_layers", None) or 0
+    extra = getattr(hf_config, "num_nextn_predict_layers", None) or 0
+    return range(n, n + extra) if n else range(0)
+
+
+#: why a push does not load an MTP layer's tensors
+MTP_DECLINED = ("an MTP layer: vLLM's main model skips it, and a push does not reach the engine's MTP draft model "
+                "(speculative decoding keeps the draft weights it started with)")
 
 
 def _kv_tensors(caches: object) -> list[torch.Tensor]:
@@ -168,6 +186,11 @@ class StreamSyncWorkerExtension:
         """What a push into this engine must carry (checked by the sender before any byte moves)."""
         return engine_weights(self.model_runner.model_config,  # type: ignore[attr-defined]
                               self.model_runner.get_model())  # type: ignore[attr-defined]
+
+    def streamsync_declined_layers(self) -> dict[str, Any]:
+        """The decoder layers whose tensors this engine does not load (`mtp_layers`: [start, stop)) and why."""
+        mtp = mtp_layers(self.model_runner.model_config.hf_config)  # type: ignore[attr-defined]
+        return {"layers": [mtp.start, mtp.stop], "reason": MTP_DECLINED}
 
     def streamsync_zero_kv_cache(self) -> int:
         """Zero this worker's KV-cache memory; returns the number of non-finite values it held. Only safe while
