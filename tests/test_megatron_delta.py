@@ -21,6 +21,9 @@ pytestmark = pytest.mark.megatron
 CASES = [
     Case("qwen3 tp2 delta", TinyModel("qwen3", vocab=101), tp=2, seed=21, pushes=3, delta=True),
     Case("qwen3 pp2 delta", TinyModel("qwen3", vocab=101, layers=4), pp=2, seed=22, pushes=3, delta=True),
+    # MLA, dense then routed + shared experts, the float32 expert bias (a buffer), over EP
+    Case("deepseek-v3 ep2 delta", TinyModel("deepseek-v3", vocab=101, experts=4, shared_ffn=32, first_dense=1,
+                                            q_lora=32), ep=2, seed=23, pushes=3, delta=True),
 ]
 
 

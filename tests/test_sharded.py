@@ -78,6 +78,18 @@ def test_megatron_ep2_moe_into_an_expert_parallel_engine(tmp_path):
     _balanced(results)
 
 
+def test_megatron_tp2_deepseek_v3_into_an_engine_of_tp2_workers(tmp_path):
+    """MLA (q_b_proj / kv_b_proj by heads, the latent projections whole on every worker), dense then routed + shared
+    experts, the float32 expert bias: every rank sends its own slices, with deltas after the first push."""
+    model = TinyModel("deepseek-v3", vocab=256, layers=2, heads=4, experts=4, shared_ffn=32, first_dense=1,
+                      q_lora=32)
+    case = ShardedCase("dsv3", model, tp=2, engines=(EngineShape("mla"),), delta=True)
+    results = _run(case, 2, tmp_path)
+    assert [r["error"] for r in results] == [None, None]
+    assert results[0]["exact"] == [True, True, True], results[0]["mismatched"][:5]
+    assert all(r["paths"] == ["sharded"] * 3 and r["senders"] == 2 for r in results)
+
+
 def test_fsdp2_on_four_ranks_into_a_tp2_engine(tmp_path):
     case = ShardedCase("fsdp2", QWEN3, trainer="fsdp2", engines=(EngineShape("tp2"),))
     results = _run(case, 4, tmp_path)
