@@ -29,7 +29,7 @@ from .pack import Fusion, fusions_from_json
 from .pipeline.messages import Messages
 from .pipeline.stages import first_push_error
 from .pipeline.threads import responsive_threads
-from .plan.check import Expected, check_plan, nonfinite
+from .plan.check import Expected, check_family, check_plan, nonfinite
 from .plan.chunk import ChunkPlan
 from .plan.chunking import layer_index, split_layers
 from .report import ChunkDone, DeltaReport, EngineRound, GiB, MiB, PushReport
@@ -93,6 +93,7 @@ class WeightSync:
         self._expected: dict[str, Expected] = {}
         self._declined: dict[str, Declined] = {}  # engine -> the layers it does not load (MTP layers)
         self._warned_declined: set[str] = set()
+        self._architectures: dict[str, tuple[str, ...]] = {}  # engine -> the model classes it serves
         self._messages = Messages([None] * len(self.engines))
         self._lock = anyio.Lock()
         #: engines found paused at connect, by another client (a trainer that died inside `paused()`): resumed
@@ -238,6 +239,10 @@ class WeightSync:
         if exp is not None:
             self._expected[e.name] = exp
         with anyio.fail_after(self.timeout):
+            served = await e.architectures()
+        if served:
+            self._architectures[e.name] = served
+        with anyio.fail_after(self.timeout):
             declined = await e.declined_layers()
         if declined is not None:
             self._declined[e.name] = declined
@@ -379,6 +384,7 @@ class WeightSync:
         if self.transport is not None:  # sharded sending: what this rank sends of it (collective there)
             source = self.transport.source_for(source, budget)
         plans = source.plan(budget, ref_bytes=max(ref_bytes, budget) if ref_bytes else None)
+        check_family(source.architectures, self._architectures)
         check_plan(source.delivers(plans), self._expected, once=not isinstance(source, ShardedSource),
                    declined=self._declined)
         if reuse:  # the model itself is kept too, so its id cannot be reused by another object

@@ -157,3 +157,18 @@ async def test_a_trainers_mtp_layer_is_reported_as_not_loaded_by_an_engine_witho
     finally:
         for llm in llms:
             llm.llm_engine.engine_core.shutdown()
+
+
+async def test_a_trainer_of_another_family_is_refused_before_any_byte_moves_naming_both(llm, tmp_path):
+    """A DeepSeek-V3 megatron trainer into the session's Qwen3 engine: refused at the plan, naming both families,
+    and the engine keeps its version."""
+    from streamsync.errors import ValidationError
+
+    engine = VllmEngine(llm, name="qwen3")
+    before = await engine.state()
+    trainer = megatron_from_hf(make_tiny("deepseek_v3", tmp_path))
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    with pytest.raises(ValidationError, match=r"trainer is a DeepseekV3ForCausalLM.*engine serves Qwen3ForCausalLM"):
+        await sync.push(trainer)
+    assert await engine.state() == before
+    await sync.close()

@@ -305,3 +305,16 @@ def test_the_tiny_specs_are_what_transformers_saves_for_that_family(model_type: 
     short = {"bfloat16": "BF16", "float32": "F32"}
     specs = {n: (short[d], tuple(s)) for n, d, s in _tiny_from_config(hf_config(model_dir)).hf_specs()}
     assert specs == saved
+
+
+def test_a_trainer_of_another_family_is_refused_and_one_of_the_same_family_is_not() -> None:
+    from streamsync.convert import same_family
+    from streamsync.plan.check import check_family
+
+    assert same_family(["MistralForCausalLM"], ["LlamaForCausalLM"])
+    assert same_family(["KimiK2ForCausalLM"], ["DeepseekV3ForCausalLM"])
+    assert not same_family(["Glm4ForCausalLM"], ["Glm4MoeForCausalLM"])
+    check_family((), {"e": ("Qwen3ForCausalLM",)})  # a trainer that cannot say is not refused
+    check_family(("Qwen3ForCausalLM",), {"e": ()})  # nor an engine that cannot
+    with pytest.raises(ValidationError, match=r"engine 'e'.*Glm4MoeForCausalLM.*Qwen3MoeForCausalLM"):
+        check_family(("Glm4MoeForCausalLM",), {"e": ("Qwen3MoeForCausalLM",)})

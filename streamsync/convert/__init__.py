@@ -44,6 +44,18 @@ HF_ARCHITECTURES = {
     "glm4": ("Glm4ForCausalLM",), "glm4-moe": ("Glm4MoeForCausalLM",),
 }
 _MOE = ("qwen3-moe", "deepseek-v3", "glm4-moe")
+
+
+def same_family(a: Iterable[str], b: Iterable[str]) -> bool:
+    """Whether two lists of HF model classes share a family (`HF_ARCHITECTURES`: a Mistral trainer serves a
+    Llama engine); classes of no known family match only themselves."""
+    def family(names: Iterable[str]) -> set[str]:
+        out = set()
+        for n in names:
+            out |= {c for classes in HF_ARCHITECTURES.values() if n in classes for c in classes} or {n}
+        return out
+
+    return bool(family(a) & family(b))
 _MTP = ("deepseek-v3", "glm4-moe")
 
 
@@ -217,4 +229,4 @@ def get_converter(arch: str, *, tied: bool = False) -> Converter:
 
 
 __all__ = ["ARCHS", "HF_ARCHITECTURES", "TRAINED_BUFFERS", "Converter", "Dims", "Resolved", "canonical_arch",
-           "check_config", "detect_arch", "get_converter", "tp_merge", "tp_split"]
+           "check_config", "detect_arch", "get_converter", "same_family", "tp_merge", "tp_split"]

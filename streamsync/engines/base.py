@@ -148,6 +148,11 @@ class Engine(ABC):
         """HF name -> (dtype name, shape) the engine will accept, if it can say; checked before bytes move."""
         return None
 
+    async def architectures(self) -> tuple[str, ...]:
+        """The model classes the engine serves (its config's `architectures`); empty where it cannot say. A push
+        of a trainer of another family is refused before bytes move."""
+        return ()
+
     async def declined_layers(self) -> Declined | None:
         """Decoder layers whose tensors the engine does not load, though its checkpoint holds them (a DeepSeek-V3
         or GLM-4.5 checkpoint's MTP layers, which vLLM's main model skips): a push may carry them (a trainer

@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 #: the calls a sender may make on the actor's engine (nothing else is reachable through the mixin)
 CALLS = frozenset({
     "locate", "init_transfer", "start_update", "update", "finish_update", "abort_update", "get_version", "state",
-    "expected_weights", "declined_layers", "reset_cache", "pause", "resume", "weight_digests", "packed_modules",
-    "received_digests", "clear_kv_cache", "greedy", "rpc", "delta_base",
+    "expected_weights", "declined_layers", "architectures", "reset_cache", "pause", "resume", "weight_digests",
+    "packed_modules", "received_digests", "clear_kv_cache", "greedy", "rpc", "delta_base",
 })
 PLACEMENTS = ("auto", "local", "remote")
 
@@ -332,6 +332,9 @@ class RayVllmEngine(Engine):
 
     async def declined_layers(self) -> Declined | None:
         return await self._call("declined_layers")
+
+    async def architectures(self) -> tuple[str, ...]:
+        return tuple(await self._call("architectures"))
 
     async def reset_cache(self) -> bool:
         return await self._call("reset_cache")

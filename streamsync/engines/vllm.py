@@ -382,6 +382,9 @@ class _Guarded(Engine):
         got = (await self.rpc("streamsync_expected_weights"))[0]
         return None if got is None else {n: (d, tuple(s)) for n, (d, s) in got.items()}
 
+    async def architectures(self) -> tuple[str, ...]:
+        return (await self.vllm_info()).architectures
+
     async def declined_layers(self) -> Declined | None:
         """The checkpoint's MTP layers, which the workers' main model does not load (`extension.mtp_layers`)."""
         got = (await self.rpc("streamsync_declined_layers"))[0]

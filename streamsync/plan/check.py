@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+from ..convert import same_family
 from ..errors import ValidationError
 from ..pack import dtype_name
 from .chunk import ChunkPlan
@@ -65,6 +66,17 @@ def vocab_hint(plans: Sequence[ChunkPlan], expected: Expected) -> str:
                         "vocabulary; pass WeightSync(..., source_options={'hf_config': <the served model's config>})"
                         f" (or {{'vocab_size': {exp[1][0]}}}) so the padding rows are dropped")
     return ""
+
+
+def check_family(trainer: Sequence[str], engines: Mapping[str, Sequence[str]]) -> None:
+    """Refuse a trainer of one model family pushed into an engine serving another (a DeepSeek-V3 trainer into a
+    Qwen3 engine), naming both, where both say what they are (`Source.architectures`, `Engine.architectures`)."""
+    if not trainer:
+        return
+    for engine, served in engines.items():
+        if served and not same_family(trainer, served):
+            raise ValidationError(f"model does not match engine {engine!r}: the trainer is a {'/'.join(trainer)} "
+                                  f"model, the engine serves {'/'.join(served)}")
 
 
 def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected], *, once: bool = True,

@@ -64,6 +64,10 @@ class Source(ABC):
     @abstractmethod
     async def convert(self, chunk: ChunkPlan, gathered: object, *, cast: bool = True) -> Sequence[torch.Tensor]: ...
 
+    #: the HF model classes this source's tensors are a model of (`DeepseekV3ForCausalLM`, ...); empty where
+    #: the source cannot say. An engine serving none of them is refused before bytes move.
+    architectures: tuple[str, ...] = ()
+
     @property
     def gathers_here(self) -> bool:
         """Gathers are plain work on the event loop (the sender's own tensors: no collective, no thread). On a GPU

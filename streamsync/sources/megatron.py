@@ -41,7 +41,16 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from ..convert import TRAINED_BUFFERS, Dims, Resolved, canonical_arch, check_config, detect_arch, get_converter
+from ..convert import (
+    HF_ARCHITECTURES,
+    TRAINED_BUFFERS,
+    Dims,
+    Resolved,
+    canonical_arch,
+    check_config,
+    detect_arch,
+    get_converter,
+)
 from ..convert.mappings import TPLayout, tp_merge
 from ..errors import ValidationError
 from ..pack import TensorSpec, dtype_from_name, dtype_name
@@ -334,6 +343,7 @@ class MegatronSource(Source):
         self.arch = canonical_arch(arch) if arch else detect_arch(cfg, hf_config, names)
         check_config(self.arch, cfg)
         self.converter = get_converter(self.arch, tied=self.tied)
+        self.architectures = HF_ARCHITECTURES[self.arch]
         vocab = vocab_size or _hf_get(hf_config, "vocab_size") or first.vocab_size
         self.dims = Dims(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads,
                          cfg.kv_channels, int(vocab))

@@ -92,6 +92,11 @@ class ModuleSource(Source):
             self._tensors[name] = t
         if not self._tensors:
             raise ValidationError("the model has no parameters or buffers to push")
+        # a transformers model says what it is: its config's `architectures`, else its classes (FSDP2 makes a
+        # subclass, `FSDPQwen3ForCausalLM`, of the model's own)
+        named = getattr(getattr(module, "config", None), "architectures", None) or ()
+        self.architectures = tuple(named) or tuple(
+            c.__name__ for c in type(module).__mro__ if c.__name__.endswith("ForCausalLM"))
         # stacked experts -> per-expert views: (stacked tensor, its data pointer when the views were made, views)
         self._stacked: list[tuple[torch.Tensor, int, list[tuple[str, int, int, int]]]] = []
         fused = _fused_experts(self._tensors)

@@ -126,6 +126,8 @@ def capabilities(model_config: Any = None, model: Any = None) -> dict[str, Any]:
     caps: dict[str, Any] = {"vllm_version": installed_version(), "native_weight_version": native_weight_version()}
     if model_config is not None:
         caps["quantization"] = quantization(model_config, model)
+        archs = getattr(getattr(model_config, "hf_config", None), "architectures", None) or ()
+        caps["architectures"] = [str(a) for a in archs]
     return caps
 
 
@@ -173,13 +175,16 @@ class VllmInfo:
     version:         vLLM's version string
     native_versions: vLLM keeps the weight version (0.32+); False: the streamsync workers keep it
     quantization:    how the engine quantizes (`quantization()`): its method, its checkpoint's, a tensor
+    architectures:   the model classes the engine's config names (`DeepseekV3ForCausalLM`, ...)
     """
 
     version: str
     native_versions: bool
     quantization: Mapping[str, Any] | None = None  # `quantization()`, where the worker said
+    architectures: tuple[str, ...] = ()  # the model classes its config names (`architectures`)
 
     @classmethod
     def from_worker(cls, caps: Mapping[str, Any]) -> VllmInfo:
         q = caps.get("quantization")
-        return cls(str(caps["vllm_version"]), bool(caps["native_weight_version"]), q if isinstance(q, dict) else None)
+        return cls(str(caps["vllm_version"]), bool(caps["native_weight_version"]), q if isinstance(q, dict) else None,
+                   tuple(caps.get("architectures") or ()))
