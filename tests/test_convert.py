@@ -318,3 +318,29 @@ def test_a_trainer_of_another_family_is_refused_and_one_of_the_same_family_is_no
     check_family(("Qwen3ForCausalLM",), {"e": ()})  # nor an engine that cannot
     with pytest.raises(ValidationError, match=r"engine 'e'.*Glm4MoeForCausalLM.*Qwen3MoeForCausalLM"):
         check_family(("Glm4MoeForCausalLM",), {"e": ("Qwen3MoeForCausalLM",)})
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b", "qwen3-30b-a3b", "deepseek-v3", "kimi-k2", "moonlight-16b-a3b",
+                                    "glm-4.5-air"])
+def test_every_tensor_the_planner_names_is_one_a_converter_maps(preset: str) -> None:
+    """`streamsync plan` plans only models a push can carry: each HF tensor of a preset (two layers of each kind)
+    comes from a Megatron parameter of its family's table."""
+    from streamsync.plan.shapes import PRESETS, Shape
+
+    shape = Shape(PRESETS[preset])
+    conv = get_converter(shape.type, tied=shape.tie)
+    layers = sorted({*range(min(2, shape.layers)), shape.first_dense, shape.layers - 1})
+    for name, _, _ in shape.specs(layers):
+        assert conv.find_hf(name) is not None, (preset, name)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4", "glm4_moe"])
+def test_the_planners_tensors_are_those_of_the_checkpoint(model_type: str, tmp_path) -> None:
+    """The planner's shapes of a family (names, dtypes, shapes) are what its transformers class saves."""
+    from streamsync.models.megatron import _tiny_from_config, hf_config
+    from streamsync.models.tiny import make_tiny
+    from streamsync.plan.shapes import Shape
+
+    cfg = hf_config(make_tiny(model_type, tmp_path))
+    assert sorted(Shape(cfg).specs()) == sorted(
+        (n, d, tuple(s)) for n, d, s in _tiny_from_config(cfg).hf_specs())

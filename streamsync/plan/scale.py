@@ -251,9 +251,17 @@ def _split(name: str, shp: tuple[int, ...], size: int, r: int) -> Box:
     return Box.rows(shp, r * n, n, dim)
 
 
+def _halves(shp: tuple[int, ...], size: int, r: int) -> list[Box]:
+    """Slice `r` of `size` of each half of a fused [gate; up] tensor (its rows)."""
+    n = shp[0] // 2 // size
+    return [Box.rows(shp, r * n, n), Box.rows(shp, shp[0] // 2 + r * n, n)]
+
+
 def _megatron_boxes(shape: Shape, name: str, shp: tuple[int, ...], tp: int, r: int) -> list[Box]:
     if tp == 1 or _REPL.search(name):
         return [Box.whole(shp)]
+    if name.endswith(".gate_up_proj.weight"):  # GLM-4's fused [gate; up]: rank r holds gate_r and up_r
+        return _halves(shp, tp, r)
     m = re.search(r"\.([qkv])_proj\.(weight|bias)$", name)
     if m is not None and not shape.mla:  # megatron's QKV shard: whole query groups, one box per group
         hd, g = shape.head_dim, shape.kv_heads

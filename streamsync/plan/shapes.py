@@ -5,10 +5,15 @@ tensors). Nothing here allocates a tensor, so a 1T-parameter shape is planned in
 `PRESETS` are the published configs' numbers (config.json of each model on the Hugging Face hub), bf16:
 
 * qwen3-8b, qwen3-30b-a3b, qwen3-235b-a22b (`model_type` qwen3 / qwen3_moe: GQA attention with q/k norms);
-* deepseek-v3, kimi-k2 (`model_type` deepseek_v3: MLA attention, the first `first_k_dense_replace` layers dense,
-  then routed experts plus one shared expert). MLA tensors are exact (q_a/q_b, kv_a_proj_with_mqa, kv_b, o_proj
-  and the two low-rank norms); the multi-token-prediction layer is left out (vLLM loads it only for
-  speculative decoding), and the weights are counted as bf16 (the published checkpoints are block-FP8).
+* deepseek-v3, kimi-k2, moonlight-16b-a3b (`model_type` deepseek_v3: MLA attention, the first
+  `first_k_dense_replace` layers dense, then routed experts plus shared experts and the router's float32 expert
+  bias). MLA tensors are exact (q_a/q_b or q_proj, kv_a_proj_with_mqa, kv_b, o_proj and the low-rank norms); the
+  multi-token-prediction layer is left out (vLLM's main model does not load it: a push reports it as not loaded),
+  and the weights are counted as bf16 (the published DeepSeek-V3 and Kimi-K2 checkpoints are block-FP8);
+* glm-4.5-air (`model_type` glm4_moe: GQA with q/k/v biases, the first layer dense, routed + shared experts).
+
+`glm4` configs (GLM-4 dense: q/k/v biases, sandwich norms, a fused gate_up_proj) plan from their config.json.
+Every shape planned here is one `streamsync.convert` maps (tests/test_convert.py holds them to it).
 """
 
 from __future__ import annotations
@@ -49,9 +54,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "n_routed_experts": 384, "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 1536,
         "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
         "vocab_size": 163840, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    "moonlight-16b-a3b": {
+        "model_type": "deepseek_v3", "num_hidden_layers": 27, "hidden_size": 2048, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "intermediate_size": 11264, "moe_intermediate_size": 1408,
+        "n_routed_experts": 64, "n_shared_experts": 2, "first_k_dense_replace": 1, "q_lora_rank": None,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "vocab_size": 163840, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    "glm-4.5-air": {
+        "model_type": "glm4_moe", "num_hidden_layers": 46, "hidden_size": 4096, "num_attention_heads": 96,
+        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "n_routed_experts": 128, "n_shared_experts": 1, "first_k_dense_replace": 1, "attention_bias": True,
+        "use_qk_norm": False, "vocab_size": 151552, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
 }
 
-_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
+_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4", "glm4_moe")
 
 
 def load_shape(what: str) -> dict[str, Any]:
@@ -94,8 +110,12 @@ class Shape:
         self.first_dense = self._int("first_k_dense_replace", 0)
         dense_only = cfg.get("mlp_only_layers") or []
         self.dense_layers = {int(i) for i in dense_only} | set(range(min(self.first_dense, self.layers)))
+        self.qkv_bias = self.type == "qwen2" or (self.type in ("glm4", "glm4_moe")
+                                                 and bool(cfg.get("attention_bias", self.type == "glm4")))
+        self.qk_norm = self.type in ("qwen3", "qwen3_moe") or (self.type == "glm4_moe"
+                                                               and bool(cfg.get("use_qk_norm", False)))
         if self.mla:
-            self.q_lora = self._int("q_lora_rank", 0)
+            self.q_lora = self._int("q_lora_rank", 0) if cfg.get("q_lora_rank") is not None else 0
             self.kv_lora = self._int("kv_lora_rank")
             self.nope = self._int("qk_nope_head_dim")
             self.rope = self._int("qk_rope_head_dim")
@@ -133,19 +153,23 @@ class Shape:
             s += [(p + "self_attn.q_proj.weight", d, (self.heads * hd, h)),
                   (p + "self_attn.k_proj.weight", d, (self.kv_heads * hd, h)),
                   (p + "self_attn.v_proj.weight", d, (self.kv_heads * hd, h))]
-            if self.type == "qwen2":
+            if self.qkv_bias:
                 s += [(p + "self_attn.q_proj.bias", d, (self.heads * hd,)),
                       (p + "self_attn.k_proj.bias", d, (self.kv_heads * hd,)),
                       (p + "self_attn.v_proj.bias", d, (self.kv_heads * hd,))]
-            if self.type in ("qwen3", "qwen3_moe"):
+            if self.qk_norm:
                 s += [(p + "self_attn.q_norm.weight", d, (hd,)), (p + "self_attn.k_norm.weight", d, (hd,))]
             s.append((p + "self_attn.o_proj.weight", d, (h, self.heads * hd)))
         s.append((p + "post_attention_layernorm.weight", d, (h,)))
+        if self.type == "glm4":  # sandwich norms; the checkpoint fuses gate and up
+            return [*s, (p + "post_self_attn_layernorm.weight", d, (h,)),
+                    (p + "post_mlp_layernorm.weight", d, (h,)), (p + "mlp.gate_up_proj.weight", d, (2 * self.ffn, h)),
+                    (p + "mlp.down_proj.weight", d, (h, self.ffn))]
         if self.kind(i) == "dense":
             return s + _mlp(p + "mlp.", d, h, self.ffn)
         s.append((p + "mlp.gate.weight", d, (self.experts, h)))
-        if self.mla:
-            s.append((p + "mlp.gate.e_score_correction_bias", d, (self.experts,)))
+        if self.type in ("deepseek_v3", "kimi_k2", "glm4_moe"):  # the router's learned bias, float32 as vLLM keeps it
+            s.append((p + "mlp.gate.e_score_correction_bias", "float32", (self.experts,)))
         if self.shared:
             s += _mlp(p + "mlp.shared_experts.", d, h, self.moe_ffn * self.shared)
         for e in range(self.experts):

@@ -46,8 +46,9 @@ def vllm_layout(specs: Iterable[Spec], tp: int, *, heads: int, kv_heads: int, he
                 continue
             split_mlp = e is None or not expert_parallel
             box: Box | None = Box.whole(shape)
-            if re.search(r"\.q_proj\.(weight|bias)$", name):
-                box = Box.rows(shape, w * nh * head_dim, nh * head_dim)
+            if re.search(r"\.q_proj\.(weight|bias)$", name):  # by heads (MLA's q heads are nope + rope wide)
+                per = shape[0] // heads
+                box = Box.rows(shape, w * nh * per, nh * per)
             elif re.search(r"\.[kv]_proj\.(weight|bias)$", name):
                 box = Box.rows(shape, (w // rep) * nkv * head_dim, nkv * head_dim)
             elif re.search(r"\.(q_b_proj|kv_b_proj)\.weight$", name):  # MLA: column parallel, by heads
@@ -55,6 +56,10 @@ def vllm_layout(specs: Iterable[Spec], tp: int, *, heads: int, kv_heads: int, he
                 box = Box.rows(shape, w * n, n)
             elif name.endswith(".o_proj.weight"):
                 box = Box.rows(shape, w * nh * head_dim, nh * head_dim, dim=1)
+            elif name.endswith(".gate_up_proj.weight"):  # GLM-4's fused [gate; up]: this worker's rows of each
+                n = shape[0] // 2 // tp
+                out[w] += [(name, Box.rows(shape, w * n, n)), (name, Box.rows(shape, shape[0] // 2 + w * n, n))]
+                box = None
             elif split_mlp and re.search(r"\.(gate_proj|up_proj)\.weight$", name):
                 n = shape[0] // tp
                 box = Box.rows(shape, w * n, n)
