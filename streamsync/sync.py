@@ -737,12 +737,18 @@ class WeightSync:
     def _chunk_hook(self, push_id: str, version: int, plans: Sequence[ChunkPlan]) -> Callable[[int, int], None]:
         hook = self.observers.on_chunk
         log = get_logger()
+        failed = [0]  # a hook that fails for one chunk fails for every one: warn once per push, with the count
 
         def done(i: int, n: int) -> None:
             log.debug("chunk released", chunk=i, of=n)
             if hook is not None:
                 p = plans[i]
-                _call_hook(hook, ChunkDone(push_id, version, i, n, p.nbytes, len(p.specs)), "on_chunk")
+                if not _call_hook(hook, ChunkDone(push_id, version, i, n, p.nbytes, len(p.specs)), "on_chunk",
+                                  warn=not failed[0], push=push_id):
+                    failed[0] += 1
+                if i == n - 1 and failed[0] > 1:
+                    log.warning("on_chunk hook failed for several chunks of this push", push=push_id,
+                                chunks=failed[0], of=n)
 
         return done
 
@@ -839,11 +845,15 @@ class WeightSync:
                 self._stale_paused -= {e.name for e in self.engines if e.name not in keep}
 
 
-def _call_hook(hook: Callable[[Any], object], arg: object, name: str) -> None:
+def _call_hook(hook: Callable[[Any], object], arg: object, name: str, *, warn: bool = True, **where: object) -> bool:
+    """Call an observer's hook; False (and a warning, if `warn`) where it raised."""
     try:
         hook(arg)
     except Exception as err:  # the weights moved: a hook's own bug must not fail the push
-        get_logger().warning(f"{name} hook failed", error=f"{type(err).__name__}: {err}")
+        if warn:
+            get_logger().warning(f"{name} hook failed", error=f"{type(err).__name__}: {err}", **where)
+        return False
+    return True
 
 
 def _event_loop() -> object | None:
