@@ -28,6 +28,11 @@ class EngineError(StreamSyncError):
         self.unresponsive = unresponsive
 
 
+class EngineUnreachable(EngineError):
+    """Nothing answers at the engine's address (connection refused, no route, a server that died): the message
+    says only that, since nothing is known of what runs there."""
+
+
 class PushError(StreamSyncError):
     """A push failed. Names the stage, the chunk and (where one is involved) the receiver.
 

@@ -173,6 +173,19 @@ async def test_http_errors_name_the_engine():
     await engine.close()
 
 
+async def test_connecting_to_a_wrong_url_says_only_that_nothing_answers(mixed_model):
+    """No hint about the engine's worker extension where nothing answered at all."""
+    from streamsync.engines.vllm_server import free_port
+    from streamsync.errors import EngineUnreachable
+
+    engine = VllmHttpEngine(f"http://127.0.0.1:{free_port()}", name="nobody", timeout=5)
+    sync = WeightSync([engine])
+    with pytest.raises(EngineUnreachable, match="cannot reach server") as err:
+        await sync.connect(mixed_model)
+    assert "worker extension" not in str(err.value)
+    await sync.close()
+
+
 async def test_fan_out_to_two_engines_is_bit_exact_on_both(async_llm, server, model_dir):
     a, b = AsyncVllmEngine(async_llm, name="async"), VllmHttpEngine(server.url, name="serve")
     trainer = trainer_from(model_dir, step=7)

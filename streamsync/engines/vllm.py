@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..errors import EngineError
+from ..errors import EngineError, EngineUnreachable
 from ..message import UpdateMessage, wire
 from ..plan.shards import Box, EngineLayout, Need
 from ..vllm import compat, core_rpc
@@ -111,6 +111,8 @@ class _Guarded(Engine):
             try:
                 caps = await self.rpc("streamsync_capabilities")
             except EngineError as e:
+                if isinstance(e, EngineUnreachable):  # a wrong URL, a server that died: no hint about what it runs
+                    raise
                 raise EngineError(self.name, f"{e.message} (an engine made with streamsync.engines.vllm."
                                   "engine_kwargs() has streamsync's worker extension)",
                                   unresponsive=e.unresponsive) from e
@@ -800,7 +802,7 @@ class VllmHttpEngine(_Guarded):
                         raise EngineError(self.name, f"{method} {path} -> HTTP {r.status}: {body[:500]}")
                     return (await r.json(content_type=None)) if body else None
             except aiohttp.ClientConnectionError as e:
-                raise EngineError(self.name, f"{method} {path}: cannot reach server ({e})") from e
+                raise EngineUnreachable(self.name, f"{method} {path}: cannot reach server ({e})") from e
 
         return await self._run(f"{method} {path}", go)
 
