@@ -284,3 +284,36 @@ def test_the_vllm_examples_run_as_written_and_end_cleanly_and_quietly(example, s
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-3000:]
     assert not re.search(r"\) INFO ", r.stdout), "vLLM's info lines are shown"  # VLLM_LOGGING_LEVEL=WARNING
     assert "Failed to load weights" not in r.stdout + r.stderr  # the worker's filter
+
+
+def test_every_cli_argument_has_help_and_the_viewer_says_its_default_port(capsys) -> None:
+    import argparse
+
+    from streamsync.cli import main
+
+    def parsers(ap: argparse.ArgumentParser):
+        yield ap
+        for action in ap._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    captured: list[argparse.ArgumentParser] = []
+    real = argparse.ArgumentParser.parse_known_args
+
+    def spy(self, *a, **kw):
+        captured.append(self)
+        raise SystemExit(0)
+
+    argparse.ArgumentParser.parse_known_args = spy  # type: ignore[method-assign]
+    try:
+        with pytest.raises(SystemExit):
+            main(["--version"])
+    finally:
+        argparse.ArgumentParser.parse_known_args = real  # type: ignore[method-assign]
+    missing = [f"{p.prog}: {a.dest}" for p in parsers(captured[0]) for a in p._actions
+               if not a.help and not isinstance(a, argparse._SubParsersAction)]
+    assert not missing, missing
+    with pytest.raises(SystemExit):
+        main(["trace", "serve", "--help"])
+    assert "default: 8765" in capsys.readouterr().out

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     run_p = sub.add_parser("run", help="run a pipeline spec (TOML)")
-    run_p.add_argument("spec", type=Path)
+    run_p.add_argument("spec", type=Path, help="the pipeline spec, a TOML file (see pipelines/)")
     run_p.add_argument("--json", type=Path, help="write the push reports as JSON here")
     run_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a spec key, e.g. --set sync.max_inflight=2 (repeatable)")
@@ -35,20 +35,20 @@ def main(argv: list[str] | None = None) -> int:
                               "and its dev routes; every argument after MODEL goes to vLLM unchanged. On a "
                               "CPU-only vLLM, options left unset get CPU-sized defaults (--enforce-eager, "
                               "--kv-cache-memory-bytes, --max-model-len auto), printed at start.")
-    vserve_p.add_argument("model")
+    vserve_p.add_argument("model", help="a local HF checkpoint folder (or a model name vLLM can load)")
     vserve_p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments for vllm serve")
 
     trace_p = sub.add_parser("trace", help="pipeline trace viewer")
     trace_sub = trace_p.add_subparsers(dest="trace_cmd", required=True)
     serve_p = trace_sub.add_parser("serve", help="serve the viewer for trace files or directories of them")
     serve_p.add_argument("file", type=Path, nargs="+", help="trace files and/or directories (listed, compared)")
-    serve_p.add_argument("--host", default="127.0.0.1")
-    serve_p.add_argument("--port", type=int, default=8765)
+    serve_p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve_p.add_argument("--port", type=int, default=8765, help="port to listen on (default: %(default)s)")
     summ_p = trace_sub.add_parser("summary", help="print a trace's per-stage summary")
-    summ_p.add_argument("file", type=Path)
+    summ_p.add_argument("file", type=Path, help="a push trace (push-<id>-v<N>.trace.json)")
     merge_p = trace_sub.add_parser("merge", help="put push traces into a torch.profiler trace, on its clock")
     merge_p.add_argument("file", type=Path, nargs="+", help="the torch.profiler trace, then streamsync traces")
-    merge_p.add_argument("-o", "--out", type=Path, required=True)
+    merge_p.add_argument("-o", "--out", type=Path, required=True, help="where to write the merged trace")
 
     args, rest = ap.parse_known_args(argv)
     if rest and args.cmd != "bench":

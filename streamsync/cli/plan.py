@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trainer", default="tp=1", help="'tp=8,pp=4,ep=8,dp=8' (or ranks=N) or 'fsdp=N'")
     p.add_argument("--trainer-per-node", type=int, default=8, help="trainer GPUs per node")
     p.add_argument("--engines", type=int, default=1, help="engines (model replicas)")
-    p.add_argument("--engine-tp", type=int, default=1)
+    p.add_argument("--engine-tp", type=int, default=1, help="tensor parallel size of each engine")
     p.add_argument("--engine-ep", type=int, default=1, help="expert parallel size (vLLM: EP = DP x TP)")
     p.add_argument("--engine-per-node", type=int, default=8, help="engine GPUs per node")
     p.add_argument("--colocated", action="store_true",
