@@ -74,10 +74,15 @@ class Checks:
                   reuses KV computed under the old weights (default). With False, a request whose prompt
                   shares a cached prefix (one cache block or more) with an earlier one is answered from KV of
                   the old weights: its logprobs are those of neither model (README, "What a push guarantees").
+    strict_dtypes: refuse a trainer whose floating tensors are in another dtype than the engine holds them
+                  (an fp32 trainer, a bf16 engine), naming them. By default they are cast to the engine's dtype
+                  as they are packed, as vLLM's own loaders cast a checkpoint: said once in the log, and per push
+                  in `PushReport.casts`.
     """
 
     check_finite: bool = True
     reset_prefix_cache: bool = True
+    strict_dtypes: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,7 @@ class SyncKwargs(TypedDict, total=False):
     engine_layout: bool
     check_finite: bool
     reset_prefix_cache: bool
+    strict_dtypes: bool
     delta: bool | str
     full_every: int
     verify_delta: bool

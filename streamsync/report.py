@@ -160,6 +160,8 @@ class PushReport:
     #: engine -> the tensors of this push it did not load (an MTP layer's, where the engine's main model skips
     #: them: `Engine.declined_layers`); logged once per engine too
     not_loaded: dict[str, list[str]] = field(default_factory=dict)
+    #: "float32 -> bfloat16" -> how many tensors the push cast to the engines' dtype (`Checks.strict_dtypes`)
+    casts: dict[str, int] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:

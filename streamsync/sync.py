@@ -8,6 +8,7 @@ import os
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -25,16 +26,16 @@ from .errors import EngineError, PushError, PushTimeout, StreamSyncError, Valida
 from .log import bound, get_logger, quiet
 from .metrics import Metrics
 from .options import Checks, Deltas, Observers, PushOptions, SyncKwargs, split_options
-from .pack import Fusion, fusions_from_json
+from .pack import Fusion, dtype_name, fusions_from_json
 from .pipeline.messages import Messages
 from .pipeline.stages import first_push_error
 from .pipeline.threads import responsive_threads
-from .plan.check import Expected, check_family, check_plan, nonfinite
+from .plan.check import Expected, check_family, check_plan, dtype_casts, nonfinite
 from .plan.chunk import ChunkPlan
 from .plan.chunking import layer_index, split_layers
 from .report import ChunkDone, DeltaReport, EngineRound, GiB, MiB, PushReport
 from .rounds import EngineGroup, Rounds
-from .sources import GatheredElsewhere, Source, as_source, is_fsdp1
+from .sources import GatheredElsewhere, ModuleSource, Source, as_source, is_fsdp1
 from .sources.sharded import ShardedSource
 from .trace import Trace, watching_gc
 from .transports.base import Transport, transport_class, transport_for
@@ -93,6 +94,8 @@ class WeightSync:
         self._expected: dict[str, Expected] = {}
         self._declined: dict[str, Declined] = {}  # engine -> the layers it does not load (MTP layers)
         self._warned_declined: set[str] = set()
+        self._casts: dict[str, int] = {}  # what the current plan casts to the engines' dtypes ("a -> b": tensors)
+        self._warned_cast = False
         self._architectures: dict[str, tuple[str, ...]] = {}  # engine -> the model classes it serves
         self._messages = Messages([None] * len(self.engines))
         self._lock = anyio.Lock()
@@ -384,6 +387,10 @@ class WeightSync:
         if self.transport is not None:  # sharded sending: what this rank sends of it (collective there)
             source = self.transport.source_for(source, budget)
         plans = source.plan(budget, ref_bytes=max(ref_bytes, budget) if ref_bytes else None)
+        self._casts = {}
+        casts = None if self.checks.strict_dtypes else dtype_casts(source.delivers(plans), self._expected)
+        if casts and not isinstance(model, Source):  # in the engines' dtypes, as vLLM's loaders would cast
+            source, plans = self._cast_plan(model, source, plans, casts, budget, ref_bytes)
         check_family(source.architectures, self._architectures)
         check_plan(source.delivers(plans), self._expected, once=not isinstance(source, ShardedSource),
                    declined=self._declined)
@@ -686,7 +693,7 @@ class WeightSync:
             max_chunks_alive=trace.max_alive(), collectives=source.collectives,
             engines=[e.name for e in self.engines], cache_reset=cache_reset, trace=trace,
             gc_ms=trace.counts.get("gc_us", 0) / 1e3, delta=delta, engine_rounds=engine_rounds,
-            not_loaded=self._not_loaded(job.plans),
+            not_loaded=self._not_loaded(job.plans), casts=dict(self._casts),
         )
         if isinstance(source, ShardedSource):
             report.path, report.senders = "sharded", source.senders
@@ -707,6 +714,23 @@ class WeightSync:
         if self.observers.on_push is not None:
             _call_hook(self.observers.on_push, report, "on_push")
         return report
+
+    def _cast_plan(self, model: object, source: Source, plans: Sequence[ChunkPlan], casts: dict[str, str],
+                   budget: int, ref_bytes: int | None) -> tuple[Source, list[ChunkPlan]]:
+        """The source made again with the engines' dtypes (`Checks.strict_dtypes`): one per tensor for a module,
+        the engines' dtype for a Megatron model (its float32 expert bias keeps float32 by its mapping)."""
+        held = {s.name: dtype_name(s.dtype) for p in source.delivers(plans) for s in p.specs}
+        counts = Counter(f"{held[n]} -> {d}" for n, d in casts.items())
+        dtype: object = casts if isinstance(source, ModuleSource) else Counter(casts.values()).most_common(1)[0][0]
+        cast = as_source(model, **{**self.options.source_options, "dtype": dtype})
+        if self.transport is not None:
+            cast = self.transport.source_for(cast, budget)
+        self._casts = dict(counts)
+        if not self._warned_cast:
+            self._warned_cast = True
+            self.log.warning("casting the trainer's tensors to the engines' dtype, as vLLM's loaders cast a "
+                             "checkpoint", casts=self._casts, strict="WeightSync(strict_dtypes=True) refuses instead")
+        return cast, cast.plan(budget, ref_bytes=max(ref_bytes, budget) if ref_bytes else None)
 
     def _not_loaded(self, plans: Sequence[ChunkPlan]) -> dict[str, list[str]]:
         """Engine -> the tensors of this push it does not load (`Engine.declined_layers`), said once per engine."""

@@ -126,7 +126,7 @@ async def test_receiver_error_names_the_receiver_and_chunk(qwen_specs, qwen_rece
 async def test_connect_with_the_model_plans_its_push_and_refuses_a_model_that_does_not_fit(qwen_specs, qwen_receiver,
                                                                                               qwen_model):
     engine = qwen_receiver.engine()
-    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    sync = WeightSync([engine], chunk_bytes=CHUNK, strict_dtypes=True)
     wrong = [(n, "float32" if n.endswith("q_norm.weight") else d, s) for n, d, s in qwen_specs]
     with pytest.raises(ValidationError, match=r"q_norm.weight.*float32.*engine holds bfloat16"):
         await sync.connect(StateModule(wrong))
@@ -144,13 +144,33 @@ async def test_connect_with_the_model_plans_its_push_and_refuses_a_model_that_do
 
 async def test_shape_dtype_and_missing_parameters_are_refused_before_bytes_move(qwen_specs, qwen_receiver):
     engine = qwen_receiver.engine()
-    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    sync = WeightSync([engine], chunk_bytes=CHUNK, strict_dtypes=True)
     wrong = [(n, "float32" if n.endswith("q_norm.weight") else d, s) for n, d, s in qwen_specs]
     with pytest.raises(ValidationError, match=r"q_norm.weight.*float32.*engine holds bfloat16"):
         await sync.push(StateModule(wrong))
     with pytest.raises(ValidationError, match="missing from the push"):
         await sync.push(StateModule(qwen_specs[:-1]))
     assert (await engine.call("status"))["dirty"] is False  # nothing was applied
+    await sync.close()
+
+
+async def test_an_fp32_trainer_is_cast_to_the_engines_bf16_as_vllms_loaders_cast_said_once(qwen_specs, qwen_receiver):
+    """Most RL trainers hold float32 weights; the engine holds bfloat16: every floating tensor is cast as it is
+    packed (the bits `tensor.to(bfloat16)` makes), the log says so once, each report counts the casts."""
+    import structlog
+
+    engine = qwen_receiver.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    fp32 = StateModule([(n, "float32", s) for n, _, s in qwen_specs], fill="random", seed=3)
+    with structlog.testing.capture_logs() as logs:
+        first = await sync.push(fp32)
+        fp32.load_state_dict({n: t * 1.5 for n, t in fp32.state_dict().items()})
+        second = await sync.push(fp32)
+    cast = {n: t.to(torch.bfloat16) for n, t in fp32.state_dict().items()}
+    assert await engine.checksums() == digests(cast.items())
+    assert first.casts == second.casts == {"float32 -> bfloat16": len(qwen_specs)}
+    assert [e["event"] for e in logs if e["log_level"] == "warning"].count(
+        "casting the trainer's tensors to the engines' dtype, as vLLM's loaders cast a checkpoint") == 1
     await sync.close()
 
 

@@ -68,6 +68,26 @@ def vocab_hint(plans: Sequence[ChunkPlan], expected: Expected) -> str:
     return ""
 
 
+def dtype_casts(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected]) -> dict[str, str] | None:
+    """HF name -> the dtype every engine holds it in, for each floating tensor of the plan that an engine holds
+    in another floating dtype with the same shape: what a push casts, as vLLM's own loaders cast a checkpoint.
+    None where engines disagree on a tensor's dtype (no one cast serves them all)."""
+    floating = ("bfloat16", "float16", "float32", "float64")
+    out: dict[str, str] = {}
+    for holds in expected.values():
+        for p in plans:
+            for s in p.specs:
+                exp = holds.get(s.name)
+                have = dtype_name(s.dtype)
+                if exp is None or exp[0] == have or tuple(exp[1]) != tuple(s.full_shape):
+                    continue
+                if exp[0] not in floating or have not in floating:
+                    continue
+                if out.setdefault(s.name, exp[0]) != exp[0]:
+                    return None
+    return out
+
+
 def check_family(trainer: Sequence[str], engines: Mapping[str, Sequence[str]]) -> None:
     """Refuse a trainer of one model family pushed into an engine serving another (a DeepSeek-V3 trainer into a
     Qwen3 engine), naming both, where both say what they are (`Source.architectures`, `Engine.architectures`)."""

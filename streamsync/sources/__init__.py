@@ -16,11 +16,14 @@ def as_source(model: object, **kwargs: object) -> Source:
     chunks) through MegatronSource, any other `nn.Module` through ModuleSource (DDP, DataParallel and
     `torch.compile` wrappers unwrapped: their parameters are the wrapped module's), a state dict or an iterable
     of (name, tensor) pairs (vLLM's own `load_weights` input) as named tensors, and an FSDP1 model by its full
-    state dict (`_fsdp1_state`). `dtype` may be a torch dtype or its name ("bfloat16")."""
+    state dict (`_fsdp1_state`). `dtype` may be a torch dtype or its name ("bfloat16"), or for a module a
+    mapping of HF name to either (the dtype each floating tensor goes in; the rest go as they are)."""
     if isinstance(model, Source):
         return model
     if "dtype" in kwargs:
-        kwargs = {**kwargs, "dtype": as_dtype(kwargs["dtype"])}
+        dt = kwargs["dtype"]
+        kwargs = {**kwargs, "dtype": {n: as_dtype(d) for n, d in dt.items()} if isinstance(dt, Mapping)
+                  else as_dtype(dt)}
     model = unwrap(model)
     if is_fsdp1(model):
         model = _fsdp1_state(model)

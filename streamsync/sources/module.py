@@ -57,8 +57,8 @@ def _fused_experts(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, 
 class ModuleSource(Source):
     """Streams `module.state_dict()`; tied tensors (one storage under two names) are sent once.
 
-    `dtype` casts floating-point tensors to the receiver's dtype in the convert stage; by default tensors
-    go as they are, so the receiver gets the trainer's bits.
+    `dtype` casts floating-point tensors to the receiver's dtype in the convert stage (one dtype, or one per HF
+    name); by default tensors go as they are, so the receiver gets the trainer's bits.
 
     Stacked experts of a transformers-5 MoE module (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) go
     as the checkpoint's per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...): views, no copy.
@@ -69,8 +69,8 @@ class ModuleSource(Source):
     own piece (`shards`).
     """
 
-    def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor], *, dtype: torch.dtype | None = None,
-                 include_tied: bool = False) -> None:
+    def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor], *,
+                 dtype: torch.dtype | Mapping[str, torch.dtype] | None = None, include_tied: bool = False) -> None:
         self.module = module
         self.dtype = dtype
         self._tensors: dict[str, torch.Tensor] = {}
@@ -186,7 +186,8 @@ class ModuleSource(Source):
 
     def _spec(self, name: str) -> TensorSpec:
         t = self._tensors[name]
-        dtype = self.dtype if (self.dtype is not None and t.is_floating_point()) else t.dtype
+        want = self.dtype.get(name) if isinstance(self.dtype, Mapping) else self.dtype
+        dtype = want if (want is not None and t.is_floating_point()) else t.dtype
         return TensorSpec(name, dtype, tuple(t.shape))
 
     def plan(self, chunk_bytes: int, *, ref_bytes: int | None = None) -> list[ChunkPlan]:
