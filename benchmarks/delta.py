@@ -145,7 +145,7 @@ async def pushes(tr: AdamTrainer, steps: int, chunk_mib: int) -> dict[str, Any]:
                 for mode, sync in syncs.items():
                     r = await sync.push(tr.model)
                     d = r.delta
-                    rows[mode].append({"seconds": r.seconds, "bytes": r.bytes,
+                    rows[mode].append({"seconds": r.seconds, "bytes": r.model_bytes,
                                        "wire_bytes": d.wire_bytes if d else r.bytes,
                                        "mode": d.mode if d else "full",
                                        "changed_fraction": d.changed_fraction if d else None,

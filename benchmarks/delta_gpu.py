@@ -114,7 +114,7 @@ async def pushes(shape: dict[str, Any], args: argparse.Namespace, work: Path) ->
                 r = await sync.push(tr.model)
                 wall = time.perf_counter() - t0
                 d = r.delta
-                rows[mode].append({"wall_s": wall, "seconds": r.seconds, "bytes": r.bytes,
+                rows[mode].append({"wall_s": wall, "seconds": r.seconds, "bytes": r.model_bytes,
                                    "wire_bytes": d.wire_bytes if d else r.bytes, "mode": d.mode if d else "full",
                                    "changed_fraction": d.changed_fraction if d else None,
                                    "encodings": d.encodings if d else None,

@@ -129,7 +129,9 @@ class EngineRound:
 
 @dataclass
 class PushReport:
-    """What one push did. `stage_seconds` is each stage's busy time (sum of its spans)."""
+    """What one push did. `bytes` is what went on the wire (a delta push's encoded bytes; a sharded push's, this
+    rank's), `model_bytes` the model's bytes it brought up to date. `stage_seconds` is each stage's busy time
+    (sum of its spans)."""
 
     push_id: str
     version: int
@@ -162,6 +164,8 @@ class PushReport:
     not_loaded: dict[str, list[str]] = field(default_factory=dict)
     #: "float32 -> bfloat16" -> how many tensors the push cast to the engines' dtype (`Checks.strict_dtypes`)
     casts: dict[str, int] = field(default_factory=dict)
+    #: the model's bytes the push brought up to date; `bytes` is what went on the wire (less, for a delta)
+    model_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -189,7 +193,9 @@ class PushReport:
                 f"{self.seconds * 1e3:.0f} ms ({self.gbps:.2f} GB/s) to {len(self.engines)} engine(s); "
                 f"busy: {busy}; peak in flight {self.peak_bytes_inflight / MiB:.1f} MiB"
                 + (f"; sharded from {self.senders} ranks" if self.path == "sharded" else "")
-                + (f"; {self.delta.mode} push, {self.delta.wire_bytes / MiB:.2f} MiB sent" if self.delta else "")
+                + (f"; {self.delta.mode} push of a {self.model_bytes / MiB:.1f} MiB model"
+                   + (f", {1 - self.bytes / self.model_bytes:.0%} saved" if self.model_bytes else "")
+                   if self.delta else "")
                 + (f"; garbage collection {self.gc_ms:.0f} ms" if self.gc_ms >= 1 else "")
                 + ("; engine paths " + ", ".join(f"{k} {v}" for k, v in self.engine_paths.items())
                    if self.engine_rounds else "")

@@ -688,7 +688,8 @@ class WeightSync:
         total = sum(p.nbytes for p in job.plans)
         delta = self._delta_done(job, total)
         report = PushReport(
-            push_id=job.push_id, version=job.version, seconds=seconds, bytes=total, chunks=len(job.plans),
+            push_id=job.push_id, version=job.version, seconds=seconds,
+            bytes=delta.wire_bytes if delta is not None else total, model_bytes=total, chunks=len(job.plans),
             stage_seconds=trace.busy_seconds(), peak_bytes_inflight=job.peak_bytes,
             max_chunks_alive=trace.max_alive(), collectives=source.collectives,
             engines=[e.name for e in self.engines], cache_reset=cache_reset, trace=trace,

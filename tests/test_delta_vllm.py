@@ -39,7 +39,9 @@ async def test_vllm_engine_applies_deltas_bit_exact_and_generates_as_the_referen
         assert await engine.get_version() == first + i
         assert await _bit_exact(engine, trainer.served()), f"push {i} ({report.delta.mode}) is not bit-exact"
     assert modes == ["full", "delta", "delta"]
-    assert report.delta.wire_bytes < 0.7 * report.bytes
+    assert report.delta.wire_bytes == report.bytes < 0.7 * report.model_bytes
+    saved = 1 - report.bytes / report.model_bytes  # the report says what the delta saved
+    assert f"{report.bytes / (1 << 20):.1f} MiB in" in report.summary() and f"{saved:.0%} saved" in report.summary()
 
     # A delta the worker refuses (the sender's shadow misses a change): the same version goes in full.
     before = trainer.served()
