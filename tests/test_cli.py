@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 from aiohttp import web
 
@@ -233,7 +236,7 @@ def test_cpu_serve_defaults_fill_only_the_options_left_unset(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-async def test_streamsync_serve_as_the_readme_writes_it_starts_on_vllm_cpu_and_takes_a_push(model_dir, tmp_path):
+async def test_streamsync_serve_as_the_readme_writes_it_starts_takes_a_push_and_dies_whole(model_dir, tmp_path):
     pytest.importorskip("vllm")
     from streamsync import WeightSync
     from streamsync.engines.vllm import VllmHttpEngine
@@ -258,6 +261,12 @@ async def test_streamsync_serve_as_the_readme_writes_it_starts_on_vllm_cpu_and_t
         report = await sync.push(trainer_from(model_dir, step=4))
         assert await engine.get_version() == report.version
         await sync.close()
+        # SIGKILLed (an orchestrator, the OOM killer): vLLM's engine core and workers go with it
+        children = [p for p in server.processes() if p.pid != server.proc.pid]
+        assert children
+        os.kill(server.proc.pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
     text = log.read_text()
     said = text.splitlines()[0]
     assert said.startswith("streamsync serve: CPU-only vLLM: added --enforce-eager --kv-cache-memory-bytes "), said

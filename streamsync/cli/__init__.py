@@ -76,13 +76,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         import os
 
         from ..engines.vllm_server import cpu_serve_defaults, serve_command, serve_env, vllm_is_cpu_only
+        from ..vllm import SERVE_PID_ENV
 
         added = cpu_serve_defaults(args.vllm_args) if vllm_is_cpu_only() else []
         if added:
             print(f"streamsync serve: CPU-only vLLM: added {' '.join(added)} (pass these options to choose "
                   "otherwise)", file=sys.stderr, flush=True)
         cmd = serve_command(args.model, *args.vllm_args, *added)
-        os.execve(cmd[0], cmd, serve_env())  # vLLM owns the process from here (signals, exit code)
+        # vLLM owns the process from here (signals, exit code); the processes it starts die with it
+        os.execve(cmd[0], cmd, {**serve_env(), SERVE_PID_ENV: str(os.getpid())})
     if args.cmd == "bench":  # benchmarks are not part of the installed package
         print("streamsync: the benchmarks live in the repository, not in the package: run "
               f"`{' '.join(['python -m benchmarks', *args.rest])}` from the repository root "

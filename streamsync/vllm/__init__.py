@@ -13,7 +13,12 @@ BACKEND = "streamsync"
 WORKER_EXTENSION = "streamsync.vllm.extension.StreamSyncWorkerExtension"
 
 
+#: set by `streamsync serve` to its own pid: every vLLM process under it dies with its parent (`_die_with_parent`)
+SERVE_PID_ENV = "STREAMSYNC_SERVE_PID"
+
+
 def register() -> None:
+    _die_with_parent()
     _request_amx()
     from . import core_rpc, prefix_cache
 
@@ -40,6 +45,29 @@ def register_trainer() -> bool:
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, "streamsync.vllm.trainer", "StreamSyncTrainerEngine")
     return True
+
+
+def _die_with_parent() -> None:
+    """Under `streamsync serve`, a vLLM process its server started (the engine core, each worker) gets SIGKILL
+    when its parent dies (Linux `PR_SET_PDEATHSIG`), so a server that is SIGKILLed (an orchestrator, the OOM
+    killer) leaves no engine core or worker behind holding memory. The server itself is left alone: it may
+    outlive the shell that started it. A child whose parent is already gone exits at once."""
+    import os
+
+    top = os.environ.get(SERVE_PID_ENV)
+    if not top or not top.isdigit() or int(top) == os.getpid() or not os.path.exists("/proc/self"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux's libc: nothing to ask
+        return
+    if os.getppid() == 1:  # orphaned before the request took effect
+        os._exit(1)
 
 
 def _request_amx() -> None:
