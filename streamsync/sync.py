@@ -36,9 +36,10 @@ from .plan.chunking import layer_index, split_layers
 from .report import ChunkDone, DeltaReport, EngineRound, GiB, MiB, PushReport
 from .rounds import EngineGroup, Rounds
 from .sources import GatheredElsewhere, ModuleSource, Source, as_source, is_fsdp1
-from .sources.sharded import ShardedSource
+from .sources.sharded import ShardedSource, gather_objects
 from .trace import Trace, watching_gc
 from .transports.base import Transport, transport_class, transport_for
+from .transports.collective.group import in_thread
 from .versions import VersionBook
 
 if TYPE_CHECKING:
@@ -453,6 +454,8 @@ class WeightSync:
                 bad_input = e
             if every_rank:  # every rank goes ahead, or every rank raises (no rank left waiting for another)
                 await self.transport.before_push(self.timeout, bad_input)
+            if every_rank or is_fsdp1(model) or not source.gathers_here:  # every trainer rank is in this push
+                v = await self._one_version(v)
             delta = await self._delta_push(source, plans)
             # Ranks without engines log warnings and errors only (STREAMSYNC_LOG_ALL_RANKS=1: all): N ranks
             # repeating the sender's progress lines bury it.
@@ -715,6 +718,13 @@ class WeightSync:
         if self.observers.on_push is not None:
             _call_hook(self.observers.on_push, report, "on_push")
         return report
+
+    async def _one_version(self, v: int) -> int:
+        """One push has one version on every trainer rank: global rank 0's, the rank with the engines (a rank
+        without engines cannot know what they hold). Called where every rank takes part in the push."""
+        with anyio.fail_after(self.timeout):
+            got = await in_thread(gather_objects, v)
+        return int(got[0])  # type: ignore[call-overload]
 
     def _cast_plan(self, model: object, source: Source, plans: Sequence[ChunkPlan], casts: dict[str, str],
                    budget: int, ref_bytes: int | None) -> tuple[Source, list[ChunkPlan]]:

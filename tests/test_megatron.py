@@ -50,7 +50,7 @@ TWO = [
     Case("qwen3 dp2 (unsharded)", QWEN3, seed=7),
     Case("qwen3 tp2 1 MiB chunks", QWEN3, tp=2, seed=8, chunk_bytes=1 << 20),
     Case("qwen3 tp2 1 MiB chunks per-parameter", QWEN3, tp=2, seed=9, chunk_bytes=1 << 20, bucket_bytes=1),
-    Case("deepseek-v3 tp2", DSV3, tp=2, seed=31, pushes=2),
+    Case("deepseek-v3 tp2 (the engine at v17)", DSV3, tp=2, seed=31, pushes=2, engine_version=17),
     Case("deepseek-v3 ep2", DSV3, ep=2, seed=32),
     Case("deepseek-v3 pp2 (MTP and a copy of the embedding on the last stage)", DSV3_4L, pp=2, seed=33),
     Case("deepseek-v3 no q low rank, tied, tp2", DSV3_NO_Q_LORA, tp=2, seed=34),
@@ -124,6 +124,15 @@ def _expected_events(case: Case, plan: list[list]) -> Counter:
                 groups.add(("ep", dtype))
         want.update((i, g, d) for g, d in groups)
     return want
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES.values() if c.tp * c.pp * c.ep > 1])
+def test_one_push_has_one_version_on_every_rank(request: pytest.FixtureRequest, name: str) -> None:
+    """Ranks without engines cannot know what the engines hold: every rank reports the sender's version."""
+    ranks = _ranks(request, name)
+    assert len({tuple(r["versions"]) for r in ranks}) == 1, [r["versions"] for r in ranks]
+    first = CASES[name].engine_version + 1
+    assert ranks[0]["versions"] == list(range(first, first + CASES[name].pushes))
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -130,6 +130,7 @@ class Case:
     every_rank_sends: bool = False  # each rank pushes into its own receiver (`receivers[f"{name}@{rank}"]`)
     blocking: bool = False  # push through BlockingWeightSync from plain Python (no anyio.run) on every rank
     delta: bool = False  # WeightSync(delta=True); each step then changes about 1 % of the elements (`small_step`)
+    engine_version: int = 0  # the version the sender's engine holds before the first push (others cannot know)
 
 
 @dataclass
@@ -152,6 +153,7 @@ class CaseResult:
     is_sender: bool = False
     delta_modes: list[str | None] = field(default_factory=list)  # per push: "full" / "delta" (None: deltas off)
     wire_bytes: list[int] = field(default_factory=list)          # per push, sender only
+    versions: list[int] = field(default_factory=list)            # per push, as this rank's report says
 
 
 def run_cases(rank: int, world_size: int, cases: Sequence[Case],
@@ -189,6 +191,7 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case],
         def record(i: int, report: PushReport, source: MegatronSource, case: Case = case,
                    res: CaseResult = res) -> None:
             res.collectives.append(report.collectives)
+            res.versions.append(report.version)
             res.delta_modes.append(report.delta.mode if report.delta is not None else None)
             res.wire_bytes.append(report.delta.wire_bytes if report.delta is not None else report.bytes)
             res.setup_collectives.append(source.setup_collectives)
@@ -225,6 +228,8 @@ def run_cases(rank: int, world_size: int, cases: Sequence[Case],
                        engines: list = engines, options: dict = options) -> dict[str, torch.Tensor]:
             sync = WeightSync(engines, chunk_bytes=case.chunk_bytes, timeout=60, source_options=options,
                               delta=case.delta)
+            if engines and case.engine_version:  # the engine already holds this version: only its rank knows
+                sync.version = case.engine_version
             for i in range(case.pushes):
                 # first push: an explicit MegatronSource (to read its counters); later ones: the model itself,
                 # as trainers call it (as_source -> MegatronSource, metadata from the cache)
