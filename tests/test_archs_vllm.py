@@ -40,6 +40,20 @@ STEPS = (1, 2, 3)
 HF_MODULE_STEP = 2  # this push comes from the transformers module itself, the others from megatron-core
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """`megatron_from_hf` makes a world of one in this process: ended after each test (other tests check that
+    the driver's torch.distributed is left as they found it)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def _reference(model_dir: Path, step: int, out: Path) -> Path:
     """The reference after `step`: the transformers model moved by a stand-in step, saved as HF saves it
     (per-expert tensors, the expert bias in float32), beside the tokenizer of `model_dir`."""

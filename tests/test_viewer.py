@@ -359,6 +359,9 @@ async def test_a_vllm_push_draws_the_engine_send_lane(llm, model_dir, browser, t
         assert await page.eval(_bars()) == {**{lane: report.chunks for lane in [*STAGES, "send → llm"]},
                                             "engine llm": len(engine) - 2, "engine llm calls": 2}
         assert float(await page.eval(_field("wall") + ".dataset.value")) == report.seconds * 1e3
+        # a legend says what each phase on the engine's lanes is, one entry per phase drawn
+        legend = await page.eval("[...document.querySelectorAll('.legend .item')].map(e => e.dataset.phase)")
+        assert set(legend) == {s.stage for s in engine}
         await _screenshot(page, img / "viewer-vllm.png")
     finally:
         await runner.cleanup()
