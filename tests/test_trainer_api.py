@@ -96,7 +96,7 @@ async def test_push_takes_state_dicts_pairs_and_wrapped_modules_bit_exact(served
         assert await engine.checksums() == want
 
 
-async def test_a_dtype_mismatch_names_the_option_and_a_dtype_name_fixes_it(served):
+async def test_a_dtype_mismatch_is_cast_by_default_and_strict_dtypes_names_the_option(served):
     import torch
 
     from streamsync.checksum import digests
@@ -104,12 +104,17 @@ async def test_a_dtype_mismatch_names_the_option_and_a_dtype_name_fixes_it(serve
     rp, module = served
     fp32 = {k: v.float() for k, v in module.state_dict().items()}  # an fp32 trainer, a bf16 engine
     engine = rp.engine()
-    async with WeightSync([engine], metrics=None) as sync:
+    want = digests((k, v.to(torch.bfloat16)) for k, v in fp32.items())
+    async with WeightSync([engine], metrics=None, strict_dtypes=True) as sync:
         with pytest.raises(ValidationError, match=r"source_options=\{'dtype': 'bfloat16'\}"):
             await sync.push(fp32)
+    async with WeightSync([engine], metrics=None) as sync:  # as vLLM's loaders cast a checkpoint
+        report = await sync.push(fp32)
+        assert report.casts == {"float32 -> bfloat16": len(fp32)}
+        assert await engine.checksums() == want
     async with WeightSync([engine], metrics=None, source_options={"dtype": "bfloat16"}) as sync:
-        await sync.push(fp32)
-        assert await engine.checksums() == digests((k, v.to(torch.bfloat16)) for k, v in fp32.items())
+        report = await sync.push(fp32)
+        assert report.casts == {} and await engine.checksums() == want
 
 
 @pytest.mark.parametrize("bad, match", [
