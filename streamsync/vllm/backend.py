@@ -70,6 +70,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
         #: layers whose tensors this worker does not load (`extension.mtp_layers`)
         self._declined = mtp_layers(self.model_config.hf_config)
+        self._expert_layers: set[int] = set()  # layers whose experts the round reloaded layerwise
         self.record_digests = False
         self.received_digests: dict[str, str] = {}
         #: copy received tensors straight into the engine's tensors where they can go (`fastpath`); False:
@@ -147,6 +148,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.received_digests = {}
         self._round_version = None
         self._counts = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0]}
+        self._expert_layers = set()  # layers whose experts this round reloaded layerwise
         self._replayed0 = self.graphs.replayed
         self.log.begin()
         with self.log.phase("map"):
@@ -305,6 +307,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         return t.reshape(shape)
 
     def _load_layerwise(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self._expert_layers.update(i for n, _ in weights if ".experts." in n and (i := layer_index(n)) is not None)
         with compat.mtp_check_disabled():
             self.model.load_weights(weights)  # type: ignore[operator]  # nn.Module attribute
 
@@ -332,7 +335,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             plan = rnd.plan if rnd is not None else None
             if self._armed:
                 finalize_layerwise_reload(self.model, self.model_config)
-                relayout_reloaded_experts(plan.arm if plan is not None else [self.model])
+                relayout_reloaded_experts(self.model, self._expert_layers)
             self._armed = False
             if plan is None:
                 refresh_shared_kernels(self.model)

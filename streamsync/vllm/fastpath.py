@@ -310,26 +310,24 @@ def _expert_layout(layer: torch.nn.Module) -> bool:
     return True
 
 
-def relayout_reloaded_experts(modules: Iterable[torch.nn.Module]) -> int:
-    """After vLLM's layerwise reload of `modules`: put their unquantized experts into their kernel's layout
-    (`_expert_layout`), in the tensors the kernels hold. Returns the number of expert modules laid out."""
+def relayout_reloaded_experts(model: torch.nn.Module, layers: set[int]) -> int:
+    """After vLLM's layerwise reload: put the unquantized experts of `layers` (those whose expert tensors the round
+    reloaded; experts it did not reach are in their kernel's layout already and must not be laid out twice) into
+    their kernel's layout (`_expert_layout`), in the tensors the kernels hold. Returns the modules laid out."""
     done = 0
-    seen: set[int] = set()
+    if not layers:
+        return done
     with torch.no_grad():
-        for top in modules:
-            for layer in top.modules():
-                if id(layer) in seen:
-                    continue
-                seen.add(id(layer))
-                live = {n: p for n, p in layer._parameters.items() if p is not None}
-                if "w13_weight" not in live or not _expert_layout(layer):
-                    continue
-                for name, p in live.items():
-                    new = layer._parameters.get(name)
-                    if new is not None and new is not p and new.shape == p.shape and new.dtype == p.dtype:
-                        p.data.copy_(new)  # keep the tensors the kernel (and any graph) holds
-                        layer.register_parameter(name, p)
-                done += 1
+        for name, layer in model.named_modules():
+            live = {n: p for n, p in layer._parameters.items() if p is not None}
+            if "w13_weight" not in live or layer_index(name) not in layers or not _expert_layout(layer):
+                continue
+            for pname, p in live.items():
+                new = layer._parameters.get(pname)
+                if new is not None and new is not p and new.shape == p.shape and new.dtype == p.dtype:
+                    p.data.copy_(new)  # keep the tensors the kernel (and any graph) holds
+                    layer.register_parameter(pname, p)
+            done += 1
     return done
 
 
