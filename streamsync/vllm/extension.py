@@ -13,8 +13,9 @@ entry point (extensions are imported before the worker is built).
 from __future__ import annotations
 
 import json
+import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,18 +69,49 @@ def weight_digests(model: torch.nn.Module,
                     w = _probe_linear(mod)
                     if w is not None:
                         out[name] = digest(w)
+            # MLA's absorbed matrices, derived from kv_b_proj after loading: Parameters of the attention layer
+            # in newer vLLM (above), plain attributes of the layer or its backend's impl in older ones
+            impl = getattr(mod, "impl", None)
+            for holder in (mod, impl):
+                for attr, t in (vars(holder).items() if hasattr(holder, "__dict__") else ()):
+                    key = f"{mod_name}.{attr}" if mod_name else attr
+                    if attr.startswith("W_") and isinstance(t, torch.Tensor) and t.numel() and key not in out:
+                        out[key] = digest(t.contiguous())
     return out
 
 
+_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
 def expected_digests(hf: Mapping[str, torch.Tensor], packed: Mapping[str, list[str]],
-                     tied: bool = False, digest: Callable[[torch.Tensor], str] = tensor_digest) -> dict[str, str]:
-    """Digests of HF tensors fused the way vLLM stores them (e.g. q/k/v rows concatenated into qkv_proj), by
-    the same `digest` as the engine's (`weight_digests`)."""
+                     tied: bool = False, digest: Callable[[torch.Tensor], str] = tensor_digest,
+                     engine_names: Iterable[str] = ()) -> dict[str, str]:
+    """Digests of HF tensors fused the way vLLM stores them (e.g. q/k/v rows concatenated into qkv_proj, routed
+    experts stacked into `w13_weight` / `w2_weight` as an unquantized FusedMoE holds them on the GPU), by the same
+    `digest` as the engine's (`weight_digests`). `engine_names`: the engine's parameter names, where its stacked
+    experts sit below the checkpoint's `experts` module (a runner's `routed_experts` child in some vLLM releases)."""
     out: dict[str, str] = {}
     used: set[str] = set()
+    # routed experts, stacked as FusedMoE holds them unquantized: w13 = [gate; up] per expert, w2 = down
+    experts: dict[str, dict[str, dict[int, str]]] = {}
+    for name in hf:
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault(m["layer"], {}).setdefault(m["proj"], {})[int(m["e"])] = name
+    names = sorted(engine_names)
+    for layer, projs in experts.items():
+        ids = sorted(projs.get("down_proj", {}))
+        if not ids or any(sorted(projs.get(k, {})) != ids for k in ("gate_proj", "up_proj")):
+            continue
+        w13, w2 = (next((n for n in names if n.startswith(f"{layer}.") and n.endswith(f".{w}")), f"{layer}.{w}")
+                   for w in ("w13_weight", "w2_weight"))
+        out[w13] = digest(torch.stack(
+            [torch.cat([hf[projs["gate_proj"][e]], hf[projs["up_proj"][e]]]) for e in ids]))
+        out[w2] = digest(torch.stack([hf[projs["down_proj"][e]] for e in ids]))
+        used.update(n for v in projs.values() for n in v.values())
     for fused, parts in packed.items():
         for name in hf:
-            if f".{parts[0]}." not in name:
+            if f".{parts[0]}." not in name or name in used:
                 continue
             names = [name.replace(f".{parts[0]}.", f".{p}.") for p in parts]
             if all(n in hf for n in names):
@@ -181,6 +213,11 @@ class StreamSyncWorkerExtension:
         """`device` "1": `checksum.device_digest`s, computed on the GPU (collective_rpc over HTTP passes strings)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         return weight_digests(model, device_digest if device == "1" else tensor_digest)
+
+    def streamsync_weight_dtypes(self) -> dict[str, str]:
+        """vLLM parameter name -> the dtype the worker holds it in (a float32 router gate in a bf16 model)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {n: str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters()}
 
     def streamsync_expected_weights(self) -> dict[str, tuple[str, list[int]]] | None:
         """What a push into this engine must carry (checked by the sender before any byte moves)."""
