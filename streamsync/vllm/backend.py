@@ -337,6 +337,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                 finalize_layerwise_reload(self.model, self.model_config)
                 relayout_reloaded_experts(self.model, self._expert_layers)
             self._armed = False
+            for mod in plan.derive if plan is not None else ():
+                mod.process_weights_after_loading(self.model_config.dtype)  # type: ignore[operator]
             if plan is None:
                 refresh_shared_kernels(self.model)
             else:  # the modules to refresh are found once per plan (a walk over every module)
@@ -351,7 +353,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         return self.log.report(
             path="fast" if fast and not slow else "layerwise" if slow and not fast else "mixed" if fast else "none",
             fast_tensors=fast, layerwise_tensors=slow, fast_bytes=self._counts["fast"][1],
-            layerwise_bytes=self._counts["layerwise"][1], rebuilt_modules=rnd.rebuilt if rnd is not None else 0,
+            layerwise_bytes=self._counts["layerwise"][1],
+            rebuilt_modules=rnd.rebuilt + len(rnd.plan.derive) if rnd is not None else 0,
             traced=self._traced, fast_path=self.fast_path, replayed_chunks=self.graphs.replayed - self._replayed0,
             replayed_tensors=self._counts["replayed"][0])
 

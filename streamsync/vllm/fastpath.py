@@ -25,6 +25,10 @@ for unquantized weights, mostly overhead. The fast path keeps the copies and dro
   `process_weights_after_loading` as soon as every element arrived, and copied into the tensors the kernels
   hold (their addresses stay, as CUDA graphs need): what layerwise reload does for that module, without the
   loaders and the meta round trip of every other module.
+  `DERIVE`: an attention layer that loads nothing itself but derives matrices from a child's weight (MLA's
+  absorbed `W_UK_T` / `W_UV`, from an unquantized `kv_b_proj`, on CUDA): the child takes its own path, and the
+  layer's own `process_weights_after_loading` derives them again at the round's end (in place: their addresses
+  stay).
   `LAYERWISE`: everything else (quantized methods, attention layers, untraceable loaders, modules whose tensors
   are not completely loaded): armed for vLLM's layerwise reload at the round's start, alone.
 * **The map is cached per engine layout**: the tensors every traced module holds (identity, address, shape,
@@ -64,6 +68,7 @@ Weights = Iterable[tuple[str, torch.Tensor]]
 class Mode(enum.Enum):
     COPY = "copy"
     REBUILD = "rebuild"
+    DERIVE = "derive"
     LAYERWISE = "layerwise"
 
 
@@ -360,6 +365,8 @@ def module_mode(mod: torch.nn.Module) -> tuple[Mode, str]:
     from vllm.platforms import current_platform
 
     if compat.deferred_attention(mod):
+        if _plain_mla(mod, UnquantizedLinearMethod, current_platform.is_cuda_alike()):
+            return Mode.DERIVE, "MLA attention: its absorbed matrices are derived from kv_b_proj at the round's end"
         return Mode.LAYERWISE, "attention layer (processed after every other layer)"
     method = getattr(mod, "quant_method", None)
     if method is None:
@@ -377,6 +384,17 @@ def module_mode(mod: torch.nn.Module) -> tuple[Mode, str]:
     if kind.__name__ in _ONLINE_FP8:
         return Mode.REBUILD, f"{kind.__name__}: quantized from the new bf16 weights by its own processing"
     return Mode.LAYERWISE, f"{kind.__name__}: quantized or not known to the fast path"
+
+
+def _plain_mla(mod: torch.nn.Module, unquantized: type, cuda: bool) -> bool:
+    """An MLA attention layer whose processing only derives bf16/fp16 matrices from an unquantized kv_b_proj (no
+    quantized bmm, no scales of its own to load): on CUDA, where kv_b_proj's own processing is a no-op."""
+    kv_b = getattr(mod, "kv_b_proj", None)
+    return (cuda and kv_b is not None and type(getattr(kv_b, "quant_method", None)) is unquantized
+            and getattr(mod, "quant_config", None) is None
+            and not any(getattr(mod, f, False) for f in ("is_aiter_triton_fp4_bmm_enabled",
+                                                          "is_aiter_triton_fp8_bmm_enabled"))
+            and not getattr(mod, "dcp_q_replicate", False))
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -416,6 +434,7 @@ class Plan:
     methods: list[tuple[torch.nn.Module, type | None]]
     untraced: dict[str, str]
     written: frozenset[str]  # modules some name writes
+    derive: tuple[torch.nn.Module, ...] = ()  # DERIVE modules: processed again at every round's end
     _check: _KeyCheck | None = field(default=None, repr=False, compare=False)
 
     def current(self) -> bool:
@@ -501,6 +520,10 @@ def build_plan(model: torch.nn.Module, traced: Traced) -> Plan:
         if modes[module][0] is not Mode.LAYERWISE:
             modes[module] = (Mode.LAYERWISE, why)
 
+    for mname in writers:
+        if modes[mname][0] is Mode.DERIVE:
+            demote(mname, "an attention layer whose own tensors a push loads")
+
     for name, why in traced.failed.items():
         li = layer_index(name)
         for mname in mods:
@@ -571,8 +594,9 @@ def build_plan(model: torch.nn.Module, traced: Traced) -> Plan:
             key.append((mods[t.module], t.tensor, now, now.data_ptr(), tuple(now.shape), tuple(now.stride())))
     methods: list[tuple[torch.nn.Module, type | None]] = [
         (mods[m], type(_quant_method(mods[m]))) for m in writers]
+    derive = tuple(mods[m] for m, (mode, _) in modes.items() if mode is Mode.DERIVE)
     return Plan(ops, modes, rebuilt, arm, frozenset(slow), fusions, shapes, key, methods, dict(traced.failed),
-                frozenset(writers))
+                frozenset(writers), derive)
 
 
 def _parents(name: str) -> list[str]:
