@@ -30,7 +30,7 @@ from streamsync.checksum import digests  # noqa: E402
 from streamsync.engines.vllm import VllmEngine, engine_kwargs  # noqa: E402
 from streamsync.models.megatron import export_hf_async, hf_config, megatron_from_hf  # noqa: E402
 from streamsync.models.tiny import TINY, make_tiny  # noqa: E402
-from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, trainer_from  # noqa: E402
+from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, reference_checkpoint, trainer_from  # noqa: E402
 from streamsync.verify import check_prompts, compare_engines  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -54,15 +54,7 @@ def _no_process_group_left():
         dist.destroy_process_group()
 
 
-def _reference(model_dir: Path, step: int, out: Path) -> Path:
-    """The reference after `step`: the transformers model moved by a stand-in step, saved as HF saves it
-    (per-expert tensors, the expert bias in float32), beside the tokenizer of `model_dir`."""
-    module = trainer_from(model_dir, step)
-    module.save_pretrained(out, safe_serialization=True)
-    for f in model_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy2(f, out / f.name)
-    return out
+_reference = reference_checkpoint
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

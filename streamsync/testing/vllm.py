@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +42,19 @@ def trainer_from(model_dir: str | os.PathLike, step: int) -> torch.nn.Module:
     m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
     perturb_(m, step)
     return m
+
+
+def reference_checkpoint(model_dir: str | os.PathLike, step: int, out: str | os.PathLike) -> Path:
+    """The reference after `step` (`trainer_from`) saved as transformers saves it (per-expert tensors, a router's
+    expert bias in float32) into `out`, beside the tokenizer of `model_dir`: what a push of that step must leave
+    in an engine, and what an engine started on it loads."""
+    module = trainer_from(model_dir, step)
+    out = Path(out)
+    module.save_pretrained(out, safe_serialization=True)
+    for f in Path(model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(f, out / f.name)
+    return out
 
 
 def greedy(llm: Any, prompt_ids: Sequence[int], n: int = 12) -> tuple[list[int], list[float]]:
