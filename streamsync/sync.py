@@ -100,8 +100,8 @@ class WeightSync:
         self._architectures: dict[str, tuple[str, ...]] = {}  # engine -> the model classes it serves
         self._messages = Messages([None] * len(self.engines))
         self._lock = anyio.Lock()
-        #: engines found paused at connect, by another client (a trainer that died inside `paused()`): resumed
-        #: after the next successful push, so they never hang their requests silently
+        #: engines found paused at connect (by a trainer that died inside `paused()`) or kept paused by `paused()`
+        #: after a failed push: resumed by the next successful push, so they never hang their requests silently
         self._stale_paused: set[str] = set()
         self._pausing = False  # inside `paused()`: its exit resumes every engine
         self._loop: object | None = None  # the event loop `connect` ran in
@@ -874,10 +874,11 @@ class WeightSync:
                 keep = set() if not failed or resume_on_failure else set(self.mixed) | self.open_rounds
                 if keep:
                     self.log.warning("engines left paused after a failed push (mixed weights or an open round); "
-                                     "a successful push and resume(), or resume_on_failure=True, serves again",
+                                     "the next successful push resumes them (resume_on_failure=True: at once)",
                                      engines=sorted(keep))
                 await group.resume([e for e in self.engines if e.name not in keep])
-                self._stale_paused -= {e.name for e in self.engines if e.name not in keep}
+                # the next push that makes them whole resumes them, inside paused() or not
+                self._stale_paused = (self._stale_paused - {e.name for e in self.engines}) | keep
 
 
 def _call_hook(hook: Callable[[Any], object], arg: object, name: str, *, warn: bool = True, **where: object) -> bool:

@@ -177,6 +177,21 @@ async def test_paused_keeps_an_engine_with_mixed_weights_paused(rx, qwen_model):
     await sync.close()
 
 
+async def test_an_engine_kept_paused_by_a_failed_push_is_resumed_by_the_next_whole_push_outside_paused(
+        rx, qwen_model):
+    engine = rx.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK, max_inflight=1, faults={"pack": 4})
+    with pytest.raises(PushError):
+        async with sync.paused():
+            await sync.push(qwen_model)
+    assert (await engine.call("status"))["paused"] is True
+    sync.faults.clear()
+    report = await sync.push(qwen_model)  # whole again: its requests must not hang
+    state = await engine.state()
+    assert state.paused is False and state.mixed is False and state.version == report.version
+    await sync.close()
+
+
 async def test_paused_resumes_an_engine_with_mixed_weights_when_asked(rx, qwen_model):
     engine = rx.engine()
     sync = WeightSync([engine], chunk_bytes=CHUNK, max_inflight=1, faults={"pack": 4})  # 0-3 applied
