@@ -159,3 +159,20 @@ def test_engines_on_the_trainers_node_but_other_gpus_go_over_nvlink():
     assert own.bound["kind"] == "copy" and other.bound["kind"] == "nvlink-tx"
     assert other.seconds == pytest.approx(other.plan_bytes / 100e9)
     assert main(["plan", "qwen3-8b", "--colocated", "--engine-first-gpu", "-1"]) == 2
+
+
+def test_one_host_mode_uses_no_nic_and_every_prediction_says_what_it_assumed_and_how_to_calibrate(capsys):
+    """A trainer and its engines on one machine go over NVLink (or the host), never a NIC; the output names the
+    placement and rates it assumed and, until CPU costs are given, how to measure them."""
+    assert main(["plan", "qwen3-8b", "--trainer", "tp=2", "--engine-tp", "2", "--json"]) == 0
+    apart = json.loads(capsys.readouterr().out)
+    assert apart["bound"]["kind"].startswith("nic") and "separate nodes" in apart["assumed"]["assumed"]
+    assert "benchmarks.sharded" in apart["assumed"]["calibrate"]
+    assert main(["plan", "qwen3-8b", "--trainer", "tp=2", "--engine-tp", "2", "--one-host", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["link_bytes"]["inter-node"] == 0 and not one["bound"]["kind"].startswith("nic")
+    assert "one machine" in one["assumed"]["assumed"] and one["predicted_s"] < apart["predicted_s"]
+    assert main(["plan", "qwen3-8b", "--one-host", "--cpu-cores", "2", "--host-gbyte", "2",
+                 "--cpu-tx-ns", "0.5", "--cpu-rx-ns", "0.5"]) == 0
+    text = capsys.readouterr().out
+    assert "2 CPU cores" in text and "calibrate" not in text

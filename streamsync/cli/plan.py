@@ -24,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-per-node", type=int, default=8, help="engine GPUs per node")
     p.add_argument("--colocated", action="store_true",
                    help="engine GPUs are the trainer's GPUs (worker g on rank g's GPU + --engine-first-gpu)")
+    p.add_argument("--one-host", action="store_true",
+                   help="trainer and engines on this one machine (no NIC between them; a CPU host: with "
+                   "--cpu-cores and --host-gbyte); default: trainer and engines on separate nodes")
     p.add_argument("--engine-first-gpu", type=int, default=0,
                    help="with --colocated: the trainer GPU of worker 0 (e.g. 4: trainer on GPUs 0-3, engines on 4-7)")
     p.add_argument("--nic-gbit", "--nic-gbps", dest="nic_gbit", type=float, default=400.0,
@@ -62,12 +65,38 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_shape(args.model)
     if args.dtype:
         cfg["torch_dtype"] = args.dtype
+    links = Links(**{f.name: getattr(args, f.name) for f in fields(Links)})
     pred = predict(Shape(cfg), Trainer.parse(args.trainer, args.trainer_per_node),
                    Engines(args.engines, args.engine_tp, args.engine_ep, args.engine_per_node, args.engine_first_gpu),
-                   Links(**{f.name: getattr(args, f.name) for f in fields(Links)}),
-                   name=args.model, bucket_bytes=int(args.bucket_mib * (1 << 20)), full=args.full)
-    print(json.dumps(pred.summary(), indent=2) if args.json else render(pred))
+                   links, name=args.model, bucket_bytes=int(args.bucket_mib * (1 << 20)), full=args.full)
+    said = assumed(links, args)
+    if args.json:
+        print(json.dumps({**pred.summary(), "assumed": {k: v.strip() for k, _, v in
+                                                        (line.partition(" ") for line in said)}}, indent=2))
+    else:
+        print(render(pred) + "\n" + "\n".join(said))
     return 0
+
+
+def assumed(lk: Links, args: argparse.Namespace) -> list[str]:
+    """What the prediction assumed, in words, and how to replace the assumptions with this machine's rates."""
+    where = ("trainer and engines on one machine" if lk.one_host else
+             "engines on the trainer's GPUs (colocated)" if lk.colocated else
+             f"trainer and engines on separate nodes ({args.trainer_per_node} trainer / {args.engine_per_node} "
+             "engine GPUs a node), linked by NICs")
+    rates = (f"NIC {lk.nic_gbit:g} Gbit/s per GPU, NVLink {lk.nvlink_gbyte:g} GB/s, same-GPU {lk.copy_gbyte:g} GB/s"
+             + (f", host {lk.host_gbyte:g} GB/s" if lk.host_gbyte else "")
+             + (f", {lk.cpu_cores} CPU cores a node shared by its processes" if lk.cpu_cores else ", no CPU bound")
+             + (f", finite check {lk.check_gbyte:g} GB/s" if lk.check_gbyte else ", no finite check"))
+    calibrated = any(getattr(lk, f.name) != f.default for f in fields(Links)
+                     if f.name.startswith("cpu_") and f.name != "cpu_cores")
+    lines = [f"assumed          {where}; {rates}"]
+    if not calibrated:
+        lines.append("calibrate        these are default rates, not this machine's: pass your links' rates "
+                     "(--nic-gbit, --nvlink-gbyte, --copy-gbyte); on a CPU host, --one-host --cpu-cores N and the "
+                     "--host-gbyte, --check-gbyte and --cpu-* values that `python -m benchmarks.sharded` (a "
+                     "checkout) measures and fits on that host (its JSON; docs/scale.md)")
+    return lines
 
 
 def _gb(b: float) -> str:

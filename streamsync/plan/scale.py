@@ -117,7 +117,9 @@ class Engines:
 
 @dataclass(frozen=True)
 class Links:
-    """Link rates (module doc). colocated: engine worker g (counting over all engines) on trainer rank g's GPU."""
+    """Link rates (module doc). colocated: engine worker g (counting over all engines) on trainer rank g's GPU.
+    one_host: every trainer rank and engine worker on one machine (no NIC between them: NVLink between GPUs, or
+    on a CPU host the host itself, `host_gbyte` and `cpu_cores`)."""
 
     nic_gbit: float = 400.0
     nvlink_gbyte: float = 450.0
@@ -125,6 +127,7 @@ class Links:
     host_gbyte: float | None = None
     bucket_latency_us: float = 0.0
     colocated: bool = False
+    one_host: bool = False
     #: a CPU host (gloo on shared cores): every process of a node shares `cpu_cores`, and each costs CPU time per
     #: byte it sends (`cpu_tx_ns`: its pack copy and its side of the wire) or receives (`cpu_rx_ns`: its side of
     #: the wire, assembling, loading); a trainer rank per push whatever it sends (`cpu_push_us`: the pipeline's
@@ -409,9 +412,11 @@ def _time(plan: ShardPlan, shape: Shape, name: str, trainer: Trainer, engines: E
         return engines.first_gpu + int(engine[1:]) * per_engine + worker
 
     def node_of_rank(r: int) -> int:
-        return r // trainer.per_node
+        return 0 if links.one_host else r // trainer.per_node
 
     def node_of_worker(g: int) -> int:
+        if links.one_host:
+            return 0
         return g // engines.per_node if links.colocated else t_nodes + g // engines.per_node
 
     nic, nvl, cpy = links.nic_gbit * GB / 8, links.nvlink_gbyte * GB, links.copy_gbyte * GB
