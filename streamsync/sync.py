@@ -104,6 +104,9 @@ class WeightSync:
         #: after a failed push: resumed by the next successful push, so they never hang their requests silently
         self._stale_paused: set[str] = set()
         self._pausing = False  # inside `paused()`: its exit resumes every engine
+        #: engines that took weights no finite check vouched for: their KV caches are scrubbed after the next
+        #: checked push (`_scrub_kv_caches`)
+        self._unchecked: set[str] = set()
         self._loop: object | None = None  # the event loop `connect` ran in
 
     # -- options, as attributes (each assignment re-checks its group) ----------------------------------
@@ -598,6 +601,8 @@ class WeightSync:
                     time_limit: float | None, delta: DeltaPush | None = None) -> PushReport:
         log = get_logger()
         source.begin_push()
+        if not self.checks.check_finite:  # weights no check vouched for: served, they may leave NaN in KV caches
+            self._unchecked |= {e.name for e in self.engines}
         trace = Trace(push_id)
         total = sum(p.nbytes for p in plans)
         trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
@@ -646,9 +651,35 @@ class WeightSync:
             await self._failed(err, job, group, rounds, trace)
             raise err
         report = self._succeeded(job, source, cache_reset, engine_rounds)
+        if self._unchecked and self.checks.check_finite:
+            await self._scrub_kv_caches()
         if self._stale_paused and not self._pausing:
             await self._resume_stale()
         return report
+
+    async def _scrub_kv_caches(self) -> None:
+        """After checked weights replaced weights pushed without the finite check: zero the KV caches those
+        engines may hold NaN in (requests served from non-finite weights leave NaN in freed blocks, and a block
+        reused by a later request poisons it: the engine answers empty text until it restarts). Only an engine
+        no request holds cache blocks in can be scrubbed; the others are named, with what to do."""
+        for e in [e for e in self.engines if e.name in self._unchecked]:
+            clear = getattr(e, "clear_kv_cache", None)
+            if clear is None:
+                self._unchecked.discard(e.name)
+                continue
+            try:
+                with anyio.fail_after(self.timeout):
+                    bad = await clear()
+            except (StreamSyncError, TimeoutError) as err:
+                self.log.warning("weights pushed without the finite check were replaced, but the engine's KV "
+                                 "cache could not be scrubbed (requests hold cache blocks?): pause with "
+                                 "mode='abort' or 'wait' around the next push, or call engine.clear_kv_cache()",
+                                 engine=e.name, error=str(err))
+                continue
+            self._unchecked.discard(e.name)
+            (self.log.warning if bad else self.log.info)(
+                "KV cache scrubbed after weights pushed without the finite check were replaced", engine=e.name,
+                nonfinite_values=bad)
 
     async def _resume_stale(self) -> None:
         """Resume the engines found paused at connect, now that they hold a whole version; a resume that

@@ -209,3 +209,29 @@ async def test_after_nan_weights_were_served_clearing_the_kv_cache_restores_the_
         check = await verify_outputs(engine, ref, long_prompt(TINY_QWEN3["vocab_size"], n, seed=n))
         assert check.ok, f"{n}-token prompt: {check}"
     await sync.close()
+
+
+async def test_a_checked_push_replacing_unchecked_weights_scrubs_the_kv_cache_nan_left(llm, model_dir):
+    """The same damage, repaired by the push itself: weights pushed without the finite check were served with
+    NaN, then good weights are pushed with the check on (the default), in `paused(mode="abort")`; the push zeroes
+    the engine's KV cache and the engine generates what the reference does, with no call of the user's."""
+    from dataclasses import replace
+
+    engine = VllmEngine(llm, name="llm")
+    sync = WeightSync([engine], chunk_bytes=1 << 20, check_finite=False)
+    bad = trainer_from(model_dir, 112)
+    with torch.no_grad():
+        bad.model.layers[0].mlp.down_proj.weight[2, 7] = float("nan")
+    await sync.push(bad)
+    _, logprobs = await engine.greedy(PROMPT, 4)
+    assert all(lp != lp for lp in logprobs)
+    sync.checks = replace(sync.checks, check_finite=True)
+    good = trainer_from(model_dir, 113)
+    async with sync.paused(mode="abort"):
+        await sync.push(good)
+    assert await engine.clear_kv_cache() == 0  # the push scrubbed it: no NaN left in cache memory
+    ref = load_reference(model_dir, good.state_dict())
+    for n in (3, 20, 150):
+        check = await verify_outputs(engine, ref, long_prompt(TINY_QWEN3["vocab_size"], n, seed=n))
+        assert check.ok, f"{n}-token prompt: {check}"
+    await sync.close()
