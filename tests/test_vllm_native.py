@@ -80,3 +80,47 @@ def test_a_client_without_the_four_methods_is_refused_naming_them():
 
     with pytest.raises(ValidationError, match=r"has no start_weight_update\(\)"):
         ClientEngine(type("Half", (), {"init_weight_transfer_engine": lambda self, i: None})())
+
+
+async def test_a_restarted_trainer_moves_the_engines_version_forward(server, model_dir):
+    """Each `trainer_init` is a new trainer process's: it reads the engine's version through the client's server
+    and pushes the one after it, never starting at 1 again."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from streamsync.vllm.trainer import StreamSyncTrainerInitInfo
+
+    reader = VllmHttpEngine(server.url, name="check")
+    trainer = trainer_from(model_dir, step=64)
+    seen = []
+    try:
+        for _restart in range(2):
+            engine = await anyio.to_thread.run_sync(lambda: factory.WeightTransferTrainerFactory.trainer_init(
+                StreamSyncTrainerInitInfo(rank=0, device="cpu"), client=HTTPVLLMWeightSyncClient(server.url),
+                source=_Pairs(trainer)))
+            try:
+                before = await reader.get_version()
+                await anyio.to_thread.run_sync(engine.send_weights)
+                seen.append((before, await reader.get_version()))
+            finally:
+                await anyio.to_thread.run_sync(engine.shutdown)
+        (b0, a0), (b1, a1) = seen
+        assert a0 == (b0 or 0) + 1 and b1 == a0 and a1 == a0 + 1, seen
+        assert await _holds(server.url, trainer)
+    finally:
+        await reader.close()
+
+
+async def test_a_call_the_engine_refuses_reaches_the_trainer_with_the_engines_reason(server):
+    """vLLM's HTTP client raises a bare `500 Internal Server Error`; the engine's answer names why."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from streamsync.errors import EngineError
+    from streamsync.vllm.trainer import ClientEngine
+
+    engine = ClientEngine(HTTPVLLMWeightSyncClient(server.url), name="serve")
+    try:
+        with pytest.raises(EngineError, match=r"serve.*update_weights refused: HTTP 5\d\d: .*\w") as got:
+            await engine._call("update_weights", {"streamsync": {"chunk": 0}})  # no round is open
+        assert "Internal Server Error for url" not in str(got.value)
+    finally:
+        await engine.close()

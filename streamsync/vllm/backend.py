@@ -93,6 +93,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.keeps_version = not compat.native_weight_version()
         self.weight_version = "default"  # vLLM's own initial version string
         self._round_version: str | None = None  # the version the open round's chunks carry
+        self._initialized = False  # init_weight_transfer_engine was called
 
     @staticmethod
     def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
@@ -110,6 +111,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self._round_version = None
 
     def init_transfer_engine(self, init_info: StreamSyncInitInfo) -> None:
+        self._initialized = True
         info = dict(init_info.streamsync)
         self.record_digests = bool(info.pop("record_digests", False))
         self.fast_path = bool(info.pop("fast_path", True))
@@ -138,6 +140,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        if not self._initialized:
+            raise RuntimeError("streamsync: start_weight_update before init_weight_transfer_engine: initialize the "
+                               "weight transfer first (the trainer's connect does)")
         if self._reloading:  # a previous round failed half-way; its buffered layers are dropped
             self.last_round = self._report(self._end_round())
         if self.rx.updating:  # vLLM ended that round (an update raised): it is over here too

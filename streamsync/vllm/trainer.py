@@ -13,9 +13,12 @@ Ray actors, or any object with those four methods) and pushes through a `Blockin
 planned, packed and streamed as in any streamsync push. Where vLLM has no trainer-side registry (0.25.x),
 `StreamSyncWeightTransferEngine.trainer_send_weights(iterator, trainer_args)` is the entry point of that shape.
 
-What the client cannot do, this path does not either: it cannot read the engine's version or weights back, so
-the checks that need them (names and shapes before bytes move, versions seen at connect) are skipped; a
-streamsync engine client (`VllmHttpEngine`, `RayVllmEngine`, `VllmEngine`) does all of them.
+What the client cannot do, this path does not either: it cannot read the engine's weights back, so the checks
+that need them (names and shapes before bytes move) are skipped; a streamsync engine client (`VllmHttpEngine`,
+`RayVllmEngine`, `VllmEngine`) does all of them. Versions move forward across trainer restarts where the
+client names its server (vLLM's HTTP client: `base_url`): the engine's version is read from it at connect, and
+the next push takes the one after it. A call the engine refuses raises naming the engine's own reason (the
+server's answer body), not a bare HTTP status.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ class ClientEngine(Engine):
     worker thread). `device`: where the engine's workers run, which picks the transport ("cpu": shared memory,
     "cuda": CUDA IPC, both on this host)."""
 
-    def __init__(self, client: Any, *, name: str = "vllm-client", device: str = "cpu", timeout: float = 300.0) -> None:
+    def __init__(self, client: Any, *, name: str = "vllm-client", device: str = "cpu", timeout: float = 300.0,
+                 api_key: str | None = None) -> None:
         for method in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
             if not callable(getattr(client, method, None)):
                 raise ValidationError(f"client {type(client).__name__} has no {method}(): a VLLMWeightSyncClient "
@@ -49,6 +53,13 @@ class ClientEngine(Engine):
         self.name = name
         self.device = device
         self.timeout = timeout
+        #: the server behind an HTTP client, read for the engine's version and state (the client has no read)
+        self.reader: Engine | None = None
+        url = getattr(client, "base_url", None)
+        if isinstance(url, str) and url.startswith(("http://", "https://")):
+            from ..engines.vllm import VllmHttpEngine
+
+            self.reader = VllmHttpEngine(url, name=name, timeout=timeout, device=device, api_key=api_key)
 
     async def _call(self, what: str, *args: Any) -> None:
         try:
@@ -57,7 +68,7 @@ class ClientEngine(Engine):
         except TimeoutError:
             raise EngineError(self.name, f"{what}: no reply in {self.timeout:.1f} s") from None
         except Exception as e:
-            raise EngineError(self.name, f"{what} failed: {type(e).__name__}: {e}") from e
+            raise EngineError(self.name, f"{what} refused: {_reason(e)}") from e
 
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
         await self._call("init_weight_transfer_engine", {BACKEND: init_info})
@@ -75,10 +86,34 @@ class ClientEngine(Engine):
         await self._call("finish_weight_update", f"mixed:{'' if version is None else version}")
 
     async def get_version(self) -> int | None:
-        return None  # a client has no read of the engine's version
+        return None if self.reader is None else await self.reader.get_version()
 
     async def state(self) -> EngineState:
-        return EngineState(None)
+        return EngineState(None) if self.reader is None else await self.reader.state()
+
+    async def close(self) -> None:
+        if self.reader is not None:
+            await self.reader.close()
+
+
+def _reason(err: BaseException) -> str:
+    """What the engine said when it refused a call: the HTTP answer's body (vLLM's JSON error names the reason;
+    `requests`' own message holds only the status), else the exception itself."""
+    import json
+
+    response = getattr(err, "response", None)
+    text = getattr(response, "text", None)
+    if isinstance(text, str) and text:
+        status = getattr(response, "status_code", "?")
+        try:
+            body = json.loads(text)
+        except ValueError:
+            return f"HTTP {status}: {text[:500]}"
+        said = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
+        if isinstance(said, dict):
+            said = said.get("message", said)
+        return f"HTTP {status}: {str(said)[:500]}"
+    return f"{type(err).__name__}: {err}"
 
 
 def _try_vllm_base() -> tuple[type, type] | None:
