@@ -31,6 +31,8 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .engines.base import Engine
 from .errors import StreamSyncError
+from .interrupts import Terminated, sigterm_raises
+from .log import get_logger
 from .report import PushReport
 from .sync import WeightSync
 from .transports.base import Transport
@@ -38,7 +40,15 @@ from .transports.base import Transport
 T = TypeVar("T")
 
 
-def _stop(cm: AbstractContextManager[BlockingPortal]) -> None:
+def _stop(cm: AbstractContextManager[BlockingPortal], portal: BlockingPortal | None = None,
+          sync: WeightSync | None = None) -> None:
+    """Stop the loop thread; given the sync, close it on its loop first (a sync dropped without close(), or the
+    interpreter exiting after an interrupt: engine sessions and sockets are closed, not left to the collector)."""
+    if portal is not None and sync is not None:
+        try:
+            portal.call(sync.close)
+        except BaseException as e:
+            get_logger().warning("closing the sync at exit failed", error=f"{type(e).__name__}: {e}")
     cm.__exit__(None, None, None)
 
 
@@ -60,8 +70,35 @@ class BlockingWeightSync:
     # -- the background loop ---------------------------------------------------------------------------
 
     def _run(self, fn: Callable[..., Awaitable[T]], *args: Any, what: str) -> T:
+        """Run `fn` on the loop and wait. An interrupt while waiting (Ctrl-C, SIGTERM: `interrupts`, an exception
+        raised into this thread) cancels `fn` there and waits, bounded, for it to end (a push's cancellation ends
+        its round on every engine) before the interrupt goes on: an engine is never left in an open round."""
         _refuse_inside_event_loop(what)
-        return self._ensure_portal().call(fn, *args)
+        portal = self._ensure_portal()
+        ended = threading.Event()
+
+        async def call() -> T:
+            try:
+                return await fn(*args)
+            finally:
+                ended.set()
+
+        future = portal.start_task_soon(call)
+        try:
+            with sigterm_raises():
+                return future.result()
+        except BaseException as interrupt:
+            if future.done():
+                raise
+            future.cancel()  # cancels the task on the loop: its cleanup (the rounds' abort) runs now
+            bound = self.sync.timeout + self.sync.abort_timeout
+            if ended.wait(bound):
+                get_logger().error(f"{what} interrupted ({_named(interrupt)}); its round was ended",
+                                   engines_mixed=sorted(self.sync.mixed))
+            else:
+                get_logger().error(f"{what} interrupted ({_named(interrupt)}); its cancellation did not finish "
+                                   f"within {bound:.0f} s", engines_open=sorted(self.sync.open_rounds))
+            raise
 
     def _ensure_portal(self) -> BlockingPortal:
         with self._mutex:
@@ -69,8 +106,8 @@ class BlockingWeightSync:
                 cm = start_blocking_portal(name="streamsync-loop")
                 self._portal = cm.__enter__()
                 self._portal_cm = cm
-                # A sync dropped without close(): stop its loop thread when it is collected.
-                self._finalizer = weakref.finalize(self, _stop, cm)
+                # A sync dropped without close(), or the interpreter exiting: close it and stop its loop thread.
+                self._finalizer = weakref.finalize(self, _stop, cm, self._portal, self.sync)
             return self._portal
 
     # -- WeightSync's API, blocking --------------------------------------------------------------------
@@ -139,6 +176,14 @@ class BlockingWeightSync:
     def forget(self) -> None:
         """Drop the cached source and plan (see `WeightSync.forget`)."""
         self.sync.forget()
+
+
+def _named(interrupt: BaseException) -> str:
+    if isinstance(interrupt, KeyboardInterrupt):
+        return "KeyboardInterrupt: Ctrl-C"
+    if isinstance(interrupt, Terminated):
+        return "SIGTERM"
+    return type(interrupt).__name__
 
 
 def _refuse_inside_event_loop(what: str) -> None:

@@ -23,6 +23,7 @@ from .delta.push import DeltaPush
 from .delta.shadow import PieceShadow
 from .engines.base import Declined, Engine
 from .errors import EngineError, PushError, PushTimeout, StreamSyncError, ValidationError
+from .interrupts import Terminated, sigterm_cancels
 from .log import bound, get_logger, quiet
 from .metrics import Metrics
 from .options import Checks, Deltas, Observers, PushOptions, SyncKwargs, split_options
@@ -433,6 +434,15 @@ class WeightSync:
         self._check_loop()
         if time_limit is not None and not time_limit > 0:
             raise ValidationError(f"time_limit must be a positive number of seconds, got {time_limit}")
+        with anyio.CancelScope() as scope, sigterm_cancels(scope.cancel) as term:
+            report = await self._push_locked(model, version, window, time_limit)
+        if term:  # SIGTERM cancelled the push, whose round ended: now the process stops
+            get_logger().error("push interrupted by SIGTERM; its round was ended", engines_mixed=sorted(self.mixed))
+            raise Terminated()
+        return report
+
+    async def _push_locked(self, model: object, version: int | None, window: int,
+                           time_limit: float | None) -> PushReport:
         async with self._lock:  # one push at a time: rounds on an engine must not interleave
             if not self.connected:
                 await self.connect()
@@ -853,6 +863,9 @@ class WeightSync:
                                  ended=ended, sent=job.sent_any)
             if self.mixed:
                 log.warning("engines hold mixed weights until the next successful push", mixed=sorted(self.mixed))
+            if not isinstance(err, PushError):
+                log.warning("push cancelled; its round was ended on every engine that answered",
+                            open_rounds=sorted(self.open_rounds))
             if isinstance(err, PushError):  # drawn by the viewer: the failing stage, chunk, engine and message
                 trace.fail(err.stage, err.chunk, err.receiver, err.message)
             else:
