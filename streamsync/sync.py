@@ -27,6 +27,7 @@ from .interrupts import Terminated, sigterm_cancels
 from .log import bound, get_logger, quiet
 from .metrics import Metrics
 from .options import Checks, Deltas, Observers, PushOptions, SyncKwargs, split_options
+from .owners import new_owner
 from .pack import Fusion, dtype_name, fusions_from_json
 from .pipeline.messages import Messages
 from .pipeline.stages import first_push_error
@@ -87,7 +88,7 @@ class WeightSync:
         self.shadow: Shadow | PieceShadow = Shadow()
         self._delta_on = False  # decided at connect, by `delta` and the transport
         #: this sync's id: receivers refuse a round from another WeightSync while one of ours is open
-        self.owner = uuid.uuid4().hex
+        self.owner = new_owner()
         self.connected = False
         self.log = get_logger()
         self._plan_cache: tuple[tuple[int | None, ...], object, Source, list[ChunkPlan]] | None = None

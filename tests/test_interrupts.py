@@ -67,23 +67,31 @@ async def _state(url: str):
         await engine.close()
 
 
+def _start_trainer(api: str, mode: str, url: str, model_dir: object, tmp_path: object) -> subprocess.Popen:
+    script = tmp_path / "trainer.py"  # type: ignore[operator]
+    script.write_text(TRAINER)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMSYNC_LOG": "warning"}
+    return subprocess.Popen([sys.executable, str(script), api, mode, url, str(model_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+async def _until_a_chunk_landed(proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 180
+    line = ""
+    while line.strip() != "chunk":  # the engine took a chunk: the round is open
+        line = await anyio.to_thread.run_sync(proc.stdout.readline)
+        assert line or proc.poll() is None, f"trainer exited early: {proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "no chunk was pushed within 180 s"
+
+
 @pytest.mark.parametrize(("api", "sig", "mode"), [
     ("blocking", signal.SIGINT, "keep"), ("blocking", signal.SIGTERM, "keep"), ("blocking", signal.SIGTERM, "abort"),
     ("async", signal.SIGINT, "keep"), ("async", signal.SIGTERM, "wait")])
 async def test_a_trainer_signalled_mid_push_inside_paused_leaves_its_engine_mixed_and_paused(
         api, sig, mode, server, model_dir, tmp_path):
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMSYNC_LOG": "warning"}
-    proc = subprocess.Popen([sys.executable, str(script), api, mode, server.url, str(model_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = _start_trainer(api, mode, server.url, model_dir, tmp_path)
     try:
-        deadline = time.monotonic() + 180
-        line = ""
-        while line.strip() != "chunk":  # the engine took a chunk: the round is open
-            line = await anyio.to_thread.run_sync(proc.stdout.readline)
-            assert line or proc.poll() is None, f"trainer exited early: {proc.stderr.read()[-3000:]}"
-            assert time.monotonic() < deadline, "no chunk was pushed within 180 s"
+        await _until_a_chunk_landed(proc)
         proc.send_signal(sig)
         out, err = await anyio.to_thread.run_sync(lambda: proc.communicate(timeout=120))
     finally:
@@ -108,3 +116,26 @@ async def test_a_trainer_signalled_mid_push_inside_paused_leaves_its_engine_mixe
     state = await _state(server.url)
     assert state.version == report.version and not state.mixed and not state.paused, state
     assert report.version > (state.failed_version or 0) or state.failed_version is None
+
+
+async def test_a_trainer_restarted_after_sigkill_takes_over_its_engine_at_once(server, model_dir, tmp_path):
+    """SIGKILL leaves no chance to end the round: the engine holds an open round of a dead owner, paused. A new
+    trainer on the same machine finds the owner's process gone (its owner id names host, boot and process), ends
+    that round as a failed one and pushes at once, not after the dead owner's timeout (60 s here)."""
+    proc = _start_trainer("blocking", "keep", server.url, model_dir, tmp_path)
+    try:
+        await _until_a_chunk_landed(proc)
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = await _state(server.url)
+    assert state.paused, state  # inside paused(), with its round open
+    t0 = time.monotonic()
+    sync = WeightSync([VllmHttpEngine(server.url, name="serve", timeout=60)], chunk_bytes=1 << 20, timeout=60)
+    report = await sync.push(trainer_from(model_dir, 92))
+    await sync.close()
+    assert time.monotonic() - t0 < 30
+    state = await _state(server.url)
+    assert state.version == report.version and not state.mixed and not state.paused, state

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ..errors import EngineError, EngineUnreachable
+from ..log import get_logger
 from ..message import UpdateMessage, wire
+from ..owners import describe, superseded
 from ..plan.shards import Box, EngineLayout, Need
 from ..vllm import compat, core_rpc
 from ..vllm.answers import WORKER_ERROR
@@ -262,8 +264,11 @@ class _Guarded(Engine):
         round_ = (await self.rpc("streamsync_round"))[0]
         owner, idle = round_.get("owner"), float(round_.get("idle_s") or 0.0)
         if round_.get("open") and owner != self.owner and idle <= self.timeout:
-            raise EngineError(self.name, f"start refused: the open round belongs to another WeightSync (owner "
-                              f"{str(owner)[:8]}, active {idle:.1f} s ago)") from refused
+            why = superseded(owner, self.owner or "")
+            if why is None:
+                raise EngineError(self.name, f"start refused: the open round belongs to another WeightSync (owner "
+                                  f"{describe(owner)}, active {idle:.1f} s ago)") from refused
+            get_logger().warning("taking over an open round", engine=self.name, owner=describe(owner), why=why)
         await self._finish(MIXED if owner is not None else None)  # a chunk claimed it: weights are mixed
         await self._start_workers()
 
