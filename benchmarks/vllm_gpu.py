@@ -240,7 +240,9 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
 
         label += ", sharded path (p2p, CUDA IPC per piece bucket)"
         transport = P2pTransport("gloo", device=None if args.smoke else "cuda", group_timeout=600)
-    sync = WeightSync([engine], transport=transport, check_finite=False, timeout=600)
+    sync = WeightSync([engine], transport=transport, check_finite=args.check_finite, timeout=600)
+    if not args.check_finite:
+        label += ", check_finite=False"
     pushes: list[dict[str, Any]] = []
     try:
         t0 = time.perf_counter()
@@ -302,6 +304,7 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
     med = statistics.median(steady)
     floor = 2 * nbytes / rate  # one copy: every byte read once and written once
     row = {"case": case, "label": label, "trainer": kind, "bytes": nbytes, "ref_gib": ref_gib,
+           "check_finite": args.check_finite,
            "engine_start_s": started,
            "connect_ms": connect * 1e3, "round_trip_ms": rtt, "first_push_ms": pushes[0]["seconds"] * 1e3,
            "steady_push_ms": med * 1e3,
@@ -393,6 +396,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="megatron-ddp: a GPTModel in Megatron's DistributedDataParallel with the distributed "
                          "optimizer, as Megatron trainers run (its parameters live in a few flat buffers)")
     ap.add_argument("--repeat", type=int, default=10, help="steady pushes measured per case")
+    ap.add_argument("--no-check-finite", dest="check_finite", action="store_false",
+                    help="push with check_finite=False (default: the library's default, the check on)")
     ap.add_argument("--warmup", type=int, default=2, help="pushes after the first, not counted")
     ap.add_argument("--engine-memory", type=float, default=0.35,
                     help="the engine's gpu_memory_utilization (weights + KV cache), a fraction of the GPU")
