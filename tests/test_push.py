@@ -552,3 +552,17 @@ async def test_on_a_gpu_a_chunk_is_gathered_once_the_requests_of_the_one_before_
             assert gather[0] >= gone[i - 1]  # not before chunk i-1's request left
             assert pack[1] < times["answered"][i - 1]  # but while the engine loads it
     await sync.close()
+
+
+def test_the_finite_check_names_every_bad_tensor_across_dtypes_in_order():
+    from streamsync.plan.check import nonfinite
+
+    named = [(f"w{i}", torch.randn(4, 4, dtype=torch.bfloat16)) for i in range(300)]
+    named += [("bias", torch.randn(8)), ("steps", torch.arange(3)), ("empty", torch.empty(0)),
+              ("half", torch.randn(5, dtype=torch.float16)), ("fp8", torch.randn(6).to(torch.float8_e4m3fn))]
+    named[7][1][1, 2] = float("nan")
+    named[250][1][0, 0] = float("-inf")
+    dict(named)["half"][4] = float("inf")
+    dict(named)["fp8"][0] = float("nan")
+    assert nonfinite(named) == ["w7", "w250", "half", "fp8"]
+    assert nonfinite(named[8:250]) == [] and nonfinite([]) == []
