@@ -393,7 +393,7 @@ class _Guarded(Engine):
         return (await self.vllm_info()).architectures
 
     async def declined_layers(self) -> Declined | None:
-        """The checkpoint's MTP layers, which the workers' main model does not load (`extension.mtp_layers`)."""
+        """The checkpoint's MTP layers, which the workers' main model does not load (`checkpoint.mtp_layers`)."""
         got = (await self.rpc("streamsync_declined_layers"))[0]
         start, stop = got["layers"]
         return Declined(int(start), int(stop), str(got["reason"])) if stop > start else None

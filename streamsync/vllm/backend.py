@@ -34,6 +34,7 @@ from ..receiver import kernels
 from ..receiver.loaders import FunctionLoader
 from ..receiver.state import WeightReceiver
 from . import compat
+from .checkpoint import engine_weights, mtp_layers
 from .fastpath import CapturedLoads, FastPath, FastRound, relayout_reloaded_experts
 from .stats import RoundLog
 
@@ -66,9 +67,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         super().__init__(config, vllm_config, device, model)
         install_reload_warning_filter(model)
         self.rx = WeightReceiver(device)
-        from .extension import mtp_layers
-
-        #: layers whose tensors this worker does not load (`extension.mtp_layers`)
+        #: layers whose tensors this worker does not load (`checkpoint.mtp_layers`)
         self._declined = mtp_layers(self.model_config.hf_config)
         self._expert_layers: set[int] = set()  # layers whose experts the round reloaded layerwise
         self.record_digests = False
@@ -129,8 +128,6 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                                                         "captured loads record PyTorch's copies", e)
 
     def _checkpoint(self) -> dict[str, tuple[str, list[int]]] | None:
-        from .extension import engine_weights
-
         return engine_weights(self.model_config, self.model)
 
     def fused_layout(self) -> dict[str, list[Any]]:
