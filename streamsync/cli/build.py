@@ -48,7 +48,7 @@ def _hf_step(model: Any, cfg: HfCheckpoint, step: int) -> None:
     elif cfg.update == "train":
         from transformers import AutoTokenizer
 
-        from .demo import training_step
+        from .training import training_step
 
         training_step(model, model, AutoTokenizer.from_pretrained(cfg.path), cfg.train_text, cfg.lr)
 
