@@ -130,8 +130,9 @@ class EngineRound:
 @dataclass
 class PushReport:
     """What one push did. `bytes` is what went on the wire (a delta push's encoded bytes; a sharded push's, this
-    rank's), `model_bytes` the model's bytes it brought up to date. `stage_seconds` is each stage's busy time
-    (sum of its spans)."""
+    rank's), `model_bytes` the model's bytes it brought up to date. `seconds` is the whole `push` call's wall time:
+    planning, the finite check and the ranks' agreement included (the trace's `prepare_ms` is that part).
+    `stage_seconds` is each stage's busy time (sum of its spans)."""
 
     push_id: str
     version: int

@@ -106,6 +106,7 @@ class WeightSync:
         #: after a failed push: resumed by the next successful push, so they never hang their requests silently
         self._stale_paused: set[str] = set()
         self._pausing = False  # inside `paused()`: its exit resumes every engine
+        self._call_started: float | None = None  # perf_counter at the current push call's start
         #: engines that took weights no finite check vouched for: their KV caches are scrubbed after the next
         #: checked push (`_scrub_kv_caches`)
         self._unchecked: set[str] = set()
@@ -444,6 +445,8 @@ class WeightSync:
 
     async def _push_locked(self, model: object, version: int | None, window: int,
                            time_limit: float | None) -> PushReport:
+        # the report's seconds are the whole call's: planning, the finite check and the ranks' agreement too
+        self._call_started = time.perf_counter()
         async with self._lock:  # one push at a time: rounds on an engine must not interleave
             if not self.connected:
                 await self.connect()
@@ -620,7 +623,9 @@ class WeightSync:
                           transport=self.transport.name if self.transport is not None else None, bytes=total,
                           engines=[e.name for e in self.engines])
         log.info("push start", chunks=len(plans), mib=round(total / MiB, 1), window=window)
-        trace.begin()  # the report's seconds and the trace's wall time are one measurement
+        # the report's seconds and the trace's wall time are one measurement, from the call's start
+        started = trace.begin(at=self._call_started)
+        trace.meta["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 3)
         if self.live is not None:
             self.live.add(trace)
         job = pipeline.Push(

@@ -81,9 +81,12 @@ class Trace:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def begin(self) -> float:
-        """Mark the push start (time 0 from here on); returns the perf_counter value of it."""
-        self.t0, self.epoch0 = time.perf_counter(), time.time()
+    def begin(self, at: float | None = None) -> float:
+        """Mark the push start (time 0 from here on; `at`: an earlier perf_counter value, the call's start);
+        returns the perf_counter value of it."""
+        now, epoch = time.perf_counter(), time.time()
+        self.t0 = now if at is None else min(at, now)
+        self.epoch0 = epoch - (now - self.t0)
         return self.t0
 
     def end(self) -> float:
