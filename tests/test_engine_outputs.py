@@ -188,26 +188,36 @@ async def test_keep_with_clear_cache_resets_at_finish(async_llm, model_dir):
     await sync.close()
 
 
+async def _serve_nan_weights(engine: VllmEngine, sync: WeightSync, model_dir, step: int, layer: int) -> None:
+    """Push weights holding a NaN (the sync's finite check off) and serve a request with them: NaN answers,
+    and NaN left in the KV blocks the request used."""
+    bad = trainer_from(model_dir, step)
+    with torch.no_grad():
+        bad.model.layers[layer].mlp.down_proj.weight[3, 5] = float("nan")
+    await sync.push(bad)
+    _, logprobs = await engine.greedy(PROMPT, 4)
+    assert all(lp != lp for lp in logprobs)  # NaN: the engine computes with what it was given
+
+
+async def _generates_as_the_reference(engine: VllmEngine, model_dir, good: torch.nn.Module) -> None:
+    ref = load_reference(model_dir, good.state_dict())
+    for n in (3, 20, 150):
+        check = await verify_outputs(engine, ref, long_prompt(TINY_QWEN3["vocab_size"], n, seed=n))
+        assert check.ok, f"{n}-token prompt: {check}"
+
+
 async def test_after_nan_weights_were_served_clearing_the_kv_cache_restores_the_engine(llm, model_dir):
     """The lasting damage of a NaN push (only possible with check_finite=False): requests served with it
     leave NaN in freed KV blocks, which the attention kernel reads when a later request reuses a block.
     `clear_kv_cache()` (prefix cache reset + KV memory zeroed, engines paused) is the recovery."""
     engine = VllmEngine(llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=1 << 20, check_finite=False)
-    bad = trainer_from(model_dir, 110)
-    with torch.no_grad():
-        bad.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
-    await sync.push(bad)
-    _, logprobs = await engine.greedy(PROMPT, 4)
-    assert all(lp != lp for lp in logprobs)  # NaN: the engine computes with what it was given
+    await _serve_nan_weights(engine, sync, model_dir, 110, layer=1)
     good = trainer_from(model_dir, 111)
     await sync.push(good)
     async with sync.paused(mode="abort"):
         assert await engine.clear_kv_cache() > 0  # the NaN the bad weights left in cache memory
-    ref = load_reference(model_dir, good.state_dict())
-    for n in (3, 20, 150):
-        check = await verify_outputs(engine, ref, long_prompt(TINY_QWEN3["vocab_size"], n, seed=n))
-        assert check.ok, f"{n}-token prompt: {check}"
+    await _generates_as_the_reference(engine, model_dir, good)
     await sync.close()
 
 
@@ -219,19 +229,11 @@ async def test_a_checked_push_replacing_unchecked_weights_scrubs_the_kv_cache_na
 
     engine = VllmEngine(llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=1 << 20, check_finite=False)
-    bad = trainer_from(model_dir, 112)
-    with torch.no_grad():
-        bad.model.layers[0].mlp.down_proj.weight[2, 7] = float("nan")
-    await sync.push(bad)
-    _, logprobs = await engine.greedy(PROMPT, 4)
-    assert all(lp != lp for lp in logprobs)
+    await _serve_nan_weights(engine, sync, model_dir, 112, layer=0)
     sync.checks = replace(sync.checks, check_finite=True)
     good = trainer_from(model_dir, 113)
     async with sync.paused(mode="abort"):
         await sync.push(good)
     assert await engine.clear_kv_cache() == 0  # the push scrubbed it: no NaN left in cache memory
-    ref = load_reference(model_dir, good.state_dict())
-    for n in (3, 20, 150):
-        check = await verify_outputs(engine, ref, long_prompt(TINY_QWEN3["vocab_size"], n, seed=n))
-        assert check.ok, f"{n}-token prompt: {check}"
+    await _generates_as_the_reference(engine, model_dir, good)
     await sync.close()
