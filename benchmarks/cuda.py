@@ -424,9 +424,9 @@ async def measure_floor(t: Trainer, rate: float, one_copy: bool) -> Floor:
 
 
 def _check_finite_seconds(source: Source) -> float:
-    """The NaN/inf scan a default push adds (one float32 sum per tensor, one sync), median of 3 after one.
+    """The NaN/inf scan a default push adds (`streamsync.plan.finite`, one sync), median of 3 after one.
     The pushes here run with check_finite=False, so they compare with the copy floor."""
-    from streamsync.plan.check import nonfinite
+    from streamsync.plan.finite import nonfinite
 
     scans = []
     for _ in range(4):

@@ -111,7 +111,7 @@ def copy_rate(nbytes: int, reps: int = 9) -> float:
 def _checks(rank: int, world: int, reps: int) -> list[float]:
     import torch.distributed as dist
 
-    from streamsync.plan.check import nonfinite
+    from streamsync.plan.finite import nonfinite
 
     tensors = list(MODEL.hf_state(seed=rank).items())
     times = []

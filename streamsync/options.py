@@ -67,9 +67,9 @@ class PushOptions:
 class Checks:
     """What a push checks before any byte moves, and what it resets after.
 
-    check_finite: refuse a push whose weights hold NaN or inf, naming the tensors (default). One reduction
-                  per tensor on this rank; False skips it. A Megatron rank that finds one raises at once; the
-                  sender then fails at its gather timeout.
+    check_finite: refuse a push whose weights hold NaN or inf, naming the tensors (default). One read of
+                  this rank's weights (a Triton kernel on a GPU) and one host sync; False skips it. A Megatron
+                  rank that finds one raises at once; the sender then fails at its gather timeout.
     reset_prefix_cache: after every engine finished the round, reset its prefix cache, so no later request
                   reuses KV computed under the old weights (default). With False, a request whose prompt
                   shares a cached prefix (one cache block or more) with an earlier one is answered from KV of

@@ -32,9 +32,10 @@ from .pack import Fusion, dtype_name, fusions_from_json
 from .pipeline.messages import Messages
 from .pipeline.stages import first_push_error
 from .pipeline.threads import responsive_threads
-from .plan.check import Expected, check_family, check_plan, dtype_casts, nonfinite
+from .plan.check import Expected, check_family, check_plan, dtype_casts
 from .plan.chunk import ChunkPlan
 from .plan.chunking import layer_index, split_layers
+from .plan.finite import nonfinite
 from .report import ChunkDone, DeltaReport, EngineRound, GiB, MiB, PushReport
 from .rounds import EngineGroup, Rounds
 from .sources import GatheredElsewhere, ModuleSource, Source, as_source, is_fsdp1

@@ -134,3 +134,54 @@ def test_the_segment_copy_kernel_is_bit_exact_compiled_and_replayed_from_a_graph
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dsts, srcs, strict=True)), step
+
+
+_FINITE = """
+    import torch
+    from streamsync.plan.finite import nonfinite, TILE
+    torch.manual_seed(0)
+    sizes = torch.randint(1, 700, (60,)).tolist()
+    named = [(f"w{i}", torch.randn(n, device=DEV).to([torch.bfloat16, torch.float16, torch.float32][i % 3]))
+             for i, n in enumerate(sizes)]
+    buf = torch.randn(TILE + 9, device=DEV).to(torch.bfloat16)  # views into one flat buffer
+    named += [(f"v{j}", buf[a:b]) for j, (a, b) in enumerate([(1, 7), (7, 4000), (4001, 4002), (4002, TILE + 9)])]
+    # the largest finite values, subnormals and -0.0 are finite: only an exponent of all ones is flagged
+    edge = [(f"edge-{dt}", torch.tensor([torch.finfo(dt).max, -torch.finfo(dt).max, torch.finfo(dt).tiny / 4,
+                                         -0.0, 0.0], dtype=dt, device=DEV)) for dt in (torch.bfloat16, torch.float16,
+                                                                                    torch.float32)]
+    named += edge
+    assert nonfinite(named) == [], nonfinite(named)
+    with torch.no_grad():
+        named[5][1][-1] = float("nan")
+        named[31][1][0] = float("inf")
+        named[59][1][len(named[59][1]) // 2] = -float("inf")
+        buf[4001] = float("nan")
+        buf[TILE + 8] = -float("inf")
+    want = ["w5", "w31", "w59", "v2", "v3"]
+    assert nonfinite(named) == want, nonfinite(named)
+    assert nonfinite(named, kernel=False) == want
+    assert nonfinite(named) == want  # the kept tile table, a second time
+    print("found", len(want))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_finite_check_kernel_flags_exactly_inf_and_nan_in_the_interpreter():
+    # Every dtype it takes, tensors of any length at aligned and unaligned addresses (views into one buffer), a
+    # view spanning several tiles, and the extreme finite values it must pass.
+    pytest.importorskip("triton")
+    code = "DEV = 'cpu'\n" + textwrap.dedent(_FINITE)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "found 5" in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_finite_check_kernel_flags_exactly_inf_and_nan_compiled():
+    pytest.importorskip("triton")
+    code = "DEV = 'cuda'\n" + textwrap.dedent(_FINITE)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "found 5" in out.stdout

@@ -555,7 +555,7 @@ async def test_on_a_gpu_a_chunk_is_gathered_once_the_requests_of_the_one_before_
 
 
 def test_the_finite_check_names_every_bad_tensor_across_dtypes_in_order():
-    from streamsync.plan.check import nonfinite
+    from streamsync.plan.finite import nonfinite
 
     named = [(f"w{i}", torch.randn(4, 4, dtype=torch.bfloat16)) for i in range(300)]
     named += [("bias", torch.randn(8)), ("steps", torch.arange(3)), ("empty", torch.empty(0)),

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
 
 from ..convert import same_family
 from ..errors import ValidationError
@@ -16,41 +12,6 @@ from .chunking import layer_index
 
 #: HF name -> (dtype name, shape): what an engine holds and a push must carry
 Expected = Mapping[str, tuple[str, tuple[int, ...]]]
-
-
-def nonfinite(tensors: Sequence[tuple[str, Any]]) -> list[str]:
-    """Names of the floating tensors holding NaN or inf, with one host sync.
-
-    One L1 norm per tensor: NaN and inf propagate through it, and a norm of finite weights overflowing would
-    need weights near 1e29. `torch._foreach_norm` computes a whole group (one device and dtype) in a few
-    fused launches, where per-tensor reductions are launch-bound on a GPU (an MoE has thousands of tensors).
-    No tensor-sized temporaries, unlike `isfinite(t).all()`.
-    """
-    import torch
-
-    named = [(n, t) for n, t in tensors if t.is_floating_point() and t.numel()]
-    if not named:
-        return []
-    groups: dict[tuple[Any, Any], list[int]] = {}
-    for i, (_, t) in enumerate(named):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    order: list[int] = []
-    parts: list[Any] = []
-    device = named[0][1].device
-    for (_, dtype), idx in groups.items():
-        ts = [named[i][1] for i in idx]
-        try:
-            if torch.finfo(dtype).bits < 16:
-                raise TypeError("no foreach kernels for 8-bit floats")
-            out: Sequence[torch.Tensor] = torch._foreach_norm(ts, 1)
-        except (RuntimeError, TypeError):
-            out = [t.float().abs().sum() for t in ts]
-        # one stacked vector per group and one transfer of the bad positions: a few launches and one host sync
-        # whatever the tensor count (per-tensor casts and moves cost more than the norms on an MoE)
-        parts.append(torch.stack(list(out)).float().to(device))
-        order += idx
-    bad = (~torch.cat(parts).isfinite()).nonzero().flatten().tolist()
-    return [named[order[i]][0] for i in sorted(bad)]
 
 
 VOCAB_NAMES = ("embed_tokens.weight", "lm_head.weight")

@@ -1,0 +1,203 @@
+"""The non-finite check: which floating tensors hold NaN or inf, in one read of their bytes and one host sync.
+
+A push refuses weights with NaN or inf before any engine byte changes, so the check is a full pass over the
+model on the trainer's device ahead of sending; on a GPU it costs as much as the read half of the push itself.
+Two ways, the fastest that applies:
+
+* CUDA tensors of bf16, fp16 or fp32: one Triton kernel per dtype reads every tensor as integer words and flags
+  a word whose exponent bits are all ones (inf and NaN, nothing else), 16 bytes per access over a table of
+  tiles, whatever the tensor count, at close to the device's read rate. The table depends only on the tensors'
+  addresses and sizes and is kept for the next push of the same tensors.
+* Anything else (CPU tensors, fp8, float64, a layout that is not contiguous): one max-norm (largest magnitude)
+  per tensor by `torch._foreach_norm`, a few fused launches per (device, dtype) group. NaN propagates through a
+  max and inf is its own maximum, while finite values never overflow it (an L1 norm would: a float16 tensor of
+  100k ones sums past 65504 to inf).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+TILE = 1 << 16  # bytes per tile (one program's unit of work)
+BLOCK = 2048  # words per load step
+ALIGN = 16  # bytes per vector access
+#: dtype -> (the integer word of its width, its exponent bits)
+_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+             torch.float32: (torch.int32, 0x7F800000)}
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # tests: the kernel on CPU tensors
+
+
+@functools.cache
+def _triton() -> bool:
+    try:
+        import triton
+        import triton.language  # noqa: F401
+    except Exception:  # not installed, or installed without a working backend
+        return False
+    return True
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    # Offsets are words from one base tensor (negative ones too); in the ALIGNED launch every tile starts and
+    # ends on 16 bytes, so loads go 16 bytes at a time. A tile's flag is 1 when any word's exponent is all ones.
+    @triton.jit(do_not_specialize=["n_tiles", "programs"])
+    def nonfinite_kernel(base, off, count, flags, n_tiles, programs, MASK: tl.constexpr, VEC: tl.constexpr,
+                         TILE_WORDS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+        pid = tl.program_id(0)
+        for t in range(pid, n_tiles, programs):
+            o = tl.load(off + t)
+            n = tl.load(count + t)
+            if ALIGNED:
+                o = tl.multiple_of(o, VEC)
+                n = tl.multiple_of(n, VEC)
+            hit = tl.zeros([BLOCK], dtype=tl.int32)
+            for i in tl.static_range(0, TILE_WORDS, BLOCK):
+                offs = i + tl.arange(0, BLOCK)
+                x = tl.load(base + o + offs, mask=offs < n, other=0)
+                hit = tl.maximum(hit, ((x & MASK) == MASK).to(tl.int32))
+            tl.store(flags + t, tl.max(hit, 0))
+
+    return nonfinite_kernel
+
+
+class _Tiles:
+    """The tile tables of one set of tensors (one device): per dtype, an aligned launch over the 16-byte-aligned
+    body of every tensor and an unaligned one over the few words before and after it. Holds no tensor: a call
+    passes the same tensors again (same addresses, the cache's key)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        device = tensors[0].device
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault(t.dtype, []).append(i)
+        # runs of words, one launch each: (base tensor index, word dtype, mask, aligned, [(owner, offset, words)])
+        launches: list[tuple[int, torch.dtype, int, bool, list[tuple[int, int, int]]]] = []
+        for dtype, idx in groups.items():
+            word, mask = _EXPONENT[dtype]
+            size = tensors[idx[0]].element_size()
+            # the base: a tensor of this group at a 16-byte-aligned address where one exists
+            b = next((i for i in idx if tensors[i].data_ptr() % ALIGN == 0), idx[0])
+            base_addr = tensors[b].data_ptr()
+            body: list[tuple[int, int, int]] = []
+            edges: list[tuple[int, int, int]] = []
+            for i in idx:
+                start = tensors[i].data_ptr()
+                end = start + tensors[i].numel() * size
+                lo = -(-start // ALIGN) * ALIGN if base_addr % ALIGN == 0 else end
+                hi = end // ALIGN * ALIGN
+                if lo >= hi:
+                    lo = hi = end
+                for a, z in ((start, lo), (hi, end)):
+                    if z > a:
+                        edges.append((i, (a - base_addr) // size, (z - a) // size))
+                if hi > lo:
+                    body.append((i, (lo - base_addr) // size, (hi - lo) // size))
+            launches += [(b, word, mask, aligned, runs) for aligned, runs in ((True, body), (False, edges)) if runs]
+        # Runs go up (24 bytes each) and are cut into tiles on the device: a 16 GB model has a quarter million.
+        all_runs = [r for *_, runs in launches for r in runs]
+        r = torch.tensor(all_runs, dtype=torch.int64).to(device)  # [runs, (owner, offset, words)]
+        per_tile = torch.tensor([TILE // torch.empty((), dtype=w).element_size()
+                                 for _, w, _, _, runs in launches for _ in runs], dtype=torch.int64).to(device)
+        tiles = (r[:, 2] + per_tile - 1) // per_tile
+        n_tiles = int(tiles.sum())
+        run = torch.repeat_interleave(torch.arange(len(all_runs), device=device), tiles, output_size=n_tiles)
+        k = torch.arange(n_tiles, device=device) - (torch.cumsum(tiles, 0) - tiles)[run]  # tile within its run
+        step = per_tile[run]
+        self.off = r[run, 1] + k * step
+        self.count = torch.minimum(r[run, 2] - k * step, step)
+        self.owner = r[run, 0]
+        self.flags = torch.zeros(n_tiles, dtype=torch.int32, device=device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        self.launches: list[tuple[Any, ...]] = []
+        first_run = first_tile = 0
+        counts = tiles.tolist()
+        for b, word, mask, aligned, runs in launches:
+            n = sum(counts[first_run:first_run + len(runs)])
+            vec = ALIGN // torch.empty((), dtype=word).element_size()
+            self.launches.append((min(n, 8 * sms), b, word, first_tile, n, mask, vec, aligned))
+            first_run += len(runs)
+            first_tile += n
+        self.device = device
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Indices of `tensors` (the ones this table was made from, at the same addresses) holding inf or NaN."""
+        kernel = _kernel()
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            for grid, b, word, first, n, mask, vec, aligned in self.launches:
+                kernel[(grid,)](tensors[b].view(word), self.off[first:], self.count[first:],
+                                self.flags[first:first + n], n, grid, MASK=mask, VEC=vec,
+                                TILE_WORDS=TILE * vec // ALIGN, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)
+        bad = self.owner[self.flags.nonzero().flatten()].tolist()  # the one host sync
+        return sorted(set(bad))
+
+
+_cache: dict[tuple[Any, ...], _Tiles] = {}
+
+
+def _eligible(t: torch.Tensor) -> bool:
+    return ((t.device.type == "cuda" or _INTERPRET) and t.dtype in _EXPONENT and t.is_contiguous()
+            and t.data_ptr() % t.element_size() == 0)
+
+
+def _by_kernel(tensors: Sequence[torch.Tensor]) -> list[int]:
+    key = (tensors[0].device, tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
+    tiles = _cache.get(key)
+    if tiles is None:
+        if len(_cache) >= 4:  # a few sets (a sync's sources); the tensors of a finished one are gone
+            _cache.pop(next(iter(_cache)))
+        tiles = _cache[key] = _Tiles(tensors)
+    return tiles(tensors)
+
+
+def _by_norms(tensors: Sequence[torch.Tensor]) -> list[int]:
+    groups: dict[tuple[Any, Any], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    order: list[int] = []
+    parts: list[torch.Tensor] = []
+    device = tensors[0].device
+    for (_, dtype), idx in groups.items():
+        ts = [tensors[i] for i in idx]
+        try:
+            if torch.finfo(dtype).bits < 16:
+                raise TypeError("no foreach kernels for 8-bit floats")
+            out: Sequence[torch.Tensor] = torch._foreach_norm(ts, float("inf"))
+        except (RuntimeError, TypeError):
+            out = [t.float().abs().amax() for t in ts]
+        # one stacked vector per group and one transfer of the bad positions: a few launches and one host sync
+        # whatever the tensor count (per-tensor casts and moves cost more than the norms on an MoE)
+        parts.append(torch.stack(list(out)).float().to(device))
+        order += idx
+    bad = (~torch.cat(parts).isfinite()).nonzero().flatten().tolist()
+    return [order[i] for i in bad]
+
+
+def nonfinite(tensors: Sequence[tuple[str, Any]], kernel: bool | None = None) -> list[str]:
+    """Names of the floating tensors holding NaN or inf, in the order given. `kernel`: force (True) or refuse
+    (False) the Triton kernel for the tensors it can take; None takes it where it applies."""
+    named = [(n, t) for n, t in tensors if t.is_floating_point() and t.numel()]
+    if not named:
+        return []
+    use = (kernel if kernel is not None else True) and _triton()
+    fast = [i for i, (_, t) in enumerate(named) if use and _eligible(t)]
+    if fast:
+        device = named[fast[0]][1].device
+        fast = [i for i in fast if named[i][1].device == device]
+    taken = set(fast)
+    rest = [i for i in range(len(named)) if i not in taken]
+    bad: set[int] = set()
+    if fast:
+        bad.update(fast[k] for k in _by_kernel([named[i][1] for i in fast]))
+    if rest:
+        bad.update(rest[k] for k in _by_norms([named[i][1] for i in rest]))
+    return [named[i][0] for i in sorted(bad)]
