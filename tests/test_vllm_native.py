@@ -124,3 +124,39 @@ async def test_a_call_the_engine_refuses_reaches_the_trainer_with_the_engines_re
         assert "Internal Server Error for url" not in str(got.value)
     finally:
         await engine.close()
+
+
+async def test_calls_out_of_order_are_refused_with_their_reason_in_one_log_line(server, model_dir):
+    """A start after the trainer's connection was released (as before any init) and an update with no round
+    open are refused, each answer naming why; the server's log has one WARNING line per refusal and no traceback
+    (vLLM logs a failed call in the worker, the engine core and the API server, each with its traceback). The
+    next trainer's connect initializes the engine again, and its push lands."""
+    import aiohttp
+
+    from streamsync import WeightSync
+
+    log = server.log_path
+    assert log is not None
+    start = len(log.read_bytes())
+    # one connection a request: uvicorn closes the one an exception went through
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as http:
+        async with http.post(f"{server.url}/shutdown_weight_transfer_engine") as r:
+            assert r.status == 200, await r.text()
+        async with http.post(f"{server.url}/start_weight_update") as r:
+            assert r.status >= 400 and "before init_weight_transfer_engine" in await r.text()
+        async with http.post(f"{server.url}/update_weights", json={"update_info": {"streamsync": {"chunk": 0}}}) as r:
+            assert r.status >= 400 and "start_weight_update must be called before" in await r.text()
+    await anyio.sleep(1.0)  # the three processes' log lines reach the file
+    text = log.read_bytes()[start:].decode(errors="replace")
+    assert "Traceback" not in text, text[-3000:]
+    assert text.count("weight-transfer call refused: streamsync: start_weight_update before init") >= 2, text
+    assert text.count("weight-transfer call refused: start_weight_update must be called before") >= 2, text
+
+    trainer = trainer_from(model_dir, step=71)
+    sync = WeightSync([VllmHttpEngine(server.url, name="serve")])
+    try:
+        await sync.push(trainer)
+        assert await _holds(server.url, trainer)
+    finally:
+        await sync.close()

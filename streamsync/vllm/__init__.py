@@ -5,6 +5,7 @@ core, each worker), so `weight_transfer_config={"backend": "streamsync"}` resolv
 records a lazy import path; nothing of streamsync's backend is imported until a worker builds it. In the
 engine core it also shortens vLLM's prefix-cache reset, which a push ends with, to the blocks that hold a
 hash (`streamsync.vllm.prefix_cache`), and lets a round's finish carry that reset (`streamsync.vllm.core_rpc`).
+In every process it logs a refused weight-transfer call as one line (`streamsync.vllm.refusals`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ SERVE_PID_ENV = "STREAMSYNC_SERVE_PID"
 def register() -> None:
     _die_with_parent()
     _request_amx()
-    from . import core_rpc, prefix_cache
+    from . import core_rpc, prefix_cache, refusals
 
+    refusals.install()
     prefix_cache.install()
     core_rpc.install()
     try:

@@ -366,7 +366,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         c[1] += sum(t.numel() * t.element_size() for t in tensors)
 
     def shutdown(self) -> None:
+        """The trainer's connection is released: a round needs `init_transfer_engine` again."""
         self.rx.close()
+        self._initialized = False
 
 
 class _TakesBlocked(FunctionLoader):
