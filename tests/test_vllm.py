@@ -242,6 +242,64 @@ async def test_http_pause_push_resume(server, model_dir):
     await sync.close()
 
 
+async def test_a_request_to_a_paused_server_waits_a_bounded_time_and_one_to_a_mixed_engine_is_refused(
+        server, model_dir):
+    """vLLM queues a request to a paused engine until it resumes; `streamsync serve` bounds that
+    (`streamsync.vllm.paused`). A request that arrives while the engine is paused is answered once it resumes; one
+    that would wait longer than its bound (the X-Streamsync-Paused-Timeout header here,
+    STREAMSYNC_PAUSED_REQUEST_TIMEOUT on the server) is answered 503 naming the pause; one to an engine a failed
+    push left mixed is refused at once, saying so. The next push makes the engine whole, resumes it, and it
+    serves."""
+    import time
+
+    import aiohttp
+
+    engine = VllmHttpEngine(server.url, name="serve")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        async with http.get(f"{server.url}/v1/models") as r:
+            name = (await r.json())["data"][0]["id"]
+
+        async def complete(wait: float | None = None) -> tuple[int, str, float]:
+            headers = {} if wait is None else {"X-Streamsync-Paused-Timeout": str(wait)}
+            t0 = time.monotonic()
+            async with http.post(f"{server.url}/v1/completions", headers=headers,
+                                 json={"model": name, "prompt": "The weights", "max_tokens": 2}) as r:
+                return r.status, await r.text(), time.monotonic() - t0
+
+        sync = WeightSync([engine], chunk_bytes=1 << 20)
+        try:
+            assert (await complete())[0] == 200
+            await engine.pause(mode="keep")
+            status, text, took = await complete(wait=0.5)
+            assert status == 503 and "paused for a weight update" in text and took < 10, (status, text, took)
+            async with anyio.create_task_group() as tg:
+                got: list[tuple[int, str, float]] = []
+
+                async def waiting() -> None:
+                    got.append(await complete(wait=60))
+
+                tg.start_soon(waiting)
+                await anyio.sleep(1.0)
+                assert not got  # still waiting for the resume
+                await engine.resume()
+            assert got[0][0] == 200, got
+
+            # a failed push's mark: the engine is paused with mixed weights
+            await engine.pause(mode="keep")
+            await engine.rpc("streamsync_set_weight_version", "mixed:99")
+            status, text, took = await complete()
+            assert status == 503 and "mixed weights: push v99 failed" in text and took < 10, (status, text, took)
+
+            await sync.push(trainer_from(model_dir, step=12))  # makes it whole and resumes it
+            assert not await engine.is_paused()
+            assert (await complete())[0] == 200
+        finally:
+            if await engine.is_paused():
+                await engine.resume()
+            await sync.close()
+            await engine.close()
+
+
 async def test_layers_split_across_chunks_arrive_intact(llm, model_dir):
     """Chunks smaller than a decoder layer, window 1: each buffer is reused for the very next chunk while
     vLLM's layerwise reload still buffers the first half of a layer; the backend must copy those out."""
