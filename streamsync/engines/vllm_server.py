@@ -36,10 +36,9 @@ def serve_command(model: str | os.PathLike, *args: str) -> list[str]:
             "--model", str(model),
             "--weight-transfer-config", json.dumps({"backend": "streamsync"}),
             "--worker-extension-cls", "streamsync.vllm.extension.StreamSyncWorkerExtension",
-            # vLLM's --api-key guards only its OpenAI routes; RequireApiKey covers the weight-transfer and control
-            # ones (added last: the outermost). BoundPausedRequests answers a request to a paused engine in time.
-            "--middleware", "streamsync.vllm.paused.BoundPausedRequests", "streamsync.vllm.auth.RequireApiKey",
-            *args]
+            # vLLM's --api-key guards only its OpenAI routes: this adds the key on the weight-transfer and control
+            # ones, and bounded waits for a paused engine (streamsync.vllm.middleware)
+            "--middleware", "streamsync.vllm.middleware.Serve", *args]
 
 
 def serve_env() -> dict[str, str]:
