@@ -138,7 +138,8 @@ def test_the_segment_copy_kernel_is_bit_exact_compiled_and_replayed_from_a_graph
 
 _FINITE = """
     import torch
-    from streamsync.plan.finite import nonfinite, TILE
+    from streamsync.plan.finite import nonfinite, self_check, TILE
+    assert self_check(torch.device(DEV))  # the check a device's first push runs before it trusts the kernel
     torch.manual_seed(0)
     sizes = torch.randint(1, 700, (60,)).tolist()
     named = [(f"w{i}", torch.randn(n, device=DEV).to([torch.bfloat16, torch.float16, torch.float32][i % 3]))

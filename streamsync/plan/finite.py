@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -149,6 +150,48 @@ def _eligible(t: torch.Tensor) -> bool:
             and t.data_ptr() % t.element_size() == 0)
 
 
+_checked: dict[torch.device, bool] = {}
+
+
+def _kernel_works(device: torch.device) -> bool:
+    """Whether the compiled kernel flags exactly the right tensors on `device`, checked once per device on known
+    bytes (every dtype; inf, -inf and NaN at aligned and unaligned places; the extreme finite values; a view
+    over several tiles). A kernel that fails to build or answers wrong is not used: the norms check instead,
+    with a warning, so a Triton or driver problem costs speed, never a missed NaN."""
+    if device.type != "cuda":
+        return True  # the interpreter (tests)
+    if device not in _checked:
+        _checked[device] = self_check(device)
+    return _checked[device]
+
+
+def self_check(device: torch.device) -> bool:
+    """Run the kernel on known bytes on `device` (`_kernel_works`); False, with a warning, where it is wrong."""
+    ok = False
+    try:
+        named: list[tuple[str, torch.Tensor]] = []
+        want: list[str] = []
+        for dtype in _EXPONENT:
+            fin = torch.finfo(dtype)
+            buf = torch.ones(2 * TILE + 37, dtype=dtype, device=device)
+            buf[:4] = torch.tensor([fin.max, -fin.max, fin.tiny / 4, -0.0], dtype=dtype)
+            views = [buf[0:9], buf[9:TILE + 21], buf[TILE + 21:TILE + 22], buf[TILE + 22:]]
+            for i, (v, bad) in enumerate(zip(views, (None, -1, 0, TILE), strict=True)):
+                name = f"{dtype}-{i}"
+                named.append((name, v))
+                if bad is not None:
+                    v[bad] = (float("inf"), float("nan"), -float("inf"))[i % 3]
+                    want.append(name)
+        ok = [named[i][0] for i in _Tiles([t for _, t in named])([t for _, t in named])] == want
+        if not ok:
+            logging.getLogger(__name__).warning("streamsync: the finite check's kernel answered wrong on %s; "
+                                                "using per-tensor norms instead", device)
+    except Exception as e:  # no working Triton build for this device
+        logging.getLogger(__name__).warning("streamsync: the finite check's kernel is unavailable on %s (%s); "
+                                            "using per-tensor norms instead", device, e)
+    return ok
+
+
 def _by_kernel(tensors: Sequence[torch.Tensor]) -> list[int]:
     key = (tensors[0].device, tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
     tiles = _cache.get(key)
@@ -192,7 +235,7 @@ def nonfinite(tensors: Sequence[tuple[str, Any]], kernel: bool | None = None) ->
     fast = [i for i, (_, t) in enumerate(named) if use and _eligible(t)]
     if fast:
         device = named[fast[0]][1].device
-        fast = [i for i in fast if named[i][1].device == device]
+        fast = [i for i in fast if named[i][1].device == device] if _kernel_works(device) else []
     taken = set(fast)
     rest = [i for i in range(len(named)) if i not in taken]
     bad: set[int] = set()
