@@ -19,6 +19,7 @@ import anyio
 
 from . import pipeline
 from .delta import Shadow, refused
+from .delta.policy import DeltaPolicy
 from .delta.push import DeltaPush
 from .delta.shadow import PieceShadow
 from .engines.base import Declined, Engine
@@ -474,7 +475,12 @@ class WeightSync:
                 await self.transport.before_push(self.timeout, bad_input)
             if every_rank or is_fsdp1(model) or not source.gathers_here:  # every trainer rank is in this push
                 v = await self._one_version(v)
-            delta = await self._delta_push(source, plans)
+            policy = DeltaPolicy(self)
+            delta = await policy.mode(source, plans)
+
+            async def attempt(d: DeltaPush) -> PushReport:  # the same version again, in full
+                return await self._push(source, plans, uuid.uuid4().hex[:8], v, window, time_limit, d)
+
             # Ranks without engines log warnings and errors only (STREAMSYNC_LOG_ALL_RANKS=1: all): N ranks
             # repeating the sender's progress lines bury it.
             loud = source.is_sender and (bool(self.engines) or not every_rank)
@@ -489,121 +495,12 @@ class WeightSync:
                     if not every_rank:
                         if not isinstance(err, PushError) or not refused(err):
                             raise
-                        return await self._full_after_refusal(source, plans, v, window, time_limit, err)
-                    failed = err  # every rank learns it in _settle_sharded, which raises it here
+                        return await policy.full_after_refusal(attempt, len(plans), err)
+                    failed = err  # every rank learns it in settle_sharded, which raises it here
                 if every_rank and delta is not None and delta.mode == "delta":
-                    return await self._settle_sharded(source, plans, v, window, time_limit, failed, report)
+                    return await policy.settle_sharded(attempt, len(plans), failed, report)
                 assert report is not None
                 return report
-
-    async def _delta_push(self, source: Source, plans: list[ChunkPlan]) -> DeltaPush | None:
-        """This push's delta mode: None (deltas off, or a rank that sends nothing), "full" (every byte; the shadow
-        made anew) or "delta" (against the shadow, which every engine holds whole: the sync's bookkeeping says
-        so and each engine's `delta_base` agrees). From here on the shadow is no base until this push succeeds.
-        A sharded push decides on every trainer rank together: full where any rank's shadow says so."""
-        assert self.transport is not None
-        every = self.transport.every_rank
-        if not self._delta_on or (not every and (not source.is_sender or not self.engines)):
-            return None
-        sh = self.shadow
-        why: str | None = None
-        bad: Exception | None = None
-        try:
-            why = await self._why_full(sh.prepare(plans))
-        except Exception as e:  # on every rank too: a rank that skipped the exchange would leave the others in it
-            if not every:
-                raise
-            bad = e
-        if every:  # one decision for every rank: a rank that pushes in full makes every rank's push full
-            # (rank 0 may first spend up to the timeout asking the engines for their base)
-            views: list[Any] = await self.transport.exchange((why, None if bad is None else str(bad)),
-                                                             self._exchange_timeout())
-            if bad is not None:
-                raise bad
-            for r, (w, no) in enumerate(views):
-                if no:
-                    raise ValidationError(f"trainer rank {r} cannot push deltas: {no}")
-                if why is None and w:
-                    why = f"trainer rank {r}: {w}"
-        base, sh.held = sh.held, None
-        if why is not None:
-            get_logger().info("full push of a delta sync", why=why)
-            return DeltaPush(sh, "full", len(plans), why_full=why)
-        return DeltaPush(sh, "delta", len(plans), base=base, verify=self.deltas.verify_delta)
-
-    async def _why_full(self, fresh: bool) -> str | None:
-        """Why this push of a delta sync must be full (None: it may be a delta)."""
-        sh = self.shadow
-        if fresh:
-            return "first push"
-        if self.mixed or self.open_rounds:
-            return f"engines {sorted(set(self.mixed) | self.open_rounds)} hold mixed weights"
-        if sh.held is None:
-            return "no base: the last push failed, or none was pushed since connect"
-        if sh.held[0] != self.versions.version:
-            return f"the sync's version is {self.versions.version}, the shadow's {sh.held[0]}"
-        if self.deltas.full_every and sh.since_full + 1 >= self.deltas.full_every:
-            return f"every {self.deltas.full_every} pushes"
-        held = sh.held
-        off: list[str] = []
-
-        async def check(e: Engine) -> None:
-            if await e.delta_base() != held:
-                off.append(e.name)
-
-        await EngineGroup(self.engines, self.timeout, self.abort_timeout).each("delta_base", check, stage="start")
-        if off:
-            return f"engines {sorted(off)} do not hold version {held[0]} (push {held[1]}) as their base"
-        return None
-
-    def _exchange_timeout(self) -> float:
-        """How long a rank waits for the others at a sharded delta push's exchanges: another may first spend a
-        whole timeout of its own (the engines' base, a send the group timeout ends)."""
-        group = getattr(self.transport, "group_timeout", None) or 0.0
-        return 2 * max(self.timeout, float(group)) + 30.0
-
-    async def _settle_sharded(self, source: Source, plans: list[ChunkPlan], version: int, window: int,
-                              time_limit: float | None, failed: Exception | None, report: PushReport | None
-                              ) -> PushReport:
-        """A sharded delta push ended on this rank: every rank learns how it ended on the others. Where an
-        engine refused the delta, every rank pushes the same version in full. Where trainer rank 0 (which holds
-        the engines) failed otherwise, every rank fails; where only another rank did, the engines hold the
-        version and rank 0 returns its report. (Waits for the slowest rank: one whose sends a failed round left
-        unreceived ends after the group timeout.)"""
-        assert self.transport is not None
-        refusal = isinstance(failed, PushError) and refused(failed)
-        mine = None if failed is None else (refusal, f"{type(failed).__name__}: {failed}")
-        ends: list[Any] = await self.transport.exchange(mine, self._exchange_timeout())
-        if any(e is not None and e[0] for e in ends):
-            why = next(e[1] for e in ends if e is not None and e[0])
-            err = failed if isinstance(failed, PushError) and refusal else PushError(why, stage="send")
-            await self.transport.before_push(self.timeout)  # every rank rebuilds a group the failure broke
-            return await self._full_after_refusal(source, plans, version, window, time_limit, err)
-        if failed is not None:
-            raise failed
-        if ends[0] is not None:
-            raise PushError(f"the push failed on trainer rank 0, which holds the engines: {ends[0][1]}", stage="send")
-        bad = next(((r, e[1]) for r, e in enumerate(ends) if e is not None), None)
-        if bad is not None:  # the engines hold the version; that rank's shadow is no base, so the next push is full
-            get_logger().warning("a trainer rank's push failed after the engines took it", rank=bad[0], error=bad[1])
-        assert report is not None
-        return report
-
-    async def _full_after_refusal(self, source: Source, plans: list[ChunkPlan], version: int, window: int,
-                                  time_limit: float | None, err: PushError) -> PushReport:
-        """An engine refused a delta (another base than the shadow's, or a tensor that did not match its
-        digest): the failed push ended every round as any failed push does; push the same version in full.
-        A collective group whose sequence the failure lost is made anew first."""
-        log = get_logger()
-        log.warning("an engine refused a delta: pushing in full", engine=err.receiver, error=err.message)
-        assert self.transport is not None
-        if self.transport.broken is not None and not self.transport.every_rank:
-            await self.transport.connect(self.engines, self.timeout)
-        full = DeltaPush(self.shadow, "full", len(plans), why_full=f"refused: {err.message}")
-        report = await self._push(source, plans, uuid.uuid4().hex[:8], version, window, time_limit, full)
-        if report.delta is not None:
-            report.delta = replace(report.delta, fallback=True)
-        return report
 
     async def _check_finite(self, source: Source) -> None:
         bad = await anyio.to_thread.run_sync(nonfinite, list(source.local_tensors()))
