@@ -9,8 +9,8 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
@@ -44,6 +44,7 @@ from .sources.sharded import ShardedSource, gather_objects
 from .trace import Trace, watching_gc
 from .transports.base import Transport, transport_class, transport_for
 from .transports.collective.group import in_thread
+from .upkeep import Upkeep
 from .versions import VersionBook
 
 if TYPE_CHECKING:
@@ -106,12 +107,9 @@ class WeightSync:
         self._lock = anyio.Lock()
         #: engines found paused at connect (by a trainer that died inside `paused()`) or kept paused by `paused()`
         #: after a failed push: resumed by the next successful push, so they never hang their requests silently
-        self._stale_paused: set[str] = set()
-        self._pausing = False  # inside `paused()`: its exit resumes every engine
+        #: the engines' state that is not their weights: paused or not, KV left by unchecked weights
+        self.upkeep = Upkeep(self)
         self._call_started: float | None = None  # perf_counter at the current push call's start
-        #: engines that took weights no finite check vouched for: their KV caches are scrubbed after the next
-        #: checked push (`_scrub_kv_caches`)
-        self._unchecked: set[str] = set()
         self._loop: object | None = None  # the event loop `connect` ran in
 
     # -- options, as attributes (each assignment re-checks its group) ----------------------------------
@@ -264,12 +262,12 @@ class WeightSync:
             state = await e.state()
         self.versions.seen(e.name, state)
         if state.paused:
-            self._stale_paused.add(e.name)
+            self.upkeep.stale_paused.add(e.name)
             self.log.warning("engine is paused, and not by this sync (a trainer that paused it is gone?): it is "
                              "resumed after the next successful push", engine=e.name, version=state.version,
                              mixed=state.mixed)
         else:
-            self._stale_paused.discard(e.name)
+            self.upkeep.stale_paused.discard(e.name)
         if self.metrics is not None and state.version is not None:
             self.metrics.engine_version.labels(engine=e.name).set(state.version)
         return fusions_from_json(layout) if layout else None
@@ -514,7 +512,7 @@ class WeightSync:
         log = get_logger()
         source.begin_push()
         if not self.checks.check_finite:  # weights no check vouched for: served, they may leave NaN in KV caches
-            self._unchecked |= {e.name for e in self.engines}
+            self.upkeep.unchecked |= {e.name for e in self.engines}
         trace = Trace(push_id)
         total = sum(p.nbytes for p in plans)
         trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
@@ -565,43 +563,8 @@ class WeightSync:
             await self._failed(err, job, group, rounds, trace)
             raise err
         report = self._succeeded(job, source, cache_reset, engine_rounds)
-        if self._unchecked and self.checks.check_finite:
-            await self._scrub_kv_caches()
-        if self._stale_paused and not self._pausing:
-            await self._resume_stale()
+        await self.upkeep.after_whole()
         return report
-
-    async def _scrub_kv_caches(self) -> None:
-        """After checked weights replaced weights pushed without the finite check: zero the KV caches those
-        engines may hold NaN in (requests served from non-finite weights leave NaN in freed blocks, and a block
-        reused by a later request poisons it: the engine answers empty text until it restarts). Only an engine
-        no request holds cache blocks in can be scrubbed; the others are named, with what to do."""
-        for e in [e for e in self.engines if e.name in self._unchecked]:
-            clear = getattr(e, "clear_kv_cache", None)
-            if clear is None:
-                self._unchecked.discard(e.name)
-                continue
-            try:
-                with anyio.fail_after(self.timeout):
-                    bad = await clear()
-            except (StreamSyncError, TimeoutError) as err:
-                self.log.warning("weights pushed without the finite check were replaced, but the engine's KV "
-                                 "cache could not be scrubbed (requests hold cache blocks?): pause with "
-                                 "mode='abort' or 'wait' around the next push, or call engine.clear_kv_cache()",
-                                 engine=e.name, error=str(err))
-                continue
-            self._unchecked.discard(e.name)
-            (self.log.warning if bad else self.log.info)(
-                "KV cache scrubbed after weights pushed without the finite check were replaced", engine=e.name,
-                nonfinite_values=bad)
-
-    async def _resume_stale(self) -> None:
-        """Resume the engines found paused at connect, now that they hold a whole version; a resume that
-        fails raises naming the engine (its requests would hang)."""
-        stale = [e for e in self.engines if e.name in self._stale_paused]
-        await EngineGroup(stale, self.timeout, self.abort_timeout).resume()
-        self.log.info("resumed engines found paused at connect", engines=[e.name for e in stale])
-        self._stale_paused.clear()
 
     async def _after_round(self, group: EngineGroup, trace: Trace) -> tuple[dict[str, bool], list[EngineRound]]:
         """Once every engine finished: reset their prefix caches and ask what their workers did, both at once."""
@@ -787,9 +750,8 @@ class WeightSync:
 
     # -- partial rollout -------------------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def paused(self, mode: str = "keep", clear_cache: bool = False, *,
-                     resume_on_failure: bool = False) -> AsyncIterator[None]:
+    def paused(self, mode: str = "keep", clear_cache: bool = False, *,
+               resume_on_failure: bool = False) -> AbstractAsyncContextManager[None]:
         """Pause generation on every engine for the body (e.g. a push), then resume.
 
         mode "keep" freezes in-flight requests (with clear_cache=False they keep their KV cache and continue
@@ -797,36 +759,10 @@ class WeightSync:
 
         When the body raised (or was cancelled), engines a failed push left holding mixed weights (`mixed`)
         or with a round that could not be ended (`open_rounds`) stay paused, so they serve nothing from
-        half-new weights; the others resume. `resume_on_failure=True` resumes every engine anyway.
+        half-new weights; the others resume. `resume_on_failure=True` resumes every engine anyway. The next
+        push that makes them whole resumes them, inside `paused()` or not.
         """
-        if mode not in ("keep", "wait", "abort"):
-            raise ValidationError(f"pause mode must be keep, wait or abort, got {mode!r}")
-        group = EngineGroup(self.engines, self.timeout, self.abort_timeout)
-        try:
-            await group.pause(mode, clear_cache)
-        except BaseException:  # engines that did pause must not stay paused
-            with anyio.CancelScope(shield=True):
-                try:
-                    await group.resume()
-                except PushError as err:
-                    self.log.warning("resume after a failed pause failed", error=str(err))
-            raise
-        failed = True
-        self._pausing = True
-        try:
-            yield
-            failed = False
-        finally:
-            self._pausing = False
-            with anyio.CancelScope(shield=True):
-                keep = set() if not failed or resume_on_failure else set(self.mixed) | self.open_rounds
-                if keep:
-                    self.log.warning("engines left paused after a failed push (mixed weights or an open round); "
-                                     "the next successful push resumes them (resume_on_failure=True: at once)",
-                                     engines=sorted(keep))
-                await group.resume([e for e in self.engines if e.name not in keep])
-                # the next push that makes them whole resumes them, inside paused() or not
-                self._stale_paused = (self._stale_paused - {e.name for e in self.engines}) | keep
+        return self.upkeep.paused(mode, clear_cache, resume_on_failure=resume_on_failure)
 
 
 def _call_hook(hook: Callable[[Any], object], arg: object, name: str, *, warn: bool = True, **where: object) -> bool:

@@ -73,7 +73,7 @@ async def test_a_trainer_dead_inside_paused_leaves_nothing_hanging_for_the_next(
         # A new trainer process (this one). A round left open by a SIGKILLed owner is taken over once it has
         # been idle longer than the sync's timeout.
         await sync.connect()
-        assert "serve" in sync._stale_paused and "not by this sync" in caplog.text
+        assert "serve" in sync.upkeep.stale_paused and "not by this sync" in caplog.text
         if sig == signal.SIGKILL:
             await anyio.sleep(6)
         report = await sync.push(trainer_from(model_dir, step=51))
