@@ -36,7 +36,7 @@ from .pipeline.threads import responsive_threads
 from .plan.check import Expected, check_family, check_plan, dtype_casts
 from .plan.chunk import ChunkPlan
 from .plan.chunking import layer_index, split_layers
-from .plan.finite import nonfinite
+from .plan.finite import nonfinite, warm_finite_check
 from .report import ChunkDone, DeltaReport, EngineRound, GiB, MiB, PushReport
 from .rounds import EngineGroup, Rounds
 from .sources import GatheredElsewhere, ModuleSource, Source, as_source, is_fsdp1
@@ -214,6 +214,8 @@ class WeightSync:
         the transport's per-push state are a push's own."""
         async with self._lock:
             source, plans = self.plan(model)
+            if self.checks.check_finite:  # the finite check's kernel built and checked now, not in the first push
+                await anyio.to_thread.run_sync(warm_finite_check, list(source.local_tensors()))
             if not (self.engines and source.is_sender and source.gathers_here):
                 return
             transport = self.transport

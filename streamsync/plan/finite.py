@@ -192,6 +192,15 @@ def self_check(device: torch.device) -> bool:
     return ok
 
 
+def warm_finite_check(tensors: Sequence[tuple[str, Any]]) -> None:
+    """Build (or load from Triton's disk cache) and check the kernel for the devices `tensors` are on, ahead of
+    the first push (`WeightSync.connect(model)`): a build takes about a second per dtype."""
+    if not _triton():
+        return
+    for device in {t.device for _, t in tensors if t.device.type == "cuda"}:
+        _kernel_works(device)
+
+
 def _by_kernel(tensors: Sequence[torch.Tensor]) -> list[int]:
     key = (tensors[0].device, tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
     tiles = _cache.get(key)
