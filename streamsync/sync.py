@@ -608,9 +608,9 @@ class WeightSync:
             engines=[e.name for e in self.engines], cache_reset=cache_reset, trace=trace,
             gc_ms=trace.counts.get("gc_us", 0) / 1e3, delta=delta, engine_rounds=engine_rounds,
             not_loaded=self._not_loaded(job.plans), casts=dict(self._casts),
+            **({"path": "sharded", "senders": source.senders} if isinstance(source, ShardedSource) else {}),
         )
         if isinstance(source, ShardedSource):
-            report.path, report.senders = "sharded", source.senders
             trace.meta.update(path="sharded", senders=source.senders)
         if engine_rounds:
             trace.meta["engine_rounds"] = [r.to_dict() for r in engine_rounds]
