@@ -9,7 +9,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +28,7 @@ from .interrupts import Terminated, sigterm_cancels
 from .log import bound, get_logger, quiet
 from .metrics import Metrics
 from .options import Checks, Deltas, Observers, PushOptions, SyncKwargs, split_options
+from .outcome import Outcome
 from .owners import new_owner
 from .pack import Fusion, dtype_name, fusions_from_json
 from .pipeline.messages import Messages
@@ -35,9 +36,9 @@ from .pipeline.stages import first_push_error
 from .pipeline.threads import responsive_threads
 from .plan.check import Expected, check_family, check_plan, dtype_casts
 from .plan.chunk import ChunkPlan
-from .plan.chunking import layer_index, split_layers
+from .plan.chunking import split_layers
 from .plan.finite import nonfinite, warm_finite_check
-from .report import ChunkDone, DeltaReport, EngineRound, GiB, MiB, PushReport
+from .report import ChunkDone, EngineRound, GiB, MiB, PushReport
 from .rounds import EngineGroup, Rounds
 from .sources import GatheredElsewhere, ModuleSource, Source, as_source, is_fsdp1
 from .sources.sharded import ShardedSource, gather_objects
@@ -99,7 +100,6 @@ class WeightSync:
         self._hold_cache: tuple[list[ChunkPlan], dict[int, list[str]]] | None = None
         self._expected: dict[str, Expected] = {}
         self._declined: dict[str, Declined] = {}  # engine -> the layers it does not load (MTP layers)
-        self._warned_declined: set[str] = set()
         self._casts: dict[str, int] = {}  # what the current plan casts to the engines' dtypes ("a -> b": tensors)
         self._warned_cast = False
         self._architectures: dict[str, tuple[str, ...]] = {}  # engine -> the model classes it serves
@@ -109,6 +109,8 @@ class WeightSync:
         #: after a failed push: resumed by the next successful push, so they never hang their requests silently
         #: the engines' state that is not their weights: paused or not, KV left by unchecked weights
         self.upkeep = Upkeep(self)
+        #: how a push ends: the report of one that succeeded; the rounds ended and the marks of one that failed
+        self.outcome = Outcome(self)
         self._call_started: float | None = None  # perf_counter at the current push call's start
         self._loop: object | None = None  # the event loop `connect` ran in
 
@@ -530,7 +532,7 @@ class WeightSync:
             push_id=push_id, version=version, source=source, transport=self.transport, engines=self.engines,
             plans=plans, trace=trace, messages=self._messages, max_inflight=window, timeout=self.timeout,
             faults=self.faults, hold=self._hold(source, plans), owner=self.owner,
-            on_chunk=self._chunk_hook(push_id, version, plans), checked=self._checked,
+            on_chunk=self.outcome.chunk_hook(push_id, version, plans), checked=self._checked,
             engine_layout=self.engine_layout, delta=delta,
         )
         group = EngineGroup(self.engines, self.timeout, self.abort_timeout)
@@ -553,7 +555,7 @@ class WeightSync:
         except BaseException as e:  # a PushError, or a cancellation: the rounds end either way
             if self.metrics is not None and isinstance(e, PushError):
                 self.metrics.observe_failure(e.stage)
-            await self._failed(e, job, group, rounds, trace)
+            await self.outcome.failed(e, job, group, rounds, trace)
             raise
         finally:
             push_range.__exit__()
@@ -562,9 +564,9 @@ class WeightSync:
                               stage=job.running_stage(), chunk=job.running_chunk(), push_id=push_id)
             if self.metrics is not None:
                 self.metrics.observe_failure(err.stage)
-            await self._failed(err, job, group, rounds, trace)
+            await self.outcome.failed(err, job, group, rounds, trace)
             raise err
-        report = self._succeeded(job, source, cache_reset, engine_rounds)
+        report = self.outcome.succeeded(job, source, cache_reset, engine_rounds)
         await self.upkeep.after_whole()
         return report
 
@@ -592,43 +594,6 @@ class WeightSync:
                 tg.start_soon(stats)
         return cache_reset, engine_rounds
 
-    def _succeeded(self, job: pipeline.Push, source: Source, cache_reset: dict[str, bool],
-                   engine_rounds: list[EngineRound]) -> PushReport:
-        log = get_logger()
-        trace = job.trace
-        seconds = trace.end()
-        self.versions.pushed(job.version, [e.name for e in self.engines])
-        total = sum(p.nbytes for p in job.plans)
-        delta = self._delta_done(job, total)
-        report = PushReport(
-            push_id=job.push_id, version=job.version, seconds=seconds,
-            bytes=delta.wire_bytes if delta is not None else total, model_bytes=total, chunks=len(job.plans),
-            stage_seconds=trace.busy_seconds(), peak_bytes_inflight=job.peak_bytes,
-            max_chunks_alive=trace.max_alive(), collectives=source.collectives,
-            engines=[e.name for e in self.engines], cache_reset=cache_reset, trace=trace,
-            gc_ms=trace.counts.get("gc_us", 0) / 1e3, delta=delta, engine_rounds=engine_rounds,
-            not_loaded=self._not_loaded(job.plans), casts=dict(self._casts),
-            **({"path": "sharded", "senders": source.senders} if isinstance(source, ShardedSource) else {}),
-        )
-        if isinstance(source, ShardedSource):
-            trace.meta.update(path="sharded", senders=source.senders)
-        if engine_rounds:
-            trace.meta["engine_rounds"] = [r.to_dict() for r in engine_rounds]
-        if report.gc_ms >= 20 and report.gc_ms > 0.2 * seconds * 1e3:
-            log.warning("garbage collection paused this push", gc_ms=round(report.gc_ms, 1),
-                        push_ms=round(seconds * 1e3, 1),
-                        fix="call gc.freeze() once the model is built: objects alive then are not scanned again")
-        trace.count("collectives", source.collectives)
-        report.trace_path = self._write_trace(trace)
-        log.info("push done", ms=round(seconds * 1e3, 1), mib=round(total / MiB, 1), gbps=round(report.gbps, 2),
-                 chunks=len(job.plans), stage_ms={k: round(v * 1e3, 1) for k, v in report.stage_seconds.items()},
-                 **({"delta": delta.mode, "sent_mib": round(delta.wire_bytes / MiB, 2)} if delta else {}))
-        if self.metrics is not None and source.is_sender:
-            self.metrics.observe_push(report)
-        if self.observers.on_push is not None:
-            _call_hook(self.observers.on_push, report, "on_push")
-        return report
-
     async def _one_version(self, v: int) -> int:
         """One push has one version on every trainer rank: global rank 0's, the rank with the engines (a rank
         without engines cannot know what they hold). Called where every rank takes part in the push."""
@@ -653,50 +618,6 @@ class WeightSync:
                              "checkpoint", casts=self._casts, strict="WeightSync(strict_dtypes=True) refuses instead")
         return cast, cast.plan(budget, ref_bytes=max(ref_bytes, budget) if ref_bytes else None)
 
-    def _not_loaded(self, plans: Sequence[ChunkPlan]) -> dict[str, list[str]]:
-        """Engine -> the tensors of this push it does not load (`Engine.declined_layers`), said once per engine."""
-        out: dict[str, list[str]] = {}
-        for engine, declined in self._declined.items():
-            names = sorted({s.name for p in plans for s in p.specs if layer_index(s.name) in declined})
-            if names:
-                out[engine] = names
-                if engine not in self._warned_declined:
-                    self._warned_declined.add(engine)
-                    get_logger().warning("engine does not load some tensors of the push", engine=engine,
-                                         tensors=len(names), layers=f"{declined.start}..{declined.stop - 1}",
-                                         reason=declined.reason)
-        return out
-
-    def _delta_done(self, job: pipeline.Push, total: int) -> DeltaReport | None:
-        """A delta sync's push succeeded: every engine holds it whole, so the shadow is the next push's base."""
-        d = job.delta
-        if d is None:
-            return None
-        self.shadow.held = (job.version, job.push_id)
-        self.shadow.since_full = 0 if d.mode == "full" else self.shadow.since_full + 1
-        for k, v in (("wire_bytes", d.wire_bytes), ("changed", d.changed), ("elements", d.elements)):
-            job.trace.count(f"delta.{k}", v)
-        return DeltaReport(d.mode, d.wire_bytes, self.shadow.nbytes, d.why_full, d.base, d.changed, d.elements,
-                           dict(d.encodings))
-
-    def _chunk_hook(self, push_id: str, version: int, plans: Sequence[ChunkPlan]) -> Callable[[int, int], None]:
-        hook = self.observers.on_chunk
-        log = get_logger()
-        failed = [0]  # a hook that fails for one chunk fails for every one: warn once per push, with the count
-
-        def done(i: int, n: int) -> None:
-            log.debug("chunk released", chunk=i, of=n)
-            if hook is not None:
-                p = plans[i]
-                if not _call_hook(hook, ChunkDone(push_id, version, i, n, p.nbytes, len(p.specs)), "on_chunk",
-                                  warn=not failed[0], push=push_id):
-                    failed[0] += 1
-                if i == n - 1 and failed[0] > 1:
-                    log.warning("on_chunk hook failed for several chunks of this push", push=push_id,
-                                chunks=failed[0], of=n)
-
-        return done
-
     async def _run_started(self, job: pipeline.Push, group: EngineGroup, rounds: Rounds) -> None:
         """start_update on every engine, concurrently with the pipeline; the first send waits for it."""
         assert job.started is not None
@@ -713,42 +634,9 @@ class WeightSync:
         except BaseExceptionGroup as eg:
             raise first_push_error(eg) from None
 
-    async def _failed(self, err: BaseException, job: pipeline.Push, group: EngineGroup, rounds: Rounds,
-                      trace: Trace) -> None:
-        """A push failed or was cancelled: end every round it opened and record what the engines hold."""
-        log = get_logger()
-        with anyio.CancelScope(shield=True):
-            if isinstance(err, PushError):
-                log.error("push failed", stage=err.stage, chunk=err.chunk, receiver=err.receiver, error=str(err))
-            else:
-                log.warning("push cancelled", running=job.running(), error=type(err).__name__)
-            # Engines that owe the failed chunk's acknowledgement did not answer within the timeout: asking them
-            # to abort would hold the error back by another one. They keep the round open (open_rounds).
-            unresponsive = err.unresponsive if isinstance(err, PushError) else frozenset()
-            to_abort = [e for e in self.engines if e.name in rounds.opened and e.name not in rounds.finished]
-            ended = (await group.abort([e for e in to_abort if e.name not in unresponsive], job.version)
-                     if to_abort else set())
-            self.versions.failed(job.version, finished=rounds.finished, aborted=[e.name for e in to_abort],
-                                 ended=ended, sent=job.sent_any)
-            if self.mixed:
-                log.warning("engines hold mixed weights until the next successful push", mixed=sorted(self.mixed))
-            if not isinstance(err, PushError):
-                log.warning("push cancelled; its round was ended on every engine that answered",
-                            open_rounds=sorted(self.open_rounds))
-            if isinstance(err, PushError):  # drawn by the viewer: the failing stage, chunk, engine and message
-                trace.fail(err.stage, err.chunk, err.receiver, err.message)
-            else:
-                trace.fail(job.running_stage(), job.running_chunk(), None, f"cancelled ({job.running()})")
-            self._write_trace(trace)
-
     async def reset_caches(self) -> dict[str, bool]:
         """Reset every engine's prefix cache now (e.g. once requests kept across a push have finished)."""
         return await EngineGroup(self.engines, self.timeout, self.abort_timeout).reset_caches()
-
-    def _write_trace(self, trace: Trace) -> str | None:
-        if self.trace_dir is None:
-            return None
-        return str(trace.write(self.trace_dir / f"push-{trace.push_id}-v{trace.meta.get('version')}.trace.json"))
 
     # -- partial rollout -------------------------------------------------------------------------------
 
@@ -765,17 +653,6 @@ class WeightSync:
         push that makes them whole resumes them, inside `paused()` or not.
         """
         return self.upkeep.paused(mode, clear_cache, resume_on_failure=resume_on_failure)
-
-
-def _call_hook(hook: Callable[[Any], object], arg: object, name: str, *, warn: bool = True, **where: object) -> bool:
-    """Call an observer's hook; False (and a warning, if `warn`) where it raised."""
-    try:
-        hook(arg)
-    except Exception as err:  # the weights moved: a hook's own bug must not fail the push
-        if warn:
-            get_logger().warning(f"{name} hook failed", error=f"{type(err).__name__}: {err}", **where)
-        return False
-    return True
 
 
 def _event_loop() -> object | None:

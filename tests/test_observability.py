@@ -216,7 +216,7 @@ def test_an_applications_logging_handler_gets_push_done_as_a_record_on_the_strea
     assert rec["name"] == "streamsync" and rec["level"] == "INFO"
     assert rec["fields"]["event"] == "push done" and rec["fields"]["chunks"] == out["chunks"]
     assert f"chunks={out['chunks']}" in rec["message"]
-    assert rec["where"] == "sync.py:_succeeded"  # the line that logged, not structlog's frames
+    assert rec["where"] == "outcome.py:succeeded"  # the line that logged, not structlog's frames
     assert "push done" not in err  # nothing bypassed the application's handler
 
 
