@@ -50,6 +50,8 @@ class Outcome:
         self.sync.versions.pushed(job.version, [e.name for e in self.sync.engines])
         total = sum(p.nbytes for p in job.plans)
         delta = self.delta_done(job, total)
+        sharded = isinstance(source, ShardedSource)
+        path, senders = ("sharded", source.senders) if isinstance(source, ShardedSource) else ("single-sender", 1)
         report = PushReport(
             push_id=job.push_id, version=job.version, seconds=seconds,
             bytes=delta.wire_bytes if delta is not None else total, model_bytes=total, chunks=len(job.plans),
@@ -58,10 +60,10 @@ class Outcome:
             engines=[e.name for e in self.sync.engines], cache_reset=cache_reset, trace=trace,
             gc_ms=trace.counts.get("gc_us", 0) / 1e3, delta=delta, engine_rounds=engine_rounds,
             not_loaded=self.not_loaded(job.plans), casts=dict(self.sync._casts),
-            **({"path": "sharded", "senders": source.senders} if isinstance(source, ShardedSource) else {}),
+            path=path, senders=senders,
         )
-        if isinstance(source, ShardedSource):
-            trace.meta.update(path="sharded", senders=source.senders)
+        if sharded:
+            trace.meta.update(path=path, senders=senders)
         if engine_rounds:
             trace.meta["engine_rounds"] = [r.to_dict() for r in engine_rounds]
         if report.gc_ms >= 20 and report.gc_ms > 0.2 * seconds * 1e3:
