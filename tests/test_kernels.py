@@ -90,10 +90,7 @@ def test_the_kernel_copies_bit_for_bit_in_the_interpreter():
         assert all(torch.equal(d, s.to(d.dtype)) for d, s in zip(dsts, srcs))
         print("copied", len(dsts), "runs", copy.runs)
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "copied 9" in out.stdout
+    assert "copied 9" in _run_fresh(code)
 
 
 @pytest.mark.gpu
@@ -171,18 +168,19 @@ def test_the_finite_check_kernel_flags_exactly_inf_and_nan_in_the_interpreter():
     # Every dtype it takes, tensors of any length at aligned and unaligned addresses (views into one buffer), a
     # view spanning several tiles, and the extreme finite values it must pass.
     pytest.importorskip("triton")
-    code = "DEV = 'cpu'\n" + textwrap.dedent(_FINITE)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "found 5" in out.stdout
+    assert "found 5" in _run_fresh("DEV = 'cpu'\n" + textwrap.dedent(_FINITE))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_finite_check_kernel_flags_exactly_inf_and_nan_compiled():
     pytest.importorskip("triton")
-    code = "DEV = 'cuda'\n" + textwrap.dedent(_FINITE)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280)
+    assert "found 5" in _run_fresh("DEV = 'cuda'\n" + textwrap.dedent(_FINITE), interpret=False)
+
+
+def _run_fresh(code: str, interpret: bool = True) -> str:
+    """Run `code` in a fresh Python (Triton reads TRITON_INTERPRET at import); its stdout, once it exited 0."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if interpret else None
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "found 5" in out.stdout
+    return out.stdout

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ..receiver.kernels import triton_imports
+
 TILE = 1 << 16  # bytes per tile (one program's unit of work)
 BLOCK = 2048  # words per load step
 ALIGN = 16  # bytes per vector access
@@ -32,16 +34,6 @@ ALIGN = 16  # bytes per vector access
 _EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
              torch.float32: (torch.int32, 0x7F800000)}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # tests: the kernel on CPU tensors
-
-
-@functools.cache
-def _triton() -> bool:
-    try:
-        import triton
-        import triton.language  # noqa: F401
-    except Exception:  # not installed, or installed without a working backend
-        return False
-    return True
 
 
 @functools.cache
@@ -195,7 +187,7 @@ def self_check(device: torch.device) -> bool:
 def warm_finite_check(tensors: Sequence[tuple[str, Any]]) -> None:
     """Build (or load from Triton's disk cache) and check the kernel for the devices `tensors` are on, ahead of
     the first push (`WeightSync.connect(model)`): a build takes about a second per dtype."""
-    if not _triton():
+    if not triton_imports():
         return
     for device in {t.device for _, t in tensors if t.device.type == "cuda"}:
         _kernel_works(device)
@@ -240,7 +232,7 @@ def nonfinite(tensors: Sequence[tuple[str, Any]], kernel: bool | None = None) ->
     named = [(n, t) for n, t in tensors if t.is_floating_point() and t.numel()]
     if not named:
         return []
-    use = (kernel if kernel is not None else True) and _triton()
+    use = (kernel if kernel is not None else True) and triton_imports()
     fast = [i for i, (_, t) in enumerate(named) if use and _eligible(t)]
     if fast:
         device = named[fast[0]][1].device

@@ -36,15 +36,18 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # tests: the kernel on C
 
 
 @functools.cache
-def available() -> bool:
-    if not torch.cuda.is_available():
-        return False
+def triton_imports() -> bool:
+    """Whether Triton imports here (the finite check's kernel uses it too)."""
     try:
         import triton
         import triton.language  # noqa: F401
     except Exception:  # not installed, or installed without a working backend
         return False
     return True
+
+
+def available() -> bool:
+    return torch.cuda.is_available() and triton_imports()
 
 
 @functools.cache
