@@ -159,6 +159,10 @@ _FINITE = """
     assert nonfinite(named) == want, nonfinite(named)
     assert nonfinite(named, kernel=False) == want
     assert nonfinite(named) == want  # the kept tile table, a second time
+    moved = named[0][1].clone()  # a tensor replaced by one elsewhere: the table is made again, not misread
+    moved[-1] = float("inf")
+    named[0] = ("w0", moved)
+    assert nonfinite(named) == ["w0", *want], nonfinite(named)
     print("found", len(want))
 """
 

@@ -134,9 +134,6 @@ class _Tiles:
         return sorted(set(bad))
 
 
-_cache: dict[tuple[Any, ...], _Tiles] = {}
-
-
 def _eligible(t: torch.Tensor) -> bool:
     return ((t.device.type == "cuda" or _INTERPRET) and t.dtype in _EXPONENT and t.is_contiguous()
             and t.data_ptr() % t.element_size() == 0)
@@ -193,16 +190,6 @@ def warm_finite_check(tensors: Sequence[tuple[str, Any]]) -> None:
         _kernel_works(device)
 
 
-def _by_kernel(tensors: Sequence[torch.Tensor]) -> list[int]:
-    key = (tensors[0].device, tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
-    tiles = _cache.get(key)
-    if tiles is None:
-        if len(_cache) >= 4:  # a few sets (a sync's sources); the tensors of a finished one are gone
-            _cache.pop(next(iter(_cache)))
-        tiles = _cache[key] = _Tiles(tensors)
-    return tiles(tensors)
-
-
 def _by_norms(tensors: Sequence[torch.Tensor]) -> list[int]:
     groups: dict[tuple[Any, Any], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -226,22 +213,54 @@ def _by_norms(tensors: Sequence[torch.Tensor]) -> list[int]:
     return [order[i] for i in bad]
 
 
+class _Prepared:
+    """How one set of tensors is checked, worked out once: which are floating and hold elements, which the
+    kernel takes (on one device) and its tile table, which the norms take. Kept while every tensor keeps its
+    address, size, dtype, contiguity and device (`_key`): a push of an MoE checks thousands of tensors, and
+    asking each of them again was a third of the check."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], kernel: bool | None) -> None:
+        floating = [i for i, t in enumerate(tensors) if t.is_floating_point() and t.numel()]
+        use = (kernel if kernel is not None else True) and triton_imports()
+        fast = [i for i in floating if use and _eligible(tensors[i])]
+        if fast:
+            device = tensors[fast[0]].device
+            fast = [i for i in fast if tensors[i].device == device] if _kernel_works(device) else []
+        taken = set(fast)
+        self.fast = fast
+        self.rest = [i for i in floating if i not in taken]
+        self.tiles = _Tiles([tensors[i] for i in fast]) if fast else None
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        bad: set[int] = set()
+        if self.tiles is not None:
+            bad.update(self.fast[k] for k in self.tiles([tensors[i] for i in self.fast]))
+        if self.rest:
+            bad.update(self.rest[k] for k in _by_norms([tensors[i] for i in self.rest]))
+        return sorted(bad)
+
+
+def _key(tensors: Sequence[torch.Tensor], kernel: bool | None) -> tuple[object, ...]:
+    T = torch.Tensor
+    return (kernel, list(map(T.data_ptr, tensors)), list(map(T.numel, tensors)), [t.dtype for t in tensors],
+            list(map(T.is_contiguous, tensors)), list(map(T.get_device, tensors)))
+
+
+#: the last few sets checked (a sync's sources), newest last; the tensors of a finished one are gone
+_cache: list[tuple[tuple[object, ...], _Prepared]] = []
+
+
 def nonfinite(tensors: Sequence[tuple[str, Any]], kernel: bool | None = None) -> list[str]:
     """Names of the floating tensors holding NaN or inf, in the order given. `kernel`: force (True) or refuse
     (False) the Triton kernel for the tensors it can take; None takes it where it applies."""
-    named = [(n, t) for n, t in tensors if t.is_floating_point() and t.numel()]
-    if not named:
+    ts = [t for _, t in tensors]
+    if not ts:
         return []
-    use = (kernel if kernel is not None else True) and triton_imports()
-    fast = [i for i, (_, t) in enumerate(named) if use and _eligible(t)]
-    if fast:
-        device = named[fast[0]][1].device
-        fast = [i for i in fast if named[i][1].device == device] if _kernel_works(device) else []
-    taken = set(fast)
-    rest = [i for i in range(len(named)) if i not in taken]
-    bad: set[int] = set()
-    if fast:
-        bad.update(fast[k] for k in _by_kernel([named[i][1] for i in fast]))
-    if rest:
-        bad.update(rest[k] for k in _by_norms([named[i][1] for i in rest]))
-    return [named[i][0] for i in sorted(bad)]
+    key = _key(ts, kernel)
+    prepared = next((p for k, p in _cache if k == key), None)
+    if prepared is None:
+        prepared = _Prepared(ts, kernel)
+        if len(_cache) >= 4:
+            _cache.pop(0)
+        _cache.append((key, prepared))
+    return [tensors[i][0] for i in prepared(ts)]

@@ -57,7 +57,7 @@ from ..pack import TensorSpec, dtype_from_name, dtype_name
 from ..plan.chunk import ChunkPlan
 from ..plan.chunking import Item, order_key, plan_chunks
 from ..plan.shards import Box, Shards
-from .base import AddressCache, Source
+from .base import AddressCache, DetachedCache, Source
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 # an MTP layer and the decoder layer it holds (megatron-core 0.16 `transformer_layer`, later `mtp_model_layer`)
@@ -356,6 +356,7 @@ class MegatronSource(Source):
         self._views: dict[int, tuple[dict[str, torch.Tensor], list[torch.Tensor]]] = {}  # see convert
         self._addresses = AddressCache()
         self._own: dict[int, tuple[Sequence[object], tuple[list, list, list], dict[str, torch.Tensor]]] = {}
+        self._detached = DetachedCache()
         if not self._local:
             raise ValidationError("the megatron model has no parameters on this rank")
         devices = {p.device for p, _ in self._local.values()}
@@ -493,8 +494,9 @@ class MegatronSource(Source):
                 out.append(k)
         return out + sorted(run, key=kind)
 
-    def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((n, p.detach()) for n, (p, _) in self._local.items())
+    def local_tensors(self) -> Sequence[tuple[str, torch.Tensor]]:
+        return self._detached.get(list(self._local), [p for p, _ in self._local.values()],
+                                  lambda _, p: p.detach())
 
     def shards(self) -> Shards:
         """What this rank holds of each HF tensor, from its own parameters' shapes and the mappings' TP

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -13,7 +13,7 @@ from ..pack import TensorSpec, align_up, dtype_name
 from ..plan.chunk import ChunkPlan
 from ..plan.chunking import Item, layer_index, order_key, plan_chunks, row_parts
 from ..plan.shards import Box, Shards
-from .base import AddressCache, Source
+from .base import AddressCache, DetachedCache, Source
 
 
 def _dtensor(t: torch.Tensor) -> bool:
@@ -75,6 +75,9 @@ class ModuleSource(Source):
         self.dtype = dtype
         self._tensors: dict[str, torch.Tensor] = {}
         self._addresses = AddressCache()
+        self._detached = DetachedCache()
+        # chunk index -> (its keys, the key of its tensors, the list gather made): `gather`
+        self._gathered: dict[int, tuple[Sequence[object], tuple[list[Any], ...], list[torch.Tensor]]] = {}
         seen: dict[tuple[int, int], str] = {}
         # Parameter objects are kept (detached at gather), so a later `param.data = ...` is still seen when
         # WeightSync reuses this source for the next push.
@@ -142,9 +145,11 @@ class ModuleSource(Source):
         t = self._tensors[name].detach()
         return t.to_local() if name in self._distributed else t  # type: ignore[attr-defined]
 
-    def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def local_tensors(self) -> Sequence[tuple[str, torch.Tensor]]:
         self._fresh()
-        return ((n, self._own(n)) for n in self._tensors)
+        if self._distributed:  # a DTensor's local piece is asked for each time
+            return [(n, self._own(n)) for n in self._tensors]
+        return self._detached.get(list(self._tensors), list(self._tensors.values()), lambda n, _: self._own(n))
 
     def local_addresses(self, device: torch.device) -> set[int]:
         if self._distributed:  # pieces of gathered tensors are never sent by reference
@@ -224,13 +229,25 @@ class ModuleSource(Source):
         if self._distributed:
             return await anyio.to_thread.run_sync(self._gather_distributed, chunk, abandon_on_cancel=True)
         self._fresh()
+        # The same list comes back while every tensor of the chunk keeps its address, size, shape, dtype and
+        # contiguity (checked each push), as a megatron source's does: an MoE chunk has thousands of tensors,
+        # making new tensor objects for them was most of the push's host time, and transports key their
+        # per-chunk caches on the list.
+        ts = [self._tensors[k if isinstance(k, str) else k[0]] for k in chunk.keys]  # type: ignore[index]
+        T = torch.Tensor
+        key = (list(map(T.data_ptr, ts)), list(map(T.numel, ts)), [t.shape for t in ts], [t.dtype for t in ts],
+               list(map(T.is_contiguous, ts)))
+        hit = self._gathered.get(chunk.index)
+        if hit is not None and hit[0] == chunk.keys and hit[1] == key:
+            return hit[2]
         out = []
-        for k in chunk.keys:
+        for k, t in zip(chunk.keys, ts, strict=True):
             if isinstance(k, str):
-                out.append(self._tensors[k].detach())
+                out.append(t.detach())
             else:  # (name, first row, end row)
                 assert isinstance(k, tuple)
-                out.append(self._tensors[k[0]].detach()[k[1]:k[2]])
+                out.append(t.detach()[k[1]:k[2]])
+        self._gathered[chunk.index] = (chunk.keys, key, out)
         return out
 
     def _gather_distributed(self, chunk: ChunkPlan) -> list[torch.Tensor]:

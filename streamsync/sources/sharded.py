@@ -15,7 +15,7 @@ narrows its own slice out of each; only that slice was sent and filled).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -194,7 +194,7 @@ class ShardedSource(Source):
             return [t if t.dtype == s.dtype else t.to(s.dtype) for t, s in zip(out, chunk.specs, strict=True)]
         return out
 
-    def local_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def local_tensors(self) -> Sequence[tuple[str, torch.Tensor]]:
         return self.inner.local_tensors()
 
     def local_addresses(self, device: torch.device) -> set[int]:
