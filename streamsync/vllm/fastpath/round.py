@@ -1,0 +1,208 @@
+"""One round on the fast path: the copies of each received chunk, REBUILD modules filled and processed as they
+complete, DERIVE layers derived again at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .plan import Plan, _Op
+from .trace import _TB, Slots, Weights, _expert_layout, _place, _tensors
+
+
+@dataclass
+class _Pending:
+    """A REBUILD module the round has started writing: its fresh tensors and how much of them arrived."""
+
+    params: Slots
+    buffers: Slots
+    filled: int = 0
+
+
+@dataclass
+class FastRound:
+    """One round's state on the fast path: REBUILD modules being filled, and what went which way."""
+
+    plan: Plan
+    rebuilt: int = 0  # modules processed this round
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+
+    def split(self, weights: Weights) -> tuple[list[tuple[tuple[_Op, ...], torch.Tensor]],
+                                               list[tuple[str, torch.Tensor]]]:
+        """(fast: each tensor with its copies, slow: the tensors for `load_weights`)."""
+        fast: list[tuple[tuple[_Op, ...], torch.Tensor]] = []
+        slow: list[tuple[str, torch.Tensor]] = []
+        ops = self.plan.ops
+        for name, t in weights:
+            hit = ops.get(name)
+            if hit is None:
+                slow.append((name, t))
+            else:
+                fast.append((hit, t))
+        return fast, slow
+
+    @torch.no_grad()
+    def load(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]],
+             process: Callable[[list[int]], None] | None = None) -> list[int]:
+        """Replay the copies; returns the REBUILD modules this completed (process them with `process`). Given
+        `process`, each completed module is handed to it as soon as its copies are queued (and nothing is
+        returned): a chunk's fresh tensors then live one module at a time, not a whole chunk's worth at once
+        (an fp8 engine's modules are rebuilt from bf16 tensors twice the size of what they hold)."""
+        complete: list[int] = []
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+
+        def flush() -> None:
+            if dsts:  # one call for many copies (an MoE chunk makes thousands): no Python loop per copy
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                dsts.clear()
+                srcs.clear()
+
+        for dst, src, value in self.writes(fast, complete):
+            if src is None:
+                dst.fill_(value)
+            else:
+                dsts.append(dst)
+                srcs.append(src)
+            if process is not None and complete:
+                flush()
+                process(list(complete))
+                complete.clear()
+        flush()
+        return complete
+
+    def writes(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]], complete: list[int]
+               ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, float]]:
+        """Each copy as (destination view, source view, 0) and each constant fill as (destination, None, value),
+        REBUILD modules' fresh tensors made on first write; appends to `complete` the modules it completes.
+
+        A source may come *blocked* (`pack.fits`: Q as a (groups, rows, hidden) view of megatron's interleaved
+        QKV, the same row-major order as its HF shape): a whole write into a contiguous destination reads it as
+        it is, so no reshaped copy of it is ever made; any other write reads a contiguous copy."""
+        for ops, src in fast:
+            flat: torch.Tensor | None = src if src.is_contiguous() else None
+            for op in ops:
+                w = op.write
+                if w.numel == 0:  # a loader's empty write (no padding rows on this rank): nothing to do
+                    continue
+                dst = op.dst
+                if dst is None:
+                    pend = self._pending(op.module)
+                    t = pend.params.get(op.tensor)
+                    t = pend.buffers[op.tensor] if t is None else t
+                    assert t is not None  # a traced target: a tensor in the module's load format
+                    dst = t.as_strided(w.size, w.stride, t.storage_offset() + w.offset)
+                    pend.filled += w.numel
+                    if pend.filled == self.plan.rebuilt[op.module].numel:
+                        complete.append(op.module)
+                if w.src_offset is None:
+                    yield dst, None, w.value
+                elif op.whole and src.numel() != w.numel:  # the source's first rows only (a TP rank's slice)
+                    if flat is None:
+                        flat = src.contiguous()
+                    yield dst, flat.view(-1)[:w.numel].view(w.size), 0.0
+                elif op.whole and flat is not None:
+                    yield dst, flat.view(w.size), 0.0
+                elif op.whole and dst.is_contiguous():
+                    yield dst.view(src.shape), src, 0.0
+                else:
+                    if flat is None:
+                        flat = src.contiguous()
+                    yield dst, flat.as_strided(w.size, w.src_stride, flat.storage_offset() + w.src_offset), 0.0
+
+    def _pending(self, i: int) -> _Pending:
+        pend = self.pending.get(i)
+        if pend is None:
+            if i in self.done:
+                raise RuntimeError(f"module {self.plan.rebuilt[i].name!r} was written twice in one round")
+            pend = self.pending[i] = _materialize(self.plan.rebuilt[i].layer)
+        return pend
+
+    @torch.no_grad()
+    def process(self, modules: Sequence[int]) -> None:
+        """Process each completed REBUILD module with its own `process_weights_after_loading` and copy the result
+        into the tensors its kernels hold (their addresses stay). A fused-MoE layer under vLLM's online fp8 is
+        quantized by `quant.rebuild_fp8_experts` (the same arithmetic over many experts at once) instead."""
+        from ..quant import fp8_experts_rebuildable, rebuild_fp8_experts
+
+        for i in modules:
+            pend = self.pending.pop(i)
+            layer = self.plan.rebuilt[i].layer
+            kernel_params, kernel_buffers, non_persistent = _tensors(layer)
+            if fp8_experts_rebuildable(layer):
+                rebuild_fp8_experts(layer, pend.params, kernel_params)
+                self.done.add(i)
+                self.rebuilt += 1
+                continue
+            _place(layer, pend.params, pend.buffers, non_persistent)
+            try:
+                if hasattr(layer, "_already_called_process_weights_after_loading"):
+                    delattr(layer, "_already_called_process_weights_after_loading")
+                layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+                _expert_layout(layer)
+                update: Any = getattr(layer, "update_param_tp_status", None)
+                if update is not None:  # processing may have made new Parameters: vLLM reconciles their TP state
+                    update()
+                live: dict[int, torch.Tensor] = {}  # a processed tensor's address -> the live tensor it lands in
+                for name, p in kernel_params.items():
+                    if p is not None:
+                        new = getattr(layer, name)
+                        p.data.copy_(new)
+                        live[_TB.data_ptr(new)] = p
+                for name, b in kernel_buffers.items():
+                    made = name not in non_persistent or name in pend.buffers
+                    if b is not None and name in layer._buffers and made:
+                        b.data.copy_(getattr(layer, name))
+            finally:
+                _place(layer, kernel_params, kernel_buffers, non_persistent)
+            _repoint(getattr(layer, "quant_method", None), live)
+            self.done.add(i)
+            self.rebuilt += 1
+
+    def drop(self) -> list[str]:
+        """End the round: REBUILD modules not completely written keep their old weights; returns their names."""
+        left = [self.plan.rebuilt[i].name for i in self.pending]
+        self.pending.clear()
+        return left
+
+
+def _repoint(method: object, live: Mapping[int, torch.Tensor]) -> None:
+    """A kernel config that processing built around the tensors it made is pointed at the live tensors those were
+    copied into. vLLM's fused-MoE quant config holds the experts' scales (its kernels read them there, not from
+    the module): left alone it would hold the round's fresh copies (the right values, but not the tensors the
+    engine's CUDA graphs read, and kept alive until the next round)."""
+    import dataclasses
+
+    cfg = getattr(method, "moe_quant_config", None)
+    if cfg is None or not dataclasses.is_dataclass(cfg):
+        return
+    for f in dataclasses.fields(cfg):
+        desc = getattr(cfg, f.name, None)
+        if desc is None or not dataclasses.is_dataclass(desc):
+            continue
+        for g in dataclasses.fields(desc):
+            v = getattr(desc, g.name, None)
+            to = live.get(_TB.data_ptr(v)) if isinstance(v, torch.Tensor) else None
+            if to is not None and to.shape == v.shape and to.dtype == v.dtype:  # type: ignore[union-attr]
+                object.__setattr__(desc, g.name, to)
+
+
+def _materialize(layer: torch.nn.Module) -> _Pending:
+    """Fresh tensors of the module's load format (vLLM's reload metadata: class and attributes kept), on the
+    device it was loaded on; the module itself keeps its kernel tensors meanwhile."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+
+    info = get_layerwise_info(layer)
+    kept = _tensors(layer)
+    try:
+        restore_layer_on_meta(layer, info)
+        materialize_layer(layer, info)
+        params, buffers, _ = _tensors(layer)  # fresh ones, and those reload never moves to meta (a bias)
+    finally:
+        _place(layer, *kept)
+    return _Pending(params, buffers)
