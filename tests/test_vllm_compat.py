@@ -122,7 +122,7 @@ class _FakeEngine:
 
 
 async def test_the_engine_call_thread_answers_fails_times_out_and_ends_idle(monkeypatch):
-    """An in-process LLM's blocking calls run in the engine's own thread (`engines.vllm._Caller`): results come
+    """An in-process LLM's blocking calls run in the engine's own thread (`engines.vllm.inproc._Caller`): results come
     back, errors come back as EngineErrors naming the engine, a call past the timeout is given up on (the next one
     waits its turn), a dead engine is reported within a liveness check, and an idle thread ends and is started again
     by the next call."""
@@ -132,7 +132,7 @@ async def test_the_engine_call_thread_answers_fails_times_out_and_ends_idle(monk
     import anyio
 
     from streamsync import EngineError
-    from streamsync.engines import vllm as ev
+    from streamsync.engines.vllm import inproc as ev
 
     monkeypatch.setattr(ev, "_IDLE_S", 0.2)
     monkeypatch.setattr(ev, "_LIVENESS_S", 0.1)

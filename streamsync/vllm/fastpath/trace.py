@@ -21,8 +21,6 @@ aten = torch.ops.aten
 Weights = Iterable[tuple[str, torch.Tensor]]
 
 
-
-
 class Mode(enum.Enum):
     COPY = "copy"
     REBUILD = "rebuild"
