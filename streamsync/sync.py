@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack, cast
 
 import anyio
 
@@ -43,13 +43,14 @@ from .rounds import EngineGroup, Rounds
 from .sources import GatheredElsewhere, ModuleSource, Source, as_source, is_fsdp1
 from .sources.sharded import ShardedSource, gather_objects
 from .trace import Trace, watching_gc
-from .transports.base import Transport, transport_class, transport_for
+from .transports.base import Transport, transport_class, transport_for, transport_names
 from .transports.collective.group import in_thread
 from .upkeep import Upkeep
 from .versions import VersionBook
 
 if TYPE_CHECKING:
     from .trace.viewer import LiveViewer
+    from .transports.collective import CollectiveTransport
 
 
 class WeightSync:
@@ -308,15 +309,13 @@ class WeightSync:
         on this host get the one that reaches their device kind, engines elsewhere (`Engine.remote`) the one
         that reaches remote engines, rendezvous on the address they give (`Engine.rendezvous_addr`); both kinds
         at once get a `MixedTransport`."""
-        from .transports.collective import CollectiveTransport
         from .transports.mixed import MixedTransport
-        from .transports.p2p import P2pTransport
 
         addr = next((e.rendezvous_addr for e in self.engines if e.rendezvous_addr), None)
 
         def remote(name: str | None = None) -> Transport:
             cls = transport_class(name or transport_for("remote"))
-            return cls(master_addr=addr) if addr and issubclass(cls, CollectiveTransport | P2pTransport) else cls()
+            return cls(master_addr=addr) if addr and cls.rendezvous else cls()  # type: ignore[call-arg]
 
         arg = self._transport_arg
         if isinstance(arg, str) and arg != "auto":
@@ -332,9 +331,12 @@ class WeightSync:
         if not near:
             return remote()
         far_transport = remote()
-        if not isinstance(far_transport, CollectiveTransport):
-            raise ValidationError("engines here and elsewhere at once need the collective transport for the others")
-        return MixedTransport(transport_class(transport_for(self._local_kind(near)))(), far_transport)
+        if not far_transport.pairs_with_local:
+            pairing = [n for n in transport_names() if transport_class(n).pairs_with_local]
+            raise ValidationError(f"engines here and elsewhere at once need a transport for the others that pairs "
+                                  f"with a local one ({pairing}), not {far_transport.name!r}")
+        return MixedTransport(transport_class(transport_for(self._local_kind(near)))(),
+                              cast("CollectiveTransport", far_transport))
 
     @staticmethod
     def _local_kind(engines: Sequence[Engine]) -> str:

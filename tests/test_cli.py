@@ -81,7 +81,8 @@ BAD_SPECS = {
     "sync.max_inflite: unknown key": "sync.max_inflite=2",
     "sync.chunk_mib: input should be a valid number, got 'big'": 'sync.chunk_mib="big"',
     "sync.max_inflight: input should be greater than or equal to 1, got 0": "sync.max_inflight=0",
-    "sync.transport: input should be 'auto', 'shm', 'cuda_ipc' or 'collective', got 'tcp'": "sync.transport=tcp",
+    # the choices are the transport registry's
+    "sync.transport: input should be 'auto', 'shm', 'cuda_ipc', 'collective' or 'p2p', got 'tcp'": "sync.transport=tcp",
     "model.hiddn: unknown key": "model.hiddn=3",
     "engines[0].nme: unknown key": "engines.0.nme=x",
     "engines: model kind 'synthetic-qwen3' pushes into engines of kind 'receiver'": "engines.0.kind=vllm",

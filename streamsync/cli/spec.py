@@ -19,6 +19,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import ValidationError
+from ..transports.base import transport_names
 
 
 class _Table(BaseModel):
@@ -126,12 +127,20 @@ class VllmHttpEngineSpec(_EngineTable):
 
 
 class SyncSpec(_Table):
-    transport: Literal["auto", "shm", "cuda_ipc", "collective"] = "auto"
+    transport: str = "auto"  # "auto" or a registered transport's name (`transports.base.transport_names`)
     chunk_mib: PositiveFloat | None = None  # default: WeightSync's (64 MiB on CPU, 1 GiB on GPU)
     max_inflight: PositiveInt = 4
     timeout: PositiveFloat = 120.0
     pushes: PositiveInt = 1
     trace_dir: str | None = None  # default: <work_dir>/<name>/traces
+
+    @field_validator("transport")
+    @classmethod
+    def _known_transport(cls, v: str) -> str:
+        known = [repr(n) for n in ("auto", *transport_names())]
+        if v not in ("auto", *transport_names()):
+            raise ValueError(f"input should be {', '.join(known[:-1])} or {known[-1]}, got {v!r}")
+        return v
 
 
 class CheckSpec(_Table):

@@ -79,6 +79,12 @@ class Transport(ABC):
     #: (a collective to other hosts). False where a receiver reads the sender's memory (shared memory, CUDA
     #: IPC): finding the changes reads as many bytes as the copy they save (docs/delta.md)
     delta_pays: ClassVar[bool] = False
+    #: the transport meets its receivers at an address (a process group's rendezvous): constructed with
+    #: `master_addr=` where an engine names one (`Engine.rendezvous_addr`)
+    rendezvous: ClassVar[bool] = False
+    #: a remote transport that can serve the engines elsewhere beside a local one serving the engines here
+    #: (`MixedTransport`: its receivers take a chunk from it while the local ones map theirs)
+    pairs_with_local: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -205,6 +211,10 @@ class Receiver(ABC):
     """Receiving half, inside an engine worker (or a plain receiver process)."""
 
     name: ClassVar[str]
+    #: the receiver's copies are ordered on the device by the transport itself (the chunk's ready and release
+    #: events): an update may return before they ran. False: the chunk's bytes are reused once the update
+    #: returns, so a worker on an accelerator waits for its copies first
+    orders_on_device: ClassVar[bool] = False
 
     def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cpu") -> None:
         self.init_info = init_info
@@ -295,6 +305,11 @@ def transport_class(name: str) -> type[Transport]:
     entry = _entry(name)
     cls: type[Transport] = getattr(importlib.import_module(entry.module), entry.sender)
     return cls
+
+
+def transport_names() -> list[str]:
+    """The registered transports' names, in registration order (`transport=` and the CLI's choices)."""
+    return list(_REGISTRY)
 
 
 def transport_for(reaches: str) -> str:

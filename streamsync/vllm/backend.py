@@ -174,11 +174,11 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             self._round_version = str(info.streamsync["version"])
         with compat.vllm_config_set(self.vllm_config):
             self.receive_weights(info)
-        # CUDA IPC orders on the device (the chunk's ready and release events; the round's finish synchronizes
-        # before the version is reported): waiting here would only keep the next chunk's call from overlapping
-        # this one's copies. Other transports' buffers are reused once the update returns.
+        # A transport that orders on the device (CUDA IPC: the chunk's ready and release events; the round's
+        # finish synchronizes before the version is reported) needs no wait here: it would only keep the next
+        # chunk's call from overlapping this one's copies. Other transports' buffers are reused once it returns.
         transport = self.rx.transport
-        if self.device.type != "cpu" and (transport is None or transport.name != "cuda_ipc"):
+        if self.device.type != "cpu" and (transport is None or not transport.orders_on_device):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: StreamSyncUpdateInfo) -> None:

@@ -50,6 +50,8 @@ class CollectiveTransport(Transport):
     An engine with several workers says so (`Engine.workers`): each joins the group as a rank of its own."""
 
     name: ClassVar[str] = "collective"
+    rendezvous: ClassVar[bool] = True
+    pairs_with_local: ClassVar[bool] = True
     reaches: ClassVar[Literal["cpu", "cuda", "remote"]] = "remote"
     delta_pays: ClassVar[bool] = True
 

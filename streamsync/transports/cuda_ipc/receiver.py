@@ -47,6 +47,7 @@ def _warm_copies(device: torch.device) -> None:
 
 class CudaIpcReceiver(Receiver):
     name: ClassVar[str] = "cuda_ipc"
+    orders_on_device: ClassVar[bool] = True
 
     def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cuda") -> None:
         super().__init__(init_info, device)

@@ -59,6 +59,7 @@ class P2pTransport(Transport):
     pieces per rank per bucket (default: the sync's chunk_bytes)."""
 
     name: ClassVar[str] = "p2p"
+    rendezvous: ClassVar[bool] = True
     reaches: ClassVar[Literal["cpu", "cuda", "remote"]] = "remote"
     every_rank: ClassVar[bool] = True
     fusable: ClassVar[bool] = False
