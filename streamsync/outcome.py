@@ -59,7 +59,7 @@ class Outcome:
             max_chunks_alive=trace.max_alive(), collectives=source.collectives,
             engines=[e.name for e in self.sync.engines], cache_reset=cache_reset, trace=trace,
             gc_ms=trace.counts.get("gc_us", 0) / 1e3, delta=delta, engine_rounds=engine_rounds,
-            not_loaded=self.not_loaded(job.plans), casts=dict(self.sync._casts),
+            not_loaded=self.not_loaded(job.plans), casts=dict(self.sync.planner.casts),
             path=path, senders=senders,
         )
         if sharded:
@@ -84,7 +84,7 @@ class Outcome:
     def not_loaded(self, plans: Sequence[ChunkPlan]) -> dict[str, list[str]]:
         """Engine -> the tensors of this push it does not load (`Engine.declined_layers`), said once per engine."""
         out: dict[str, list[str]] = {}
-        for engine, declined in self.sync._declined.items():
+        for engine, declined in self.sync.planner.declined.items():
             names = sorted({s.name for p in plans for s in p.specs if layer_index(s.name) in declined})
             if names:
                 out[engine] = names

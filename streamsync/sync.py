@@ -8,12 +8,11 @@ import os
 import sys
 import time
 import uuid
-from collections import Counter
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Unpack, cast
+from typing import TYPE_CHECKING, Any, Unpack
 
 import anyio
 
@@ -22,7 +21,7 @@ from .delta import Shadow, refused
 from .delta.policy import DeltaPolicy
 from .delta.push import DeltaPush
 from .delta.shadow import PieceShadow
-from .engines.base import Declined, Engine
+from .engines.base import Engine
 from .errors import EngineError, PushError, PushTimeout, StreamSyncError, ValidationError
 from .interrupts import Terminated, sigterm_cancels
 from .log import bound, get_logger, quiet
@@ -30,27 +29,26 @@ from .metrics import Metrics
 from .options import Checks, Deltas, Observers, PushOptions, SyncKwargs, split_options
 from .outcome import Outcome
 from .owners import new_owner
-from .pack import Fusion, dtype_name, fusions_from_json
+from .pack import Fusion, fusions_from_json
 from .pipeline.messages import Messages
 from .pipeline.stages import first_push_error
 from .pipeline.threads import responsive_threads
-from .plan.check import Expected, check_family, check_plan, dtype_casts
 from .plan.chunk import ChunkPlan
-from .plan.chunking import split_layers
 from .plan.finite import nonfinite, warm_finite_check
-from .report import ChunkDone, EngineRound, GiB, MiB, PushReport
+from .plan.planner import Planner
+from .report import ChunkDone, EngineRound, MiB, PushReport
 from .rounds import EngineGroup, Rounds
-from .sources import GatheredElsewhere, ModuleSource, Source, as_source, is_fsdp1
-from .sources.sharded import ShardedSource, gather_objects
+from .sources import Source, is_fsdp1
+from .sources.sharded import gather_objects
 from .trace import Trace, watching_gc
-from .transports.base import Transport, transport_class, transport_for, transport_names
+from .transports.base import Transport
 from .transports.collective.group import in_thread
+from .transports.placement import choose_transport
 from .upkeep import Upkeep
 from .versions import VersionBook
 
 if TYPE_CHECKING:
     from .trace.viewer import LiveViewer
-    from .transports.collective import CollectiveTransport
 
 
 class WeightSync:
@@ -96,14 +94,9 @@ class WeightSync:
         self.owner = new_owner()
         self.connected = False
         self.log = get_logger()
-        self._plan_cache: tuple[tuple[int | None, ...], object, Source, list[ChunkPlan]] | None = None
         self._checked: dict[int, tuple[ChunkPlan, Sequence[Any]]] = {}  # see pipeline.stages._convert
-        self._hold_cache: tuple[list[ChunkPlan], dict[int, list[str]]] | None = None
-        self._expected: dict[str, Expected] = {}
-        self._declined: dict[str, Declined] = {}  # engine -> the layers it does not load (MTP layers)
-        self._casts: dict[str, int] = {}  # what the current plan casts to the engines' dtypes ("a -> b": tensors)
-        self._warned_cast = False
-        self._architectures: dict[str, tuple[str, ...]] = {}  # engine -> the model classes it serves
+        #: the push's source and plan, kept per model, and what the engines expect of it (learned at connect)
+        self.planner = Planner()
         self._messages = Messages([None] * len(self.engines))
         self._lock = anyio.Lock()
         #: engines found paused at connect (by a trainer that died inside `paused()`) or kept paused by `paused()`
@@ -185,7 +178,7 @@ class WeightSync:
                         for e in self.engines:
                             tg.start_soon(e.locate)
             if self.transport is None:
-                self.transport = self._make_transport()
+                self.transport = choose_transport(self._transport_arg, self.engines)
             self._delta_on = self.deltas.delta is True or (self.deltas.delta == "auto" and self.transport.delta_pays)
             if self._delta_on and self.transport.every_rank and not isinstance(self.shadow, PieceShadow):
                 self.shadow = PieceShadow()  # each rank keeps the pieces it sends, per destination
@@ -248,21 +241,9 @@ class WeightSync:
                               ms=round((time.perf_counter() - t0) * 1e3, 1))
 
     async def _learn(self, e: Engine) -> dict[str, Fusion] | None:
-        """What engine `e` expects a push to carry, its own fused layout, and the version it holds."""
-        with anyio.fail_after(self.timeout):
-            exp = await e.expected_weights()
-        if exp is not None:
-            self._expected[e.name] = exp
-        with anyio.fail_after(self.timeout):
-            served = await e.architectures()
-        if served:
-            self._architectures[e.name] = served
-        with anyio.fail_after(self.timeout):
-            declined = await e.declined_layers()
-        if declined is not None:
-            self._declined[e.name] = declined
-        with anyio.fail_after(self.timeout):
-            layout = await e.fused_layout()
+        """What engine `e` expects a push to carry (`Planner.learn`), its own fused layout, and the version it
+        holds."""
+        layout = await self.planner.learn(e, self.timeout)
         with anyio.fail_after(self.timeout):
             state = await e.state()
         self.versions.seen(e.name, state)
@@ -304,49 +285,6 @@ class WeightSync:
             except Exception as err:
                 self.log.warning("close failed", error=str(err))
 
-    def _make_transport(self) -> Transport:
-        """The transport `transport=` names; for "auto", by placement, through the transport registry: engines
-        on this host get the one that reaches their device kind, engines elsewhere (`Engine.remote`) the one
-        that reaches remote engines, rendezvous on the address they give (`Engine.rendezvous_addr`); both kinds
-        at once get a `MixedTransport`."""
-        from .transports.mixed import MixedTransport
-
-        addr = next((e.rendezvous_addr for e in self.engines if e.rendezvous_addr), None)
-
-        def remote(name: str | None = None) -> Transport:
-            cls = transport_class(name or transport_for("remote"))
-            return cls(master_addr=addr) if addr and cls.rendezvous else cls()  # type: ignore[call-arg]
-
-        arg = self._transport_arg
-        if isinstance(arg, str) and arg != "auto":
-            return remote(arg) if transport_class(arg).reaches == "remote" else transport_class(arg)()
-        near = [e for e in self.engines if not e.remote]
-        far = [e for e in self.engines if e.remote]
-        if not far:
-            return transport_class(transport_for(self._local_kind(near)))()
-        lost = [e.name for e in far if not e.rendezvous_addr]
-        if lost:
-            raise ValidationError(f"engines {lost} run on another host but give no address of this one to meet at: "
-                                  "pass transport=CollectiveTransport(master_addr=<this host's address>)")
-        if not near:
-            return remote()
-        far_transport = remote()
-        if not far_transport.pairs_with_local:
-            pairing = [n for n in transport_names() if transport_class(n).pairs_with_local]
-            raise ValidationError(f"engines here and elsewhere at once need a transport for the others that pairs "
-                                  f"with a local one ({pairing}), not {far_transport.name!r}")
-        return MixedTransport(transport_class(transport_for(self._local_kind(near)))(),
-                              cast("CollectiveTransport", far_transport))
-
-    @staticmethod
-    def _local_kind(engines: Sequence[Engine]) -> str:
-        kinds = {e.device.split(":")[0] for e in engines}
-        if kinds <= {"cpu"}:
-            return "cpu"
-        if kinds <= {"cuda"}:
-            return "cuda"
-        raise ValidationError(f"cannot choose a transport for engines on {sorted(kinds)}: pass transport=")
-
     @property
     def delta_on(self) -> bool:
         """Whether this sync pushes deltas (`delta=True`, or "auto" with a transport where they pay), once
@@ -384,41 +322,11 @@ class WeightSync:
         which costs milliseconds per push. Pass `reuse_plan=False`, or call `forget()`, after replacing
         modules or changing parameter shapes; in-place updates and `param.data = ...` need neither.
         """
-        # The budgets are part of the key: `chunk_bytes` (and the transport's) may change between pushes.
-        ref_bytes = self.transport.ref_chunk_bytes if self.transport is not None else None
-        key = (tuple(map(id, model)) if isinstance(model, list | tuple) else (id(model),)) + (self.chunk_bytes,
-                                                                                               ref_bytes)
-        # an FSDP1 model's tensors are gathered afresh by every push (`as_source`): nothing of it is kept
-        reuse = self.options.reuse_plan and not is_fsdp1(model)
-        if reuse and self._plan_cache is not None and self._plan_cache[0] == key:
-            _, _, source, plans = self._plan_cache
-            return source, plans
-        source = as_source(model, **self.options.source_options)
-        if isinstance(source, GatheredElsewhere):  # a rank whose tensors another rank gathered and sends
-            return source, []
-        budget = self.chunk_bytes or (GiB if source.device.type == "cuda" else 64 * MiB)
-        if self.transport is not None:  # sharded sending: what this rank sends of it (collective there)
-            source = self.transport.source_for(source, budget)
-        plans = source.plan(budget, ref_bytes=max(ref_bytes, budget) if ref_bytes else None)
-        self._casts = {}
-        casts = None if self.checks.strict_dtypes else dtype_casts(source.delivers(plans), self._expected)
-        if casts and not isinstance(model, Source):  # in the engines' dtypes, as vLLM's loaders would cast
-            source, plans = self._cast_plan(model, source, plans, casts, budget, ref_bytes)
-        check_family(source.architectures, self._architectures)
-        check_plan(source.delivers(plans), self._expected, once=not isinstance(source, ShardedSource),
-                   declined=self._declined)
-        if reuse:  # the model itself is kept too, so its id cannot be reused by another object
-            self._plan_cache = (key, model, source, plans)
-        return source, plans
+        return self.planner.plan(model, self.transport, self.options, self.checks)
 
     def forget(self) -> None:
         """Drop the cached source and plan: the next push plans again."""
-        self._plan_cache = None
-
-    def _hold(self, source: Source, plans: list[ChunkPlan]) -> dict[int, list[str]]:
-        if self._hold_cache is None or self._hold_cache[0] is not plans:
-            self._hold_cache = (plans, split_layers([p.names for p in source.delivers(plans)]))
-        return self._hold_cache[1]
+        self.planner.forget()
 
     # -- push ------------------------------------------------------------------------------------------
 
@@ -533,7 +441,7 @@ class WeightSync:
         job = pipeline.Push(
             push_id=push_id, version=version, source=source, transport=self.transport, engines=self.engines,
             plans=plans, trace=trace, messages=self._messages, max_inflight=window, timeout=self.timeout,
-            faults=self.faults, hold=self._hold(source, plans), owner=self.owner,
+            faults=self.faults, hold=self.planner.hold(source, plans), owner=self.owner,
             on_chunk=self.outcome.chunk_hook(push_id, version, plans), checked=self._checked,
             engine_layout=self.engine_layout, delta=delta,
         )
@@ -602,23 +510,6 @@ class WeightSync:
         with anyio.fail_after(self.timeout):
             got = await in_thread(gather_objects, v)
         return int(got[0])  # type: ignore[call-overload]
-
-    def _cast_plan(self, model: object, source: Source, plans: Sequence[ChunkPlan], casts: dict[str, str],
-                   budget: int, ref_bytes: int | None) -> tuple[Source, list[ChunkPlan]]:
-        """The source made again with the engines' dtypes (`Checks.strict_dtypes`): one per tensor for a module,
-        the engines' dtype for a Megatron model (its float32 expert bias keeps float32 by its mapping)."""
-        held = {s.name: dtype_name(s.dtype) for p in source.delivers(plans) for s in p.specs}
-        counts = Counter(f"{held[n]} -> {d}" for n, d in casts.items())
-        dtype: object = casts if isinstance(source, ModuleSource) else Counter(casts.values()).most_common(1)[0][0]
-        cast = as_source(model, **{**self.options.source_options, "dtype": dtype})
-        if self.transport is not None:
-            cast = self.transport.source_for(cast, budget)
-        self._casts = dict(counts)
-        if not self._warned_cast:
-            self._warned_cast = True
-            self.log.warning("casting the trainer's tensors to the engines' dtype, as vLLM's loaders cast a "
-                             "checkpoint", casts=self._casts, strict="WeightSync(strict_dtypes=True) refuses instead")
-        return cast, cast.plan(budget, ref_bytes=max(ref_bytes, budget) if ref_bytes else None)
 
     async def _run_started(self, job: pipeline.Push, group: EngineGroup, rounds: Rounds) -> None:
         """start_update on every engine, concurrently with the pipeline; the first send waits for it."""
