@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import sys
 import time
@@ -17,12 +16,13 @@ from typing import TYPE_CHECKING, Any, Unpack
 import anyio
 
 from . import pipeline
+from .attempt import Attempt, check_finite, run_attempt
 from .delta import Shadow, refused
 from .delta.policy import DeltaPolicy
 from .delta.push import DeltaPush
 from .delta.shadow import PieceShadow
 from .engines.base import Engine
-from .errors import EngineError, PushError, PushTimeout, StreamSyncError, ValidationError
+from .errors import EngineError, PushError, StreamSyncError, ValidationError
 from .interrupts import Terminated, sigterm_cancels
 from .log import bound, get_logger, quiet
 from .metrics import Metrics
@@ -32,15 +32,13 @@ from .owners import new_owner
 from .pack import Fusion, fusions_from_json
 from .pipeline.messages import Messages
 from .pipeline.stages import first_push_error
-from .pipeline.threads import responsive_threads
 from .plan.chunk import ChunkPlan
-from .plan.finite import nonfinite, warm_finite_check
+from .plan.finite import warm_finite_check
 from .plan.planner import Planner
-from .report import ChunkDone, EngineRound, MiB, PushReport
-from .rounds import EngineGroup, Rounds
+from .report import ChunkDone, PushReport
+from .rounds import EngineGroup
 from .sources import Source, is_fsdp1
 from .sources.sharded import gather_objects
-from .trace import Trace, watching_gc
 from .transports.base import Transport
 from .transports.collective.group import in_thread
 from .transports.placement import choose_transport
@@ -58,7 +56,7 @@ class WeightSync:
                ranks that only take part in gathers (Megatron TP/PP/EP ranks other than the sender).
     transport: "auto" (by where each engine runs: shared memory for CPU engines on this host, CUDA IPC for GPU
                engines on this host, the collective transport for engines elsewhere, such as Ray actors on other
-               nodes), a registered transport's name ("shm", "cuda_ipc", "collective"), or a Transport instance.
+               nodes), a registered transport's name ("shm", "cuda_ipc", "collective", "p2p"), or a Transport instance.
     options:   keywords grouped by what they govern: how a push runs (`PushOptions`: chunk_bytes, max_inflight,
                timeout, abort_timeout, reuse_plan, source_options, engine_layout), what it checks (`Checks`:
                check_finite, reset_prefix_cache), what it sends (`Deltas`: delta, full_every, verify_delta;
@@ -378,7 +376,7 @@ class WeightSync:
                         f"rank {_rank()} was given engines {[e.name for e in self.engines]} but does not send: "
                         "only global rank 0 sends a Megatron model; pass engines=[] on the other ranks")
                 if self.checks.check_finite:
-                    await self._check_finite(source)
+                    await check_finite(source)
             except Exception as e:
                 if not every_rank:
                     raise
@@ -388,10 +386,11 @@ class WeightSync:
             if every_rank or is_fsdp1(model) or not source.gathers_here:  # every trainer rank is in this push
                 v = await self._one_version(v)
             policy = DeltaPolicy(self)
-            delta = await policy.mode(source, plans)
+            first = Attempt(source, plans, push_id, v, window, time_limit, await policy.mode(source, plans))
+            delta = first.delta
 
             async def attempt(d: DeltaPush) -> PushReport:  # the same version again, in full
-                return await self._push(source, plans, uuid.uuid4().hex[:8], v, window, time_limit, d)
+                return await run_attempt(self, first.again(d))
 
             # Ranks without engines log warnings and errors only (STREAMSYNC_LOG_ALL_RANKS=1: all): N ranks
             # repeating the sender's progress lines bury it.
@@ -400,7 +399,7 @@ class WeightSync:
                 failed: Exception | None = None
                 report: PushReport | None = None
                 try:
-                    report = await self._push(source, plans, push_id, v, window, time_limit, delta)
+                    report = await run_attempt(self, first)
                 except Exception as err:
                     if delta is None or delta.mode != "delta":
                         raise
@@ -414,118 +413,12 @@ class WeightSync:
                 assert report is not None
                 return report
 
-    async def _check_finite(self, source: Source) -> None:
-        bad = await anyio.to_thread.run_sync(nonfinite, list(source.local_tensors()))
-        if bad:
-            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-            raise ValidationError(f"refusing to push non-finite weights (NaN or inf) in {bad[:5]}{more}; "
-                                  "no engine was touched (check_finite=False skips this check)")
-
-    async def _push(self, source: Source, plans: list[ChunkPlan], push_id: str, version: int, window: int,
-                    time_limit: float | None, delta: DeltaPush | None = None) -> PushReport:
-        log = get_logger()
-        source.begin_push()
-        if not self.checks.check_finite:  # weights no check vouched for: served, they may leave NaN in KV caches
-            self.upkeep.unchecked |= {e.name for e in self.engines}
-        trace = Trace(push_id)
-        total = sum(p.nbytes for p in plans)
-        trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
-                          transport=self.transport.name if self.transport is not None else None, bytes=total,
-                          engines=[e.name for e in self.engines])
-        log.info("push start", chunks=len(plans), mib=round(total / MiB, 1), window=window)
-        # the report's seconds and the trace's wall time are one measurement, from the call's start
-        started = trace.begin(at=self._call_started)
-        trace.meta["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 3)
-        if self.live is not None:
-            self.live.add(trace)
-        job = pipeline.Push(
-            push_id=push_id, version=version, source=source, transport=self.transport, engines=self.engines,
-            plans=plans, trace=trace, messages=self._messages, max_inflight=window, timeout=self.timeout,
-            faults=self.faults, hold=self.planner.hold(source, plans), owner=self.owner,
-            on_chunk=self.outcome.chunk_hook(push_id, version, plans), checked=self._checked,
-            engine_layout=self.engine_layout, delta=delta,
-        )
-        group = EngineGroup(self.engines, self.timeout, self.abort_timeout)
-        rounds = Rounds()
-        cache_reset: dict[str, bool] = {}
-        engine_rounds: list[EngineRound] = []
-        limit = anyio.CancelScope(deadline=math.inf if time_limit is None else anyio.current_time() + time_limit)
-        push_range = pipeline.ProfilerRange(f"streamsync.push v{version}").__enter__()
-        try:
-            with watching_gc(trace), responsive_threads(), limit:
-                if source.is_sender and self.engines:
-                    # Gathers and packs need no engine: they start while the engines open the round.
-                    job.started = anyio.Event()
-                    group.prepare(plans[-1].index if plans else None, self.checks.reset_prefix_cache)
-                    await self._run_started(job, group, rounds)
-                    await group.finish(version, rounds)
-                    cache_reset, engine_rounds = await self._after_round(group, trace)
-                else:
-                    await pipeline.run(job)
-        except BaseException as e:  # a PushError, or a cancellation: the rounds end either way
-            if self.metrics is not None and isinstance(e, PushError):
-                self.metrics.observe_failure(e.stage)
-            await self.outcome.failed(e, job, group, rounds, trace)
-            raise
-        finally:
-            push_range.__exit__()
-        if limit.cancelled_caught:
-            err = PushTimeout(f"push did not finish within {time_limit:.1f} s ({job.running()})",
-                              stage=job.running_stage(), chunk=job.running_chunk(), push_id=push_id)
-            if self.metrics is not None:
-                self.metrics.observe_failure(err.stage)
-            await self.outcome.failed(err, job, group, rounds, trace)
-            raise err
-        report = self.outcome.succeeded(job, source, cache_reset, engine_rounds)
-        await self.upkeep.after_whole()
-        return report
-
-    async def _after_round(self, group: EngineGroup, trace: Trace) -> tuple[dict[str, bool], list[EngineRound]]:
-        """Once every engine finished: reset their prefix caches and ask what their workers did, both at once."""
-        cache_reset: dict[str, bool] = {}
-        engine_rounds: list[EngineRound] = []
-
-        async def reset() -> None:
-            cache_reset.update(await group.reset_caches(trace, after_finish=True))
-
-        async def stats() -> None:
-            engine_rounds.extend(await group.round_stats(trace))
-
-        if all(e.round_answered() for e in self.engines):  # both answers are here already: no task group
-            if self.checks.reset_prefix_cache:
-                await reset()
-            if self.observers.engine_stats:
-                await stats()
-            return cache_reset, engine_rounds
-        async with anyio.create_task_group() as tg:
-            if self.checks.reset_prefix_cache:
-                tg.start_soon(reset)
-            if self.observers.engine_stats:
-                tg.start_soon(stats)
-        return cache_reset, engine_rounds
-
     async def _one_version(self, v: int) -> int:
         """One push has one version on every trainer rank: global rank 0's, the rank with the engines (a rank
         without engines cannot know what they hold). Called where every rank takes part in the push."""
         with anyio.fail_after(self.timeout):
             got = await in_thread(gather_objects, v)
         return int(got[0])  # type: ignore[call-overload]
-
-    async def _run_started(self, job: pipeline.Push, group: EngineGroup, rounds: Rounds) -> None:
-        """start_update on every engine, concurrently with the pipeline; the first send waits for it."""
-        assert job.started is not None
-        started = job.started
-
-        async def start() -> None:
-            await group.start(rounds)
-            started.set()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(start)
-                await pipeline.run(job)
-        except BaseExceptionGroup as eg:
-            raise first_push_error(eg) from None
 
     async def reset_caches(self) -> dict[str, bool]:
         """Reset every engine's prefix cache now (e.g. once requests kept across a push have finished)."""

@@ -1,0 +1,162 @@
+"""One try at a push: its values, frozen (`Attempt`), and its run through the pipeline while the engines' round
+opens, takes the chunks and finishes (`run_attempt`). `WeightSync.push` makes the first attempt; the delta policy
+may make a second (the same version in full, after an engine refused a delta)."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import anyio
+
+from . import pipeline
+from .delta.push import DeltaPush
+from .errors import PushError, PushTimeout, ValidationError
+from .log import get_logger
+from .pipeline.stages import first_push_error
+from .pipeline.threads import responsive_threads
+from .plan.chunk import ChunkPlan
+from .plan.finite import nonfinite
+from .report import EngineRound, MiB, PushReport
+from .rounds import EngineGroup, Rounds
+from .sources import Source
+from .trace import Trace, watching_gc
+
+if TYPE_CHECKING:
+    from .sync import WeightSync
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one try at a push sends and under which limits: the source and its plan, the push id, the version,
+    the chunk window, the time limit, and the delta mode (None: a sync without deltas)."""
+
+    source: Source
+    plans: list[ChunkPlan]
+    push_id: str
+    version: int
+    window: int
+    time_limit: float | None
+    delta: DeltaPush | None = None
+
+    def again(self, delta: DeltaPush) -> Attempt:
+        """The same version again under a new push id (a full push after a refused delta)."""
+        return replace(self, push_id=uuid.uuid4().hex[:8], delta=delta)
+
+
+async def check_finite(source: Source) -> None:
+    """Refuse weights holding NaN or inf before any engine byte changes (`Checks.check_finite`)."""
+    bad = await anyio.to_thread.run_sync(nonfinite, list(source.local_tensors()))
+    if bad:
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise ValidationError(f"refusing to push non-finite weights (NaN or inf) in {bad[:5]}{more}; "
+                              "no engine was touched (check_finite=False skips this check)")
+
+
+async def run_attempt(sync: WeightSync, a: Attempt) -> PushReport:
+    """Run attempt `a`: the pipeline while the engines' round opens, takes the chunks and finishes, then the
+    prefix caches reset; a failure or cancellation ends every round it opened before it propagates
+    (`Outcome.failed`)."""
+    source, plans, push_id, version, window, time_limit, delta = (a.source, a.plans, a.push_id, a.version,
+                                                                   a.window, a.time_limit, a.delta)
+    log = get_logger()
+    source.begin_push()
+    if not sync.checks.check_finite:  # weights no check vouched for: served, they may leave NaN in KV caches
+        sync.upkeep.unchecked |= {e.name for e in sync.engines}
+    trace = Trace(push_id)
+    total = sum(p.nbytes for p in plans)
+    trace.meta.update(version=version, chunks=len(plans), max_inflight=window,
+                      transport=sync.transport.name if sync.transport is not None else None, bytes=total,
+                      engines=[e.name for e in sync.engines])
+    log.info("push start", chunks=len(plans), mib=round(total / MiB, 1), window=window)
+    # the report's seconds and the trace's wall time are one measurement, from the call's start
+    started = trace.begin(at=sync._call_started)
+    trace.meta["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 3)
+    if sync.live is not None:
+        sync.live.add(trace)
+    job = pipeline.Push(
+        push_id=push_id, version=version, source=source, transport=sync.transport, engines=sync.engines,
+        plans=plans, trace=trace, messages=sync._messages, max_inflight=window, timeout=sync.timeout,
+        faults=sync.faults, hold=sync.planner.hold(source, plans), owner=sync.owner,
+        on_chunk=sync.outcome.chunk_hook(push_id, version, plans), checked=sync._checked,
+        engine_layout=sync.engine_layout, delta=delta,
+    )
+    group = EngineGroup(sync.engines, sync.timeout, sync.abort_timeout)
+    rounds = Rounds()
+    cache_reset: dict[str, bool] = {}
+    engine_rounds: list[EngineRound] = []
+    limit = anyio.CancelScope(deadline=math.inf if time_limit is None else anyio.current_time() + time_limit)
+    push_range = pipeline.ProfilerRange(f"streamsync.push v{version}").__enter__()
+    try:
+        with watching_gc(trace), responsive_threads(), limit:
+            if source.is_sender and sync.engines:
+                # Gathers and packs need no engine: they start while the engines open the round.
+                job.started = anyio.Event()
+                group.prepare(plans[-1].index if plans else None, sync.checks.reset_prefix_cache)
+                await _run_started(job, group, rounds)
+                await group.finish(version, rounds)
+                cache_reset, engine_rounds = await _after_round(sync, group, trace)
+            else:
+                await pipeline.run(job)
+    except BaseException as e:  # a PushError, or a cancellation: the rounds end either way
+        if sync.metrics is not None and isinstance(e, PushError):
+            sync.metrics.observe_failure(e.stage)
+        await sync.outcome.failed(e, job, group, rounds, trace)
+        raise
+    finally:
+        push_range.__exit__()
+    if limit.cancelled_caught:
+        err = PushTimeout(f"push did not finish within {time_limit:.1f} s ({job.running()})",
+                          stage=job.running_stage(), chunk=job.running_chunk(), push_id=push_id)
+        if sync.metrics is not None:
+            sync.metrics.observe_failure(err.stage)
+        await sync.outcome.failed(err, job, group, rounds, trace)
+        raise err
+    report = sync.outcome.succeeded(job, source, cache_reset, engine_rounds)
+    await sync.upkeep.after_whole()
+    return report
+
+
+async def _after_round(sync: WeightSync, group: EngineGroup, trace: Trace) -> tuple[dict[str, bool], list[EngineRound]]:
+    """Once every engine finished: reset their prefix caches and ask what their workers did, both at once."""
+    cache_reset: dict[str, bool] = {}
+    engine_rounds: list[EngineRound] = []
+
+    async def reset() -> None:
+        cache_reset.update(await group.reset_caches(trace, after_finish=True))
+
+    async def stats() -> None:
+        engine_rounds.extend(await group.round_stats(trace))
+
+    if all(e.round_answered() for e in sync.engines):  # both answers are here already: no task group
+        if sync.checks.reset_prefix_cache:
+            await reset()
+        if sync.observers.engine_stats:
+            await stats()
+        return cache_reset, engine_rounds
+    async with anyio.create_task_group() as tg:
+        if sync.checks.reset_prefix_cache:
+            tg.start_soon(reset)
+        if sync.observers.engine_stats:
+            tg.start_soon(stats)
+    return cache_reset, engine_rounds
+
+
+async def _run_started(job: pipeline.Push, group: EngineGroup, rounds: Rounds) -> None:
+    """start_update on every engine, concurrently with the pipeline; the first send waits for it."""
+    assert job.started is not None
+    started = job.started
+
+    async def start() -> None:
+        await group.start(rounds)
+        started.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(start)
+            await pipeline.run(job)
+    except BaseExceptionGroup as eg:
+        raise first_push_error(eg) from None
