@@ -478,6 +478,30 @@ async def test_non_finite_weights_are_refused_naming_them_before_any_byte_moves(
     await sync.close()
 
 
+async def test_a_parameter_replaced_between_pushes_is_checked_and_sent_from_its_new_storage(qwen_receiver,
+                                                                                           qwen_model):
+    # The sources keep their detached tensors and gathered chunks between pushes, and the finite check what it
+    # worked out per tensor set; a `param.data = ...` (a new storage) must be seen by all three.
+    engine = qwen_receiver.engine()
+    model = StateModule(qwen_model.specs(), fill="random", seed=11)
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    await sync.push(model)
+    await sync.push(model)  # every cache made
+    before = await engine.checksums()
+    name, param = next((n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.numel() > 8)
+    bad = param.detach().clone()
+    bad.view(-1)[5] = float("nan")
+    param.data = bad
+    with pytest.raises(ValidationError, match="non-finite") as err:
+        await sync.push(model)
+    assert name in str(err.value) and await engine.checksums() == before
+    param.data = bad.nan_to_num(0.0) + 1  # another storage, new values
+    await sync.push(model)
+    got = await engine.checksums()
+    assert got == digests(list(model.state_dict().items())) and got[name] != before[name]
+    await sync.close()
+
+
 class _NoCopy:
     """A transport that moves nothing (the order of the stages is under test, not bytes)."""
 
