@@ -19,8 +19,6 @@ Calls may come from any thread; pushes are serialized (one at a time, as with `W
 
 from __future__ import annotations
 
-import asyncio
-import sys
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -33,6 +31,7 @@ from .engines.base import Engine
 from .errors import StreamSyncError
 from .interrupts import Terminated, sigterm_raises
 from .log import get_logger
+from .loops import running_library
 from .report import PushReport
 from .sync import WeightSync
 from .transports.base import Transport
@@ -188,25 +187,8 @@ def _named(interrupt: BaseException) -> str:
 
 def _refuse_inside_event_loop(what: str) -> None:
     """Blocking on the loop's own thread would deadlock it: point async callers to `await`."""
-    lib = running_event_loop()
+    lib = running_library()
     if lib is not None:
         raise StreamSyncError(
             f"BlockingWeightSync.{what}() called inside a running {lib} event loop, which it would block: "
             "use WeightSync there and await it (`await sync.push(model)`, `async with sync.paused()`)")
-
-
-def running_event_loop() -> str | None:
-    """The async library running an event loop in this thread, if any."""
-    try:
-        asyncio.get_running_loop()
-        return "asyncio"
-    except RuntimeError:
-        pass
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            trio.lowlevel.current_trio_token()
-            return "trio"
-        except RuntimeError:
-            pass
-    return None

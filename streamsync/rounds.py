@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 
 from .engines.base import Engine
-from .errors import PushError
+from .errors import EngineError, PushError, StreamSyncError
 from .log import get_logger
 from .pipeline.stages import first_push_error
 from .report import EngineRound
@@ -181,3 +181,25 @@ async def _start(e: Engine) -> None:
     """A push's start: engines that open the round with its first chunk (`Engine.defer_start`) are not called."""
     if not e.defer_start():
         await e.start_update()
+
+
+def connect_error(exc: BaseException, engines: Sequence[Engine], timeout: float) -> BaseException:
+    """What a failed `connect` raises: a StreamSyncError or a cancellation as it is, anything else as an
+    EngineError naming the engines (a timeout: "connect: no reply in N s")."""
+    leaf = first_push_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+    if isinstance(leaf, StreamSyncError) or not isinstance(leaf, Exception):
+        return leaf  # EngineError names the engine; cancellation stays cancellation
+    names = ",".join(e.name for e in engines)
+    if isinstance(leaf, TimeoutError):
+        return EngineError(names, f"connect: no reply in {timeout:.1f} s")
+    return EngineError(names, f"connect failed: {type(leaf).__name__}: {leaf}")
+
+
+async def close_quietly(closing: Sequence[Any], engines: Sequence[Engine], abort_timeout: float) -> None:
+    """Close `closing` (a transport) and every engine, each bounded by `abort_timeout`; a failure is logged."""
+    for c in [*closing, *engines]:
+        try:
+            with anyio.fail_after(abort_timeout):
+                await c.close()
+        except Exception as err:
+            get_logger().warning("close failed", error=str(err))

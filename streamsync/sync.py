@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -15,35 +13,32 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import anyio
 
-from . import pipeline
 from .attempt import Attempt, check_finite, run_attempt
 from .delta import Shadow, refused
 from .delta.policy import DeltaPolicy
 from .delta.push import DeltaPush
 from .delta.shadow import PieceShadow
 from .engines.base import Engine
-from .errors import EngineError, PushError, StreamSyncError, ValidationError
+from .errors import PushError, StreamSyncError, ValidationError
 from .interrupts import Terminated, sigterm_cancels
 from .log import bound, get_logger, quiet
+from .loops import current_loop
 from .metrics import Metrics
 from .options import Checks, Deltas, Observers, PushOptions, SyncKwargs, split_options
 from .outcome import Outcome
 from .owners import new_owner
 from .pack import Fusion, fusions_from_json
 from .pipeline.messages import Messages
-from .pipeline.stages import first_push_error
 from .plan.chunk import ChunkPlan
 from .plan.finite import warm_finite_check
 from .plan.planner import Planner
 from .report import ChunkDone, PushReport
-from .rounds import EngineGroup
+from .rounds import EngineGroup, close_quietly, connect_error
 from .sources import Source, is_fsdp1
-from .sources.sharded import gather_objects
 from .transports.base import Transport
-from .transports.collective.group import in_thread
 from .transports.placement import choose_transport
 from .upkeep import Upkeep
-from .versions import VersionBook
+from .versions import VersionBook, one_version
 
 if TYPE_CHECKING:
     from .trace.viewer import LiveViewer
@@ -192,9 +187,10 @@ class WeightSync:
                 self._messages = Messages(fusions)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
-                await self._close_quietly()
-            raise self._connect_error(exc) from None
-        self._loop = _event_loop()
+                await close_quietly([self.transport] if self.transport is not None else [], self.engines,
+                                    self.abort_timeout)
+            raise connect_error(exc, self.engines, self.timeout) from None
+        self._loop = current_loop()
         self.connected = True
         if model is not None:
             await self._prepare(model)
@@ -210,33 +206,10 @@ class WeightSync:
             source, plans = self.plan(model)
             if self.checks.check_finite:  # the finite check's kernel built and checked now, not in the first push
                 await anyio.to_thread.run_sync(warm_finite_check, list(source.local_tensors()))
-            if not (self.engines and source.is_sender and source.gathers_here):
-                return
-            transport = self.transport
-            assert transport is not None
-            priming = not self._delta_on and transport.begin_prime(source, self.engines)
-            primed, ok = 0, False
-            t0 = time.perf_counter()
-            try:
-                for p in plans:
-                    try:
-                        with anyio.fail_after(self.timeout):
-                            tensors = await source.convert(p, await source.gather(p), cast=False)
-                    except StreamSyncError:
-                        raise
-                    except Exception as e:
-                        raise ValidationError(f"chunk {p.index} of the model (first tensor {p.names[0]!r}) cannot "
-                                              f"be gathered and converted: {type(e).__name__}: {e}") from e
-                    pipeline.check_converted(self._checked, p, tensors)
-                    if priming:
-                        primed += int(await transport.prime(p, tensors, self.engines, self.timeout) > 0)
-                ok = True
-            finally:
-                if priming:
-                    transport.end_prime(ok)
-            if primed:
-                self.log.info("references sent ahead of the first push", chunks=primed, of=len(plans),
-                              ms=round((time.perf_counter() - t0) * 1e3, 1))
+            if self.engines and source.is_sender and source.gathers_here:
+                assert self.transport is not None
+                await self.planner.prepare(source, plans, self.transport, self.engines, self.timeout, self._checked,
+                                           prime=not self._delta_on)
 
     async def _learn(self, e: Engine) -> dict[str, Fusion] | None:
         """What engine `e` expects a push to carry (`Planner.learn`), its own fused layout, and the version it
@@ -259,29 +232,11 @@ class WeightSync:
     def _check_loop(self) -> None:
         """Engine connections, locks and sessions belong to the loop `connect` ran in: refuse another one
         with a message saying what to do, rather than fail every other push with 'Event loop is closed'."""
-        if self.connected and self.engines and self._loop is not None and _event_loop() is not self._loop:
+        if self.connected and self.engines and self._loop is not None and current_loop() is not self._loop:
             raise StreamSyncError(
                 "this WeightSync was connected in another event loop (its engine connections belong to it); "
                 "keep one loop for its life (one anyio.run/asyncio.run around the training loop), or use "
                 "streamsync.BlockingWeightSync from synchronous code")
-
-    def _connect_error(self, exc: BaseException) -> BaseException:
-        leaf = first_push_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
-        if isinstance(leaf, StreamSyncError) or not isinstance(leaf, Exception):
-            return leaf  # EngineError names the engine; cancellation stays cancellation
-        names = ",".join(e.name for e in self.engines)
-        if isinstance(leaf, TimeoutError):
-            return EngineError(names, f"connect: no reply in {self.timeout:.1f} s")
-        return EngineError(names, f"connect failed: {type(leaf).__name__}: {leaf}")
-
-    async def _close_quietly(self) -> None:
-        closing: list[Transport | Engine] = [self.transport] if self.transport is not None else []
-        for c in [*closing, *self.engines]:
-            try:
-                with anyio.fail_after(self.abort_timeout):
-                    await c.close()
-            except Exception as err:
-                self.log.warning("close failed", error=str(err))
 
     @property
     def delta_on(self) -> bool:
@@ -384,7 +339,7 @@ class WeightSync:
             if every_rank:  # every rank goes ahead, or every rank raises (no rank left waiting for another)
                 await self.transport.before_push(self.timeout, bad_input)
             if every_rank or is_fsdp1(model) or not source.gathers_here:  # every trainer rank is in this push
-                v = await self._one_version(v)
+                v = await one_version(v, self.timeout)
             policy = DeltaPolicy(self)
             first = Attempt(source, plans, push_id, v, window, time_limit, await policy.mode(source, plans))
             delta = first.delta
@@ -413,13 +368,6 @@ class WeightSync:
                 assert report is not None
                 return report
 
-    async def _one_version(self, v: int) -> int:
-        """One push has one version on every trainer rank: global rank 0's, the rank with the engines (a rank
-        without engines cannot know what they hold). Called where every rank takes part in the push."""
-        with anyio.fail_after(self.timeout):
-            got = await in_thread(gather_objects, v)
-        return int(got[0])  # type: ignore[call-overload]
-
     async def reset_caches(self) -> dict[str, bool]:
         """Reset every engine's prefix cache now (e.g. once requests kept across a push have finished)."""
         return await EngineGroup(self.engines, self.timeout, self.abort_timeout).reset_caches()
@@ -439,21 +387,6 @@ class WeightSync:
         push that makes them whole resumes them, inside `paused()` or not.
         """
         return self.upkeep.paused(mode, clear_cache, resume_on_failure=resume_on_failure)
-
-
-def _event_loop() -> object | None:
-    """The running event loop (asyncio) or trio run, as an identity."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            return trio.lowlevel.current_trio_token()
-        except RuntimeError:
-            pass
-    return None
 
 
 def _rank() -> int:

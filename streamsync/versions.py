@@ -14,8 +14,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+
 from .engines.base import EngineState
 from .errors import ValidationError
+from .sources.sharded import gather_objects
+from .transports.collective.group import in_thread
 
 
 @dataclass
@@ -84,3 +88,11 @@ class VersionBook:
             self.retry = None
         else:
             self.retry = version
+
+
+async def one_version(v: int, timeout: float) -> int:
+    """One push has one version on every trainer rank: global rank 0's, the rank with the engines (a rank
+    without engines cannot know what they hold). Called where every rank takes part in the push."""
+    with anyio.fail_after(timeout):
+        got = await in_thread(gather_objects, v)
+    return int(got[0])  # type: ignore[call-overload]

@@ -8,6 +8,7 @@ refuses instead).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -15,9 +16,11 @@ from typing import Any
 import anyio
 
 from ..engines.base import Declined, Engine
+from ..errors import StreamSyncError, ValidationError
 from ..log import get_logger
 from ..options import Checks, PushOptions
 from ..pack import dtype_name
+from ..pipeline.stages import check_converted
 from ..report import GiB, MiB
 from ..sources import GatheredElsewhere, ModuleSource, Source, as_source, is_fsdp1
 from ..sources.sharded import ShardedSource
@@ -86,6 +89,36 @@ class Planner:
         if reuse:  # the model itself is kept too, so its id cannot be reused by another object
             self._cache = (key, model, source, plans)
         return source, plans
+
+    async def prepare(self, source: Source, plans: list[ChunkPlan], transport: Transport, engines: Sequence[Engine],
+                      timeout: float, checked: dict[int, tuple[ChunkPlan, Sequence[Any]]], *, prime: bool) -> None:
+        """`connect(model)`, where a gather is the sender's own tensors: gather and convert every chunk once, so
+        that the first push finds the views the source keeps between pushes made and checked against the plan
+        (`checked`: `pipeline.check_converted`'s record), and, with `prime`, send each chunk's references ahead
+        to the engines that take them (`Transport.prime`). No byte moves."""
+        priming = prime and transport.begin_prime(source, engines)
+        primed, ok = 0, False
+        t0 = time.perf_counter()
+        try:
+            for p in plans:
+                try:
+                    with anyio.fail_after(timeout):
+                        tensors = await source.convert(p, await source.gather(p), cast=False)
+                except StreamSyncError:
+                    raise
+                except Exception as e:
+                    raise ValidationError(f"chunk {p.index} of the model (first tensor {p.names[0]!r}) cannot "
+                                          f"be gathered and converted: {type(e).__name__}: {e}") from e
+                check_converted(checked, p, tensors)
+                if priming:
+                    primed += int(await transport.prime(p, tensors, engines, timeout) > 0)
+            ok = True
+        finally:
+            if priming:
+                transport.end_prime(ok)
+        if primed:
+            get_logger().info("references sent ahead of the first push", chunks=primed, of=len(plans),
+                              ms=round((time.perf_counter() - t0) * 1e3, 1))
 
     def forget(self) -> None:
         """Drop the kept source and plan: the next push plans again."""
