@@ -24,16 +24,7 @@ def current_loop() -> object | None:
 
 def running_library() -> str | None:
     """The async library running an event loop in this thread, if any."""
-    try:
-        asyncio.get_running_loop()
-        return "asyncio"
-    except RuntimeError:
-        pass
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            trio.lowlevel.current_trio_token()
-            return "trio"
-        except RuntimeError:
-            pass
-    return None
+    loop = current_loop()
+    if loop is None:
+        return None
+    return "asyncio" if isinstance(loop, asyncio.AbstractEventLoop) else "trio"
