@@ -35,13 +35,19 @@ version and the GPU.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
+import concurrent.futures
+import faulthandler
 import os
 import pickle
+import queue
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -57,6 +63,10 @@ from benchmarks.vllm_gpu import _bit_exact, _engine_args, _host_cpu, _timeline
 from streamsync.report import GiB
 
 SIDES = ("streamsync", "ipc", "ipc-packed", "nccl")
+
+# `kill -USR1 PID` prints every thread's stack, here and in the engine core: a spawned process runs this module
+# again as __mp_main__, so the handler is in vLLM's engine-core process too (`_where`)
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _commit() -> str | None:
@@ -77,8 +87,76 @@ async def _bounded(what: str, fn: Callable[[], Any], seconds: float) -> Any:
         raise TimeoutError(f"{what} did not return within {seconds:.0f} s") from None
 
 
-async def _timed(side: str, pushes: int, trainer: torch.nn.Module, push: Callable[[], Any], seconds: float
-                 ) -> list[float]:
+def _where(llm: Any) -> None:
+    """After a call gave up: every stack here and in the engine core, and the state of vLLM's client (a call
+    waits forever on its future once the client's output thread died, core_client.py:808-836)."""
+    faulthandler.dump_traceback(all_threads=True)
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is None:
+        return
+    thread = getattr(core, "output_queue_thread", None)
+    res = getattr(core, "resources", None)
+    bc.log(f"  vLLM client: output thread alive {thread is not None and thread.is_alive()}, engine_dead "
+           f"{getattr(res, 'engine_dead', None)}, utility calls waiting {len(getattr(core, 'utility_results', {}))}")
+    q = getattr(core, "outputs_queue", None)
+    while q is not None and not q.empty():
+        item = q.get_nowait()
+        if isinstance(item, BaseException):
+            bc.log(f"  vLLM client's output thread died of: {type(item).__name__}: {item}")
+    for proc in getattr(getattr(res, "engine_manager", None), "processes", []):
+        if proc.is_alive():
+            bc.log(f"  engine core pid {proc.pid}: its stacks follow (SIGUSR1)")
+            os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(2)
+
+
+class _Calls:
+    """Every call into one vLLM engine, its start included, in one daemon thread, in order (as the library's
+    `_Caller`): a call that never returns neither runs beside the next one nor keeps the process from exiting
+    (an abandoned anyio worker thread is not a daemon). Each call is logged before and after; one that
+    passes its time shows every stack (`_where`) and makes the calls after it fail at once."""
+
+    def __init__(self, name: str) -> None:
+        self.llm: Any = None
+        self.stuck: str | None = None
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, fut = self._queue.get()
+            if fn is None:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+
+    async def __call__(self, what: str, fn: Callable[[], Any], seconds: float) -> Any:
+        if self.stuck is not None:
+            raise RuntimeError(f"{what} not tried: {self.stuck} never returned")
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        bc.log(f"    -> {what}")
+        t0 = time.perf_counter()
+        self._queue.put((fn, fut))
+        try:
+            with anyio.fail_after(seconds):
+                out = await asyncio.wrap_future(fut)
+        except TimeoutError:
+            self.stuck = what
+            bc.log(f"    !! {what}: no return in {seconds:.0f} s")
+            _where(self.llm)
+            raise TimeoutError(f"{what} did not return within {seconds:.0f} s") from None
+        bc.log(f"    <- {what} ({time.perf_counter() - t0:.3f} s)")
+        return out
+
+    def close(self) -> None:
+        self._queue.put((None, None))
+
+
+async def _timed(side: str, pushes: int, trainer: torch.nn.Module, push: Callable[[], Any], seconds: float,
+                 run: Callable[..., Any] = _bounded) -> list[float]:
     """Seconds of each push, timed in the thread that makes its calls."""
     out = []
     for i in range(pushes):
@@ -89,7 +167,7 @@ async def _timed(side: str, pushes: int, trainer: torch.nn.Module, push: Callabl
             push()
             return time.perf_counter() - t0
 
-        out.append(await _bounded(f"{side} push {i}", one, seconds))
+        out.append(await run(f"{side} push {i}", one, seconds))
         bc.log(f"  {side} push {i}: {out[-1] * 1e3:.1f} ms")
     return out
 
@@ -156,20 +234,23 @@ async def _ipc(ckpt: str, trainer: torch.nn.Module, args: argparse.Namespace, sh
     kw["weight_transfer_config"] = {"backend": "ipc"}
     env = dict(os.environ)
     _ray_for_import()
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the pickled handles, as vLLM's HTTP mode sends them
-    t0 = time.perf_counter()
-    try:
-        llm = await _bounded("the ipc engine's start", lambda: vllm.LLM(model=ckpt, **kw), 300)
-    finally:  # the next engine starts as the first did
-        os.environ.clear()
-        os.environ.update(env)
-    bc.log(f"  ipc engine up in {time.perf_counter() - t0:.1f} s")
-    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
-
+    # The pickled handles need VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine core (ipc_engine.py:188-194),
+    # which then, env cached (core.py:237), attaches type info to every utility result it sends back
+    # (serial_utils.py:212-219). This process's decoder refuses such a result unless the variable is set here
+    # too, at decode time (serial_utils.py:367-374): the client's output thread dies of it and every later call
+    # waits forever (core_client.py:831-832, 875-881). So it stays set until the engine is stopped.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    call = _Calls("peer-ipc-engine")
     out: dict[str, dict[str, Any]] = {}
+    llm = None
     try:
-        await _bounded("init_weight_transfer_engine", lambda: llm.init_weight_transfer_engine({"init_info": {}}),
-                       args.call_timeout)
+        t0 = time.perf_counter()
+        llm = call.llm = await call("the ipc engine's start", lambda: vllm.LLM(model=ckpt, **kw), 300)
+        bc.log(f"  ipc engine up in {time.perf_counter() - t0:.1f} s")
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+
+        await call("init_weight_transfer_engine", lambda: llm.init_weight_transfer_engine({"init_info": {}}),
+                   args.call_timeout)
 
         def send(info: Any) -> None:
             fields = {"names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes,
@@ -182,23 +263,34 @@ async def _ipc(ckpt: str, trainer: torch.nn.Module, args: argparse.Namespace, sh
         for side, packed in (("ipc", False), ("ipc-packed", True)):
             targs = IPCTrainerSendWeightsArgs(send_mode=send, packed=packed)
 
-            def push(targs: IPCTrainerSendWeightsArgs = targs) -> None:
-                llm.start_weight_update()
-                IPCWeightTransferEngine.trainer_send_weights(
-                    ((n, p.detach()) for n, p in trainer.named_parameters()), targs)
-                llm.finish_weight_update()
-                llm.reset_prefix_cache()
+            def push(targs: IPCTrainerSendWeightsArgs = targs, side: str = side) -> None:
+                for what, fn in (("start_weight_update", llm.start_weight_update),
+                                 ("trainer_send_weights", lambda: IPCWeightTransferEngine.trainer_send_weights(
+                                     ((n, p.detach()) for n, p in trainer.named_parameters()), targs)),
+                                 ("finish_weight_update", llm.finish_weight_update),
+                                 ("reset_prefix_cache", llm.reset_prefix_cache)):
+                    if args.trace_calls:
+                        bc.log(f"      {side}: {what}")
+                    fn()
 
             try:
-                times = await _timed(side, 1 + args.warmup + args.repeat, trainer, push, args.call_timeout)
+                times = await _timed(side, 1 + args.warmup + args.repeat, trainer, push, args.call_timeout, call)
                 exact = await _bit_exact(VllmEngine(llm, name=side, timeout=600), trainer, "module", shape)
                 out[side] = {"times": times, "bit_exact": exact}
             except Exception as e:  # one side failing leaves the other's row
                 traceback.print_exc()
                 out[side] = {"error": f"{type(e).__name__}: {e}"}
     finally:
-        stop_llm(llm)
+        call.close()
+        if llm is not None:
+            faulthandler.dump_traceback_later(120)  # a stop that hangs shows where
+            try:
+                stop_llm(llm)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         bc._free_cached()
+        os.environ.clear()  # the next engine starts as the first did
+        os.environ.update(env)
     return out
 
 
@@ -292,6 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="pushes after the first, not counted")
     ap.add_argument("--call-timeout", type=float, default=120.0,
                     help="seconds a vLLM-side call or push may take before its row is given up (engine start: 300)")
+    ap.add_argument("--trace-calls", action="store_true",
+                    help="log each vLLM call of every ipc push (their times then include the logging)")
     ap.add_argument("--engine-memory", type=float, default=0.35,
                     help="gpu_memory_utilization of each engine (the trainer shares the GPU)")
     anyio.run(_main, ap.parse_args(argv))
