@@ -99,17 +99,24 @@ class Deltas:
                   its whole size once per K pushes; the digests below already catch a wrong base.
     verify_delta: each tensor a delta makes is checked on the engine against the sender's digest of it before it
                   is loaded; a mismatch is refused and the sync pushes in full.
+    shadow_device_bytes: the most bytes of the trainer's GPU the sender's copy of the served model may take
+                  (None: as much as leaves 1 GiB of it free; 0: none). Where it does not fit, the copy goes to
+                  pinned host memory and the diff runs on the host (`report.delta.shadow_where` says which).
     """
 
     delta: bool | str = False
     full_every: int = 32
     verify_delta: bool = True
+    shadow_device_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.delta not in (False, True, "auto"):
             raise ValidationError(f"delta must be False, True or 'auto', got {self.delta!r}")
         if isinstance(self.full_every, bool) or not isinstance(self.full_every, int) or self.full_every < 0:
             raise ValidationError(f"full_every must be an integer >= 0, got {self.full_every!r}")
+        b = self.shadow_device_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
+            raise ValidationError(f"shadow_device_bytes must be None or an integer >= 0, got {b!r}")
 
 
 @dataclass(frozen=True)
@@ -156,6 +163,7 @@ class SyncKwargs(TypedDict, total=False):
     delta: bool | str
     full_every: int
     verify_delta: bool
+    shadow_device_bytes: int | None
     trace_dir: str | os.PathLike[str] | None
     trace_live: bool | str
     on_chunk: Callable[[ChunkDone], object] | None

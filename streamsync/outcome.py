@@ -105,7 +105,7 @@ class Outcome:
         for k, v in (("wire_bytes", d.wire_bytes), ("changed", d.changed), ("elements", d.elements)):
             job.trace.count(f"delta.{k}", v)
         return DeltaReport(d.mode, d.wire_bytes, self.sync.shadow.nbytes, d.why_full, d.base, d.changed, d.elements,
-                           dict(d.encodings))
+                           dict(d.encodings), shadow_where=self.sync.shadow.where)
 
     def chunk_hook(self, push_id: str, version: int, plans: Sequence[ChunkPlan]) -> Callable[[int, int], None]:
         hook = self.sync.observers.on_chunk

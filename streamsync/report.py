@@ -35,7 +35,9 @@ class DeltaReport:
     wire_bytes:   packed bytes sent (the full push's `bytes` for a full push)
     changed / elements: elements that changed, of those compared (delta mode)
     encodings:    how many tensors went as each encoding (same, idx16, mask, full)
-    shadow_bytes: the sender's host copy of the served model, kept between pushes
+    shadow_bytes: the sender's copy of the served model, kept between pushes
+    shadow_where: where that copy lives ("cuda:0"; "host (pinned): ..." with the reason the GPU did not take it;
+                  "host" for a CPU trainer or a sharded push)
     fallback:     this push is the full push that followed a delta an engine refused
     """
 
@@ -48,6 +50,7 @@ class DeltaReport:
     elements: int = 0
     encodings: dict[str, int] = field(default_factory=dict)
     fallback: bool = False
+    shadow_where: str = ""
 
     @property
     def changed_fraction(self) -> float:

@@ -81,7 +81,7 @@ class WeightSync:
         self.versions = VersionBook()
         #: what delta pushes are computed against (empty unless this sync pushes deltas; a sharded push's
         #: PieceShadow on every trainer rank)
-        self.shadow: Shadow | PieceShadow = Shadow()
+        self.shadow: Shadow | PieceShadow = Shadow(device_bytes=self.deltas.shadow_device_bytes)
         self._delta_on = False  # decided at connect, by `delta` and the transport
         #: this sync's id: receivers refuse a round from another WeightSync while one of ours is open
         self.owner = new_owner()

@@ -13,6 +13,7 @@ import torch
 from streamsync import PushError, WeightSync
 from streamsync.checksum import digests
 from streamsync.delta.codec import PIECES, decode_into, encode, sizes
+from streamsync.delta.wsum import BLOCK
 from streamsync.engines.receiver import ReceiverEngine
 from streamsync.errors import PushTimeout
 from streamsync.testing.receiver import ReceiverProcess
@@ -82,7 +83,10 @@ async def test_delta_pushes_over_gloo_stay_bit_exact_after_real_adam_steps(train
             assert r.delta.wire_bytes < 0.25 * full
             assert r.delta.base == (r.version - 1, reports[r.version - 2].push_id)
         served = sum(t.numel() * t.element_size() for t in trainer.served().values())
-        assert reports[-1].delta.shadow_bytes == served  # the sender's host copy: the served model, once
+        # the sender's copy: the served model once, each tensor rounded up to whole blocks of 65,536 elements,
+        # on the host for a CPU trainer
+        blocks = sum(-(-t.numel() // BLOCK) * BLOCK * t.element_size() for t in trainer.served().values())
+        assert reports[-1].delta.shadow_bytes == blocks and reports[-1].delta.shadow_where == "host"
         status = await engine.call("delta_base")
         assert status["bytes"] == served and status["held"] == [reports[-1].version, reports[-1].push_id]
         await sync.close()

@@ -28,12 +28,12 @@ import torch
 
 from ..errors import ValidationError
 from ..pack import align_up, dtype_name
+from .wsum import BLOCK, wsum64
 
 ENCODINGS = ("same", "idx16", "mask", "full")
 #: the packed pieces of each encoding, in wire order
 PIECES: dict[str, tuple[str, ...]] = {"same": (), "idx16": ("counts", "pos", "val"), "mask": ("mask", "val"),
                                       "full": ("val",)}
-BLOCK = 1 << 16
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -107,11 +107,15 @@ def encode(new: torch.Tensor, base: torch.Tensor) -> Encoded:
         return Encoded("full", k, [new])
     if enc == "mask":
         return Encoded("mask", k, [pack_bits(changed), _select(new, changed)])
-    idx = _positions(changed)
+    idx = positions(changed)
     counts = torch.bincount(idx >> 16, minlength=-(-n // BLOCK)).to(torch.int32)
+    return Encoded("idx16", k, [counts, low16(idx), new[idx]], positions=idx)
+
+
+def low16(idx: torch.Tensor) -> torch.Tensor:
+    """Positions (int64) within their block of BLOCK elements, as int16's bits (0..65535)."""
     low = idx & 0xFFFF
-    pos = (low - ((low >> 15) << 16)).to(torch.int16)  # 0..65535 as int16's bits
-    return Encoded("idx16", k, [counts, pos, new[idx]], positions=idx)
+    return (low - ((low >> 15) << 16)).to(torch.int16)
 
 
 # On the host, numpy's bit packing, boolean selection and nonzero are C loops over the bytes, several times
@@ -126,7 +130,7 @@ def _select(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return t[mask]
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
+def positions(mask: torch.Tensor) -> torch.Tensor:
     """The positions (int64) where a flat bool tensor is True, in order."""
     if mask.device.type == "cpu":
         return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
@@ -178,7 +182,7 @@ def decode_into(flat: torch.Tensor, enc: str, changed: int, pieces: Mapping[str,
         marked = int(torch.count_nonzero(mask))
         if marked != changed:
             raise ValidationError(f"delta mask marks {marked} elements, says {changed}")
-        flat.masked_scatter_(mask, val)
+        bits(flat).masked_scatter_(mask, bits(val))  # on the bits: fp8 has no scatter of its own
         return
     counts, pos = pieces["counts"].to(flat.device), pieces["pos"].to(flat.device)
     blocks = -(-n // BLOCK)
@@ -191,7 +195,7 @@ def decode_into(flat: torch.Tensor, enc: str, changed: int, pieces: Mapping[str,
         + (pos.to(torch.int64) & 0xFFFF)
     if changed and int(idx.max()) >= n:
         raise ValidationError(f"delta position {int(idx.max())} outside a tensor of {n} elements")
-    flat.index_copy_(0, idx, val)
+    bits(flat).index_copy_(0, idx, bits(val))
 
 
 # ---------------------------------------------------------------------------------------------- digests
@@ -206,9 +210,13 @@ except ImportError:  # pragma: no cover - hashlib's blake2b instead
 
 def digest(t: torch.Tensor, algo: str | None = None) -> str:
     """"algo:hex" of a tensor's dtype, shape and bytes (host copy for a device tensor). blake3 where it is
-    installed, else hashlib's blake2b; a receiver checks with the algorithm the digest names."""
+    installed, else hashlib's blake2b; a receiver checks with the algorithm the digest names. "wsum64"
+    (`delta.wsum`, what a chunked shadow digests with) is computed where the tensor lives and covers its bytes
+    only: the receiver checks dtype and shape itself."""
     algo = algo or ("blake3" if _blake3 is not None else "blake2b")
     h: Any
+    if algo == "wsum64":
+        return f"wsum64:{wsum64(t):016x}"
     if algo == "blake3":
         if _blake3 is None:
             raise DeltaRefused("the digest is blake3, which is not installed here")
@@ -232,7 +240,7 @@ def digest(t: torch.Tensor, algo: str | None = None) -> str:
 # 4 x 8 bytes].
 
 HEADER = 9
-_ALGOS = ("", "blake3", "blake2b")
+_ALGOS = ("", "blake3", "blake2b", "wsum64")
 
 
 def pack_header(rows: list[tuple[str, int, int, int, str]]) -> torch.Tensor:
@@ -279,7 +287,7 @@ def parse_header(header: torch.Tensor, numels: list[int]) -> list[Row]:
             raise ValidationError(f"malformed delta header row {[enc, changed, n, size, algo]} for a piece of "
                                   f"{want} elements")
         raw = torch.tensor(dig, dtype=torch.int64).numpy().tobytes()
-        width = {"blake3": 32, "blake2b": 16}.get(_ALGOS[algo], 0)
+        width = {"blake3": 32, "blake2b": 16, "wsum64": 8}.get(_ALGOS[algo], 0)
         out.append(Row(ENCODINGS[enc], changed, n, size, f"{_ALGOS[algo]}:{raw[:width].hex()}" if algo else ""))
     return out
 

@@ -49,7 +49,7 @@ class DeltaPolicy:
         why: str | None = None
         bad: Exception | None = None
         try:
-            why = await self._why_full(sh.prepare(plans))
+            why = await self._why_full(sh.prepare(plans, source.device))
         except Exception as e:  # on every rank too: a rank that skipped the exchange would leave the others in it
             if not every:
                 raise

@@ -1,9 +1,14 @@
 """`Shadow`: what the sender keeps to find what changed, and the encoding of one chunk against it.
 
-The shadow is a pageable host copy of every tensor a push carries, in the dtype the engines hold it (after the
-pack's cast: float32 norms as bf16), so a diff compares exactly what an engine holds. It costs the trainer no
-GPU memory; its size is the served model's (`nbytes`, reported by every delta push) and it is refused up
-front where the host has no room for it.
+The shadow is a copy of every tensor a push carries, in the dtype the engines hold it (after the pack's cast:
+float32 norms as bf16), so a diff compares exactly what an engine holds. It lives where the trainer's tensors
+are, so the diff runs at that device's speed in a few launches per chunk (`chunked`): on the trainer's GPU where
+it has room (bounded by `WeightSync(shadow_device_bytes=...)`), else in pinned host memory, said in
+`report.delta.shadow_where`. Its size is the served model's, each tensor rounded up to a block of 65,536
+elements (`nbytes`, reported by every delta push); it is refused up front where neither has room for it.
+
+A sharded push's `PieceShadow` keeps host copies of the pieces each rank sends and encodes them tensor by
+tensor (`codec.encode`).
 
 Exactness. The shadow is the base of the next delta only while every engine holds its version whole: `held`
 is set when a push succeeded and cleared when a push starts writing into the shadow, so a push that fails or
@@ -12,6 +17,7 @@ is cancelled half-way leaves no base, and the next push sends every byte (which 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +28,9 @@ from ..errors import ValidationError
 from ..pack import TensorSpec, dtype_name
 from ..plan.chunk import ChunkPlan
 from ..plan.shards import Box, Piece
+from .chunked import ChunkShadow
 from .codec import PIECES, Encoded, digest, encode, pack_header
+from .wsum import BLOCK
 
 
 @dataclass
@@ -39,63 +47,86 @@ class ChunkDelta:
 
 
 class Shadow:
-    """Host copies of the pushed tensors by HF name (whole tensors; a split tensor's parts are row ranges)."""
+    """What the engines hold of every chunk (`chunked.ChunkShadow`), by chunk index, where the trainer's tensors
+    are: on its GPU where it has room (within `device_bytes`), else in pinned host memory; a CPU trainer's in
+    host memory. `where` says which."""
 
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
+    def __init__(self, *, device_bytes: int | None = None) -> None:
+        self.chunks: dict[int, ChunkShadow] = {}
         #: (version, push id) every engine holds whole and the shadow equals; None: no base
         self.held: tuple[int, str] | None = None
         #: delta pushes since the last full one
         self.since_full = 0
-        self._digests: dict[tuple[str, int], str] = {}  # (name, first row) -> digest of what the shadow holds
+        #: the most bytes of the trainer's GPU the shadow may take (None: what leaves a GiB free; 0: none)
+        self.device_bytes = device_bytes
+        #: where the shadow lives ("cuda:0", "host (pinned)", "host"), with the reason where it is not the
+        #: trainer's device
+        self.where = ""
+        self._sig: object = None
+        self._names: dict[str, tuple[int, int]] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(c.nbytes for c in self.chunks.values())
 
-    def prepare(self, plans: Sequence[ChunkPlan]) -> bool:
-        """Host tensors for every tensor of `plans` (kept while names, shapes and dtypes stay). True when they
-        were made anew (the next push must be full). Refuses a shadow larger than the host's free memory."""
-        want: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        for p in plans:
-            for s in p.specs:
-                want[s.name] = (s.dtype, s.full_shape)
-        have = {n: (t.dtype, tuple(t.shape)) for n, t in self.tensors.items()}
-        if have == want:
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The shadow's whole tensors by HF name (views: writing one changes the shadow); split tensors are not
+        in it."""
+        return {n: self.chunks[c].view(i) for n, (c, i) in self._names.items()}
+
+    def prepare(self, plans: Sequence[ChunkPlan], device: torch.device | None = None) -> bool:
+        """A shadow for every chunk of `plans` (kept while their names, shapes, dtypes and the trainer's device
+        stay), placed before any byte moves. True when it was made anew (the next push must be full). Refuses
+        one that fits neither the device's budget nor the host's free memory."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        sig = (device, tuple((p.index, p.specs) for p in plans))
+        if sig == self._sig:
             return False
-        self.tensors, self.held, self._digests = {}, None, {}
-        _check_room(sum(TensorSpec(n, d, s).nbytes for n, (d, s) in want.items()))
-        self.tensors = {n: torch.empty(s, dtype=d) for n, (d, s) in want.items()}
+        self.chunks, self.held, self._sig, self._names = {}, None, None, {}
+        need = sum(-(-math.prod(s.shape) // BLOCK) * BLOCK * s.dtype.itemsize for p in plans for s in p.specs)
+        where, pin = self._place(need, device)
+        self.chunks = {p.index: ChunkShadow(p, where, pin=pin) for p in plans}
+        self._names = {s.name: (p.index, i) for p in plans for i, s in enumerate(p.specs) if s.part is None}
+        self._sig = sig
         return True
 
-    def _rows(self, s: TensorSpec) -> torch.Tensor:
-        """The flat slice of the shadow a spec covers (a part: its rows)."""
-        t = self.tensors[s.name]
-        if s.part is not None:
-            t = t[s.part[0]:s.part[0] + s.shape[0]]
-        return t.reshape(-1)
+    def _place(self, need: int, device: torch.device) -> tuple[torch.device, bool]:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+            limit = free - (1 << 30) if self.device_bytes is None else min(self.device_bytes, free)
+            if need <= limit:
+                self.where = str(device)
+                return device, False
+            over = self.device_bytes is not None and need > self.device_bytes
+            why = f"over shadow_device_bytes={self.device_bytes}" if over else f"{free / 2**30:.2f} GiB free there"
+            _check_room(need)
+            self.where = f"host (pinned): {need / 2**30:.2f} GiB, {why}"
+            return torch.device("cpu"), True
+        _check_room(need)
+        self.where = "host"
+        return torch.device("cpu"), False
 
     def seed(self, plan: ChunkPlan, tensors: Sequence[torch.Tensor]) -> None:
-        """A full push: copy the chunk's tensors (cast to the served dtype) into the shadow."""
-        for s, t in zip(plan.specs, tensors, strict=True):
-            self._rows(s).copy_(t.detach().reshape(-1))
-            self._digests.pop((s.name, s.part[0] if s.part else 0), None)
+        """A full push: the shadow takes the chunk's tensors (cast to the served dtype)."""
+        self.chunks[plan.index].seed(tensors)
 
     def encode(self, plan: ChunkPlan, tensors: Sequence[torch.Tensor], *, verify: bool) -> ChunkDelta:
         """The chunk as a delta against the shadow, which then holds the new tensors. `verify`: each entry
-        carries the digest of the tensor it makes (recomputed only for tensors that changed)."""
+        carries the wsum64 digest of the tensor it makes."""
         pieces: list[TensorSpec] = []
         out: list[torch.Tensor] = []
         entries: list[list[Any]] = []
         delta = ChunkDelta(ChunkPlan(plan.index, (), ()), out, entries)
-        for s, t in zip(plan.specs, tensors, strict=True):
-            key = (s.name, s.part[0] if s.part else 0)
-            e, dig = _diff(self._rows(s), t, s.dtype, s.shape, key, self._digests, verify, delta)
+        for s, (e, dig) in zip(plan.specs, self.chunks[plan.index].encode(tensors, verify=verify), strict=True):
             entries.append([s.name, dtype_name(s.dtype), list(s.shape), list(s.part) if s.part else None, e.enc,
                             e.changed, dig])
             for piece, tensor in zip(PIECES[e.enc], e.pieces, strict=True):
                 pieces.append(TensorSpec(f"{s.name}#{piece}", tensor.dtype, (tensor.numel(),)))
                 out.append(tensor)
+            delta.changed += e.changed
+            delta.encodings[e.enc] = delta.encodings.get(e.enc, 0) + 1
+        delta.elements += sum(t.numel() for t in tensors)
         delta.wire = ChunkPlan(plan.index, tuple(pieces), tuple(p.name for p in pieces))
         return delta
 
@@ -111,6 +142,7 @@ class PieceShadow:
         self.tensors: dict[tuple[str, Box, str, int], torch.Tensor] = {}
         self.held: tuple[int, str] | None = None
         self.since_full = 0
+        self.where = "host"
         self._digests: dict[tuple[str, Box, str, int], str] = {}
 
     @property
@@ -122,7 +154,8 @@ class PieceShadow:
         p: Piece = piece  # type: ignore[assignment]
         return (p.name, p.box, p.engine, p.worker)
 
-    def prepare(self, plans: Sequence[ChunkPlan]) -> bool:
+    def prepare(self, plans: Sequence[ChunkPlan], device: torch.device | None = None) -> bool:
+        self.where = "host"
         want = {self._key(k): (s.dtype, s.shape) for p in plans for s, k in zip(p.specs, p.keys, strict=True)}
         have = {k: (t.dtype, tuple(t.shape)) for k, t in self.tensors.items()}
         if have == want:

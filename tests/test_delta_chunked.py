@@ -1,0 +1,133 @@
+"""The chunked shadow: a chunk's delta in a few launches per chunk, decoded by the per-tensor codec, checked by
+wsum64; the same code on the CPU here and on the trainer's GPU (the gpu-marked test)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from streamsync.delta.chunked import ChunkShadow
+from streamsync.delta.codec import PIECES, check_digest, decode_into, digest
+from streamsync.delta.shadow import Shadow
+from streamsync.delta.wsum import BLOCK, wsum64
+from streamsync.errors import ValidationError
+from streamsync.pack import TensorSpec
+from streamsync.plan.chunk import ChunkPlan
+
+# sizes around the block and the mask's byte boundaries; dtypes of every element width a chunk mixes
+SPECS = [("a", torch.bfloat16, (3, 5)), ("b", torch.bfloat16, (BLOCK + 7,)), ("c", torch.float32, (129, 1000)),
+         ("d", torch.bfloat16, (0,)), ("e", torch.float16, (2 * BLOCK,)), ("f", torch.float8_e4m3fn, (1000,)),
+         ("g", torch.bfloat16, (300, 700)), ("h", torch.bool, (77,)), ("i", torch.float64, (5000,))]
+
+
+def _plan() -> ChunkPlan:
+    specs = tuple(TensorSpec(n, d, s) for n, d, s in SPECS)
+    return ChunkPlan(0, specs, tuple(s.name for s in specs))
+
+
+def _tensors(gen: torch.Generator, device: str) -> list[torch.Tensor]:
+    out = []
+    for _, dtype, shape in SPECS:
+        t = torch.randn(shape, generator=gen) * 0.02
+        out.append((t > 0 if dtype == torch.bool else t.to(dtype)).to(device))
+    return out
+
+
+def _step(ts: list[torch.Tensor], density: float, gen: torch.Generator) -> list[torch.Tensor]:
+    """Each tensor with about `density` of its elements given new bits (a NaN among them)."""
+    out = []
+    for t in ts:
+        new = t.clone()
+        if t.numel():
+            m = (torch.rand(t.shape, generator=gen) < density).to(t.device)
+            if t.dtype == torch.bool:
+                new[m] = ~new[m]
+            else:
+                new[m] = (new[m].float() + 0.25).to(t.dtype)
+                if m.any() and t.dtype.is_floating_point and t.dtype.itemsize > 1:
+                    new.view(-1)[int(m.view(-1).nonzero()[0])] = float("nan")
+        out.append(new)
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _round_trip(device: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    plan = _plan()
+    shadow = ChunkShadow(plan, torch.device(device))
+    held = _tensors(gen, device)  # what the receiver holds
+    shadow.seed(held)
+    encodings = set()
+    for density in (0.0, 1e-3, 0.03, 0.3, 1.0):
+        new = _step(held, density, gen)
+        out = shadow.encode(new, verify=True)
+        for i, ((e, dig), t) in enumerate(zip(out, new, strict=True)):
+            encodings.add(e.enc)
+            made = held[i].clone()
+            decode_into(made.view(-1), e.enc, e.changed, dict(zip(PIECES[e.enc], e.pieces, strict=True)))
+            assert _same_bits(made, t), (SPECS[i], density, e.enc)
+            assert _same_bits(shadow.view(i), t), (SPECS[i], density, "the shadow holds the new tensor")
+            assert dig == digest(t, "wsum64") == f"wsum64:{wsum64(made):016x}"
+            check_digest(made, dig, SPECS[i][0])
+        held = new
+    assert encodings == {"same", "idx16", "mask", "full"}
+
+
+def test_a_chunk_delta_decodes_bit_for_bit_at_every_density_and_element_width():
+    _round_trip("cpu")
+
+
+@pytest.mark.gpu
+def test_a_chunk_delta_on_the_gpu_decodes_bit_for_bit_at_every_density_and_element_width():
+    _round_trip("cuda")
+
+
+def test_wsum64_changes_with_any_one_element_and_with_two_that_trade_places():
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(3 * BLOCK + 11, generator=gen).to(torch.bfloat16)
+    h = wsum64(t)
+    for pos in (0, 1, BLOCK - 1, BLOCK, 2 * BLOCK + 5, t.numel() - 1):
+        u = t.clone()
+        u.view(torch.int16)[pos] ^= 1  # one bit of one element
+        assert wsum64(u) != h, pos
+    u = t.clone()
+    u[[10, BLOCK + 3]] = t[[BLOCK + 3, 10]]
+    assert not torch.equal(u, t) and wsum64(u) != h
+    assert wsum64(t.view(1, -1)) == h  # bytes only: the receiver checks dtype and shape itself
+
+
+def test_a_digest_that_does_not_match_is_refused_naming_the_tensor():
+    t = torch.arange(100, dtype=torch.float32)
+    dig = digest(t, "wsum64")
+    t[50] = float("nan")
+    with pytest.raises(ValidationError, match=r"'w\.q' made from the delta does not match"):
+        check_digest(t, dig, "w.q")
+
+
+def test_a_cpu_trainer_keeps_its_shadow_on_the_host_and_a_changed_plan_makes_it_anew():
+    plan = _plan()
+    sh = Shadow()
+    assert sh.prepare([plan], torch.device("cpu")) and sh.where == "host"
+    assert not sh.prepare([plan], torch.device("cpu"))
+    # the served tensors, each rounded up to whole blocks (a group of one element size takes one block at least)
+    rounded = sum(-(-math.prod(s.shape) // BLOCK) * BLOCK * s.dtype.itemsize for s in plan.specs)
+    assert rounded <= sh.nbytes <= rounded + 8 * BLOCK and set(sh.tensors) == {n for n, _, _ in SPECS}
+    other = ChunkPlan(0, plan.specs[:-1], plan.keys[:-1])
+    assert sh.prepare([other], torch.device("cpu")) and sh.held is None
+
+
+@pytest.mark.gpu
+def test_a_gpu_trainer_keeps_its_shadow_on_its_gpu_unless_the_bound_says_host():
+    plan = _plan()
+    sh = Shadow()
+    assert sh.prepare([plan], torch.device("cuda", 0)) and sh.where == "cuda:0"
+    assert all(g.buf.is_cuda for c in sh.chunks.values() for g in c.groups)
+    bounded = Shadow(device_bytes=0)
+    assert bounded.prepare([plan], torch.device("cuda", 0))
+    assert bounded.where.startswith("host (pinned)") and "shadow_device_bytes=0" in bounded.where
+    assert all(g.buf.is_pinned() for c in bounded.chunks.values() for g in c.groups)
