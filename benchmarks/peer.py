@@ -261,7 +261,11 @@ async def _ipc(ckpt: str, trainer: torch.nn.Module, args: argparse.Namespace, sh
             llm.update_weights({"update_info": fields})
 
         for side, packed in (("ipc", False), ("ipc-packed", True)):
-            targs = IPCTrainerSendWeightsArgs(send_mode=send, packed=packed)
+            # vLLM's packed buffers are 1 GiB unless told otherwise, and refuse a larger tensor (an 8B's embedding
+            # is 1.24 GB): a user gives the largest tensor's size, as done here
+            largest = max(p.numel() * p.element_size() for p in trainer.parameters())
+            size = {"packed_buffer_size_bytes": max(1 << 30, largest)} if packed else {}
+            targs = IPCTrainerSendWeightsArgs(send_mode=send, packed=packed, **size)
 
             def push(targs: IPCTrainerSendWeightsArgs = targs, side: str = side) -> None:
                 for what, fn in (("start_weight_update", llm.start_weight_update),
