@@ -93,7 +93,7 @@ class Deltas:
     delta:        False (default): every push sends every byte. True: deltas through any transport. "auto":
                   deltas where the transport's link is the bound (`Transport.delta_pays`: the collective
                   transport, engines on other hosts), none for shared memory and CUDA IPC, where finding the
-                  changes reads as many bytes as the copy they save. The sender then keeps a host copy of the
+                  changes reads as many bytes as the copy they save. The sender then keeps a copy of the
                   served model (`PushReport.delta.shadow_bytes`), each engine one of what it last loaded.
     full_every:   every K-th push is full even when a delta could go (0: only when one must). A full push costs
                   its whole size once per K pushes; the digests below already catch a wrong base.

@@ -28,8 +28,8 @@ from ..errors import ValidationError
 from ..pack import TensorSpec, dtype_name
 from ..plan.chunk import ChunkPlan
 from ..plan.shards import Box, Piece
-from .chunked import ChunkShadow
-from .codec import PIECES, Encoded, digest, encode, pack_header
+from .chunked import ChunkShadow, diff_one
+from .codec import PIECES, pack_header
 from .wsum import BLOCK
 
 
@@ -199,7 +199,10 @@ class PieceShadow:
             if dest != key[2:]:
                 flush()
                 dest = key[2:]
-            e, dig = _diff(self.tensors[key].view(-1), t, s.dtype, s.shape, key, self._digests, verify, delta)
+            e, dig = diff_one(self.tensors[key].view(-1), t, s.dtype, s.shape, key, self._digests, verify)
+            delta.changed += e.changed
+            delta.elements += t.numel()
+            delta.encodings[e.enc] = delta.encodings.get(e.enc, 0) + 1
             rows.append((e.enc, e.changed, t.numel(), s.dtype.itemsize, dig))
             for piece, tensor in zip(PIECES[e.enc], e.pieces, strict=True):
                 group.append((TensorSpec(f"{s.name}#{piece}", tensor.dtype, (tensor.numel(),)),
@@ -207,30 +210,6 @@ class PieceShadow:
         flush()
         delta.wire = ChunkPlan(plan.index, tuple(specs), tuple(keys))
         return delta
-
-
-def _diff(base: torch.Tensor, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], key: Any,
-          digests: dict[Any, str], verify: bool, delta: ChunkDelta) -> tuple[Encoded, str]:
-    """Encode `t` (as `dtype`) against its flat shadow `base`, which then holds it; and the digest of what it
-    holds (cached while it does not change), "" without `verify`."""
-    new = t.detach().to("cpu", dtype).reshape(-1)
-    e = encode(new, base)
-    if e.enc == "idx16":
-        assert e.positions is not None
-        base.index_copy_(0, e.positions, e.pieces[-1])
-    elif e.enc != "same":
-        base.copy_(new)
-    dig = ""
-    if verify:
-        cached = digests.get(key) if e.enc == "same" else None
-        dig = cached if cached is not None else digest(base.view(shape))
-        digests[key] = dig
-    elif e.enc != "same":
-        digests.pop(key, None)
-    delta.changed += e.changed
-    delta.elements += new.numel()
-    delta.encodings[e.enc] = delta.encodings.get(e.enc, 0) + 1
-    return e, dig
 
 
 def _check_room(need: int) -> None:

@@ -14,9 +14,17 @@ change H. It is computed per block of BLOCK elements, as two sums a block, and t
 
 so a sender that lays a chunk's tensors out at BLOCK-aligned offsets gets every tensor's checksum from one pass
 over the chunk (`block_sums`), and a receiver checks one tensor with `wsum64` alone: both give the same H.
+
+On a GPU the blocks' sums are one Triton kernel (a program per block, reading each word once); elsewhere, or
+where the kernel fails to build, torch's int64 products, 256 blocks per launch.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +33,45 @@ BLOCK = 1 << 16
 INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ROWS = 256  # blocks per launch: bounds the int64 temporaries to 128 MiB
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_STEP = 4096  # words a kernel program reads per step
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # tests: the kernel on CPU tensors
+_broken: list[str] = []  # why the kernel is not used (once it failed)
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_sums_kernel(words, a_out, s_out, BLOCK: tl.constexpr, STEP: tl.constexpr):
+        b = tl.program_id(0)
+        base = b.to(tl.int64) * BLOCK
+        acc_s = tl.zeros([STEP], dtype=tl.int64)
+        acc_a = tl.zeros([STEP], dtype=tl.int64)
+        for i in range(0, BLOCK, STEP):
+            offs = i + tl.arange(0, STEP)
+            w = tl.load(words + base + offs).to(tl.int64)
+            acc_s += w
+            acc_a += w * (2 * offs + 1).to(tl.int64)
+        tl.store(s_out + b, tl.sum(acc_s, axis=0))
+        tl.store(a_out + b, tl.sum(acc_a, axis=0))
+
+    return block_sums_kernel
+
+
+def _kernel_sums(grid: torch.Tensor) -> torch.Tensor | None:
+    """(2, blocks) int64 on the device by the kernel; None where it does not run here."""
+    if _broken or not (grid.is_cuda or _INTERPRET):
+        return None
+    try:
+        out = torch.empty(2, grid.shape[0], dtype=torch.int64, device=grid.device)
+        _kernel()[(grid.shape[0],)](grid, out[0], out[1], BLOCK=BLOCK, STEP=_STEP)
+        return out
+    except Exception as e:  # no Triton, or it cannot build here: torch's products instead
+        _broken.append(f"{type(e).__name__}: {e}")
+        logging.getLogger(__name__).warning("the wsum64 kernel is not used: %s", _broken[0])
+        return None
 
 
 def _weights(device: torch.device) -> torch.Tensor:
@@ -45,6 +92,10 @@ def block_sums(words: torch.Tensor, rows: slice | None = None) -> tuple[np.ndarr
         grid = grid[rows]
     if grid.shape[0] == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    fast = _kernel_sums(grid)
+    if fast is not None:
+        both = fast.cpu().numpy()
+        return both[0], both[1]
     w = _weights(words.device)
     a, s = [], []
     for r in range(0, grid.shape[0], _ROWS):
