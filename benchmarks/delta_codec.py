@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -30,20 +29,12 @@ from typing import Any
 import torch
 
 import benchmarks.cuda as bc
-from benchmarks.report import write_json
+from benchmarks.report import commit, write_json
 from streamsync.delta.chunked import ChunkShadow
 from streamsync.delta.codec import PIECES, check_digest, decode_into
 from streamsync.pack import TensorSpec
 from streamsync.plan.chunk import ChunkPlan
 from streamsync.report import GiB
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _sync() -> None:
@@ -140,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bc.log(f"{density:.0%}: encode {row['encode_ms']:.1f} ms ({row['encode_GBps']:.3g} GB/s), decode "
                f"{row['decode_ms']:.1f} ms ({row['decode_GBps']:.3g} GB/s), wire {row['wire_over_model']:.1%} of "
                f"the model, exact")
-    return {"commit": _commit(), "device": torch.cuda.get_device_name() if bc._cuda() else "cpu",
+    return {"commit": commit(), "device": torch.cuda.get_device_name() if bc._cuda() else "cpu",
             "torch": torch.__version__, "shape": args.shape, "label": shape["label"], "model_bytes": model_bytes,
             "chunks": len(chunks), "shadow_bytes": shadow_bytes, "copy_rate_Bps": rate,
             "one_copy_floor_ms": floor * 1e3, "repeat": args.repeat, "rows": rows}

@@ -44,7 +44,6 @@ import pickle
 import queue
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -58,7 +57,7 @@ import anyio
 import torch
 
 import benchmarks.cuda as bc
-from benchmarks.report import write_json
+from benchmarks.report import commit, write_json
 from benchmarks.vllm_gpu import _bit_exact, _engine_args, _host_cpu, _timeline
 from streamsync.report import GiB
 
@@ -68,13 +67,6 @@ SIDES = ("streamsync", "ipc", "ipc-packed", "nccl")
 # again as __mp_main__, so the handler is in vLLM's engine-core process too (`_where`)
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 async def _bounded(what: str, fn: Callable[[], Any], seconds: float) -> Any:
@@ -362,7 +354,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     bc._DEV = torch.device("cuda")
     rate = bc.copy_rate(nbytes=4 * GiB)
     bc.log(f"vLLM {vllm.__version__}; device copy rate {rate / 1e12:.2f} TB/s (bytes read + written)")
-    result: dict[str, Any] = {"commit": _commit(), "machine": torch.cuda.get_device_name(), "host_cpu": _host_cpu(),
+    result: dict[str, Any] = {"commit": commit(), "machine": torch.cuda.get_device_name(), "host_cpu": _host_cpu(),
                               "vllm": vllm.__version__, "torch": torch.__version__, "copy_rate_Bps": rate,
                               "repeat": args.repeat, "trainer": "HF-named bf16 module on the engine's GPU",
                               "rows": []}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,18 @@ from streamsync.report import PushReport
 #: a push's one-copy counts (`refs.*` in its trace): tensors sent by reference, tensors packed, storages
 #: exported, milliseconds spent exporting them
 REF_COUNTS = ("referenced", "packed", "exports", "export_ms")
+
+
+def commit() -> str | None:
+    """The code a result came from: `STREAMSYNC_COMMIT` where the command sets it (a copy of the checkout on
+    another machine may carry a stale `.git`), else the checkout's HEAD."""
+    if os.environ.get("STREAMSYNC_COMMIT"):
+        return os.environ["STREAMSYNC_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def write_json(path: Path | None, result: dict[str, Any]) -> None:
