@@ -180,3 +180,29 @@ def _run_fresh(code: str, interpret: bool) -> str:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
+
+
+def test_pieces_that_do_not_fit_the_tensor_are_refused_before_anything_is_written():
+    n = BLOCK + 10
+    base = torch.zeros(n, dtype=torch.bfloat16)
+    val = torch.ones(2, dtype=torch.bfloat16)
+    pos = torch.tensor([3, 5], dtype=torch.int16)
+    bad = {
+        "block counts sum to 1": ("idx16", 2, {"counts": torch.tensor([1, 0], dtype=torch.int32), "pos": pos,
+                                               "val": val}),
+        "least -1": ("idx16", 2, {"counts": torch.tensor([3, -1], dtype=torch.int32), "pos": pos, "val": val}),
+        f"position {BLOCK + 11} outside": ("idx16", 2, {"counts": torch.tensor([1, 1], dtype=torch.int32),
+                                                        "pos": torch.tensor([3, 11], dtype=torch.int16),
+                                                        "val": val}),
+        "carries 2 values": ("idx16", 3, {"counts": torch.tensor([3, 0], dtype=torch.int32), "pos": pos,
+                                          "val": val}),
+        "marks 1 elements": ("mask", 2, {"mask": torch.zeros(-(-n // 8), dtype=torch.uint8).index_fill_(0,
+                                                                                    torch.tensor([0]), 1),
+                                         "val": val}),
+        "needs pieces": ("mask", 2, {"val": val}),
+        "full delta of 2 elements": ("full", 2, {"val": val}),
+    }
+    for why, (enc, changed, pieces) in bad.items():
+        with pytest.raises(ValidationError, match=why):
+            decode_into(base, enc, changed, pieces)
+        assert not base.any(), why

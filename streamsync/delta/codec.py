@@ -188,13 +188,17 @@ def decode_into(flat: torch.Tensor, enc: str, changed: int, pieces: Mapping[str,
     blocks = -(-n // BLOCK)
     if counts.dtype != torch.int32 or counts.numel() != blocks or pos.dtype != torch.int16 or pos.numel() != changed:
         raise ValidationError(f"delta idx16 pieces do not fit {n} elements with {changed} changed")
+    if not changed:
+        return
     c = counts.to(torch.int64)
-    if changed and (int(c.min()) < 0 or int(c.sum()) != changed):
-        raise ValidationError(f"delta idx16 block counts sum to {int(c.sum())}, says {changed}")
-    idx = torch.repeat_interleave(torch.arange(blocks, dtype=torch.int64, device=flat.device) * BLOCK, c) \
-        + (pos.to(torch.int64) & 0xFFFF)
-    if changed and int(idx.max()) >= n:
-        raise ValidationError(f"delta position {int(idx.max())} outside a tensor of {n} elements")
+    low, total = (int(x) for x in torch.stack([c.min(), c.sum()]).tolist())  # one sync for both
+    if low < 0 or total != changed:
+        raise ValidationError(f"delta idx16 block counts sum to {total} (least {low}), says {changed}")
+    idx = torch.repeat_interleave(torch.arange(blocks, dtype=torch.int64, device=flat.device) * BLOCK, c,
+                                  output_size=changed) + (pos.to(torch.int64) & 0xFFFF)
+    top = int(idx.max())  # a position past the end would be an asynchronous error on a GPU: checked first
+    if top >= n:
+        raise ValidationError(f"delta position {top} outside a tensor of {n} elements")
     bits(flat).index_copy_(0, idx, bits(val))
 
 
