@@ -102,12 +102,16 @@ class Deltas:
     shadow_device_bytes: the most bytes of the trainer's GPU the sender's copy of the served model may take
                   (None: as much as leaves 1 GiB of it free; 0: none). Where it does not fit, the copy goes to
                   pinned host memory and the diff runs on the host (`report.delta.shadow_where` says which).
+    engine_base:  where each engine keeps its copy of what it loaded: "auto" (default) on its GPU where that has
+                  room for it and 2 GiB more, so deltas are decoded and checked there; "host" in host memory
+                  (an engine colocated with the trainer, whose GPU memory the trainer needs).
     """
 
     delta: bool | str = False
     full_every: int = 32
     verify_delta: bool = True
     shadow_device_bytes: int | None = None
+    engine_base: str = "auto"
 
     def __post_init__(self) -> None:
         if self.delta not in (False, True, "auto"):
@@ -117,6 +121,8 @@ class Deltas:
         b = self.shadow_device_bytes
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
             raise ValidationError(f"shadow_device_bytes must be None or an integer >= 0, got {b!r}")
+        if self.engine_base not in ("auto", "host"):
+            raise ValidationError(f"engine_base must be 'auto' or 'host', got {self.engine_base!r}")
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,7 @@ class SyncKwargs(TypedDict, total=False):
     full_every: int
     verify_delta: bool
     shadow_device_bytes: int | None
+    engine_base: str
     trace_dir: str | os.PathLike[str] | None
     trace_live: bool | str
     on_chunk: Callable[[ChunkDone], object] | None

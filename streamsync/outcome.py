@@ -49,7 +49,7 @@ class Outcome:
         seconds = trace.end()
         self.sync.versions.pushed(job.version, [e.name for e in self.sync.engines])
         total = sum(p.nbytes for p in job.plans)
-        delta = self.delta_done(job, total)
+        delta = self.delta_done(job, total, seconds)
         sharded = isinstance(source, ShardedSource)
         path, senders = ("sharded", source.senders) if isinstance(source, ShardedSource) else ("single-sender", 1)
         report = PushReport(
@@ -95,7 +95,7 @@ class Outcome:
                                          reason=declined.reason)
         return out
 
-    def delta_done(self, job: pipeline.Push, total: int) -> DeltaReport | None:
+    def delta_done(self, job: pipeline.Push, total: int, seconds: float) -> DeltaReport | None:
         """A delta sync's push succeeded: every engine holds it whole, so the shadow is the next push's base."""
         d = job.delta
         if d is None:
@@ -104,8 +104,10 @@ class Outcome:
         self.sync.shadow.since_full = 0 if d.mode == "full" else self.sync.shadow.since_full + 1
         for k, v in (("wire_bytes", d.wire_bytes), ("changed", d.changed), ("elements", d.elements)):
             job.trace.count(f"delta.{k}", v)
+        changed = d.changed / d.elements if d.elements else 0.0
+        self.sync.auto.note(d.mode, seconds, d.wire_bytes, total, changed)
         return DeltaReport(d.mode, d.wire_bytes, self.sync.shadow.nbytes, d.why_full, d.base, d.changed, d.elements,
-                           dict(d.encodings), shadow_where=self.sync.shadow.where)
+                           dict(d.encodings), shadow_where=self.sync.shadow.where, auto=d.auto)
 
     def chunk_hook(self, push_id: str, version: int, plans: Sequence[ChunkPlan]) -> Callable[[int, int], None]:
         hook = self.sync.observers.on_chunk

@@ -39,6 +39,7 @@ class DeltaReport:
     shadow_where: where that copy lives ("cuda:0"; "host (pinned): ..." with the reason the GPU did not take it;
                   "host" for a CPU trainer or a sharded push)
     fallback:     this push is the full push that followed a delta an engine refused
+    auto:         delta="auto": why this push went as a delta or in full, from this sync's measured pushes
     """
 
     mode: str
@@ -51,6 +52,7 @@ class DeltaReport:
     encodings: dict[str, int] = field(default_factory=dict)
     fallback: bool = False
     shadow_where: str = ""
+    auto: str | None = None
 
     @property
     def changed_fraction(self) -> float:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 import anyio
 
 from .attempt import Attempt, check_finite, run_attempt
-from .delta import Shadow, refused
+from .delta import AutoDelta, Shadow, refused
 from .delta.policy import DeltaPolicy
 from .delta.push import DeltaPush
 from .delta.shadow import PieceShadow
@@ -83,6 +83,7 @@ class WeightSync:
         #: PieceShadow on every trainer rank)
         self.shadow: Shadow | PieceShadow = Shadow(device_bytes=self.deltas.shadow_device_bytes)
         self._delta_on = False  # decided at connect, by `delta` and the transport
+        self.auto = AutoDelta()  # what delta="auto" measured of this sync's pushes
         #: this sync's id: receivers refuse a round from another WeightSync while one of ours is open
         self.owner = new_owner()
         self.connected = False
@@ -361,10 +362,10 @@ class WeightSync:
                     if not every_rank:
                         if not isinstance(err, PushError) or not refused(err):
                             raise
-                        return await policy.full_after_refusal(attempt, len(plans), err)
+                        return await policy.full_after_refusal(attempt, plans, err)
                     failed = err  # every rank learns it in settle_sharded, which raises it here
                 if every_rank and delta is not None and delta.mode == "delta":
-                    return await policy.settle_sharded(attempt, len(plans), failed, report)
+                    return await policy.settle_sharded(attempt, plans, failed, report)
                 assert report is not None
                 return report
 

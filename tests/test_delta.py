@@ -12,6 +12,7 @@ import torch
 
 from streamsync import PushError, WeightSync
 from streamsync.checksum import digests
+from streamsync.delta.auto import PROBE_EVERY
 from streamsync.delta.codec import PIECES, decode_into, encode, sizes
 from streamsync.delta.wsum import BLOCK
 from streamsync.engines.receiver import ReceiverEngine
@@ -89,6 +90,7 @@ async def test_delta_pushes_over_gloo_stay_bit_exact_after_real_adam_steps(train
         assert reports[-1].delta.shadow_bytes == blocks and reports[-1].delta.shadow_where == "host"
         status = await engine.call("delta_base")
         assert status["bytes"] == served and status["held"] == [reports[-1].version, reports[-1].push_id]
+        assert status["where"] == "host"  # a receiver without a GPU
         await sync.close()
 
 
@@ -117,6 +119,32 @@ async def test_auto_pushes_deltas_through_the_collective_and_not_through_shared_
             assert (report.delta is not None and report.delta.mode == "delta") is on
             assert await _exact(sync.engines[0], trainer)
             await sync.close()
+
+
+async def test_auto_on_a_link_goes_full_while_its_last_delta_was_slower_and_tries_one_again_later(trainer, specs):
+    """delta="auto" decides from this sync's measured pushes: a delta is tried once a full push was measured; a
+    push goes full while the last delta took longer than the last full push (here made so), with the reason in
+    the report; after PROBE_EVERY such pushes a delta is tried again."""
+    with ReceiverProcess(str(specs), name="rx-auto-cost", threads=1) as rp:
+        engine = rp.engine()
+        sync = _sync(engine, _gloo(), delta="auto")
+        assert (await sync.push(trainer.model)).delta.why_full == "first push"
+        trainer.step()
+        probe = (await sync.push(trainer.model)).delta
+        assert probe.mode == "delta" and probe.auto.startswith("auto: no delta measured yet")
+        assert sync.auto.delta_s is not None and sync.auto.full_s is not None
+        sync.auto.delta_s = 10 * sync.auto.full_s  # the link made the delta slower than a full push
+        modes = []
+        for _ in range(PROBE_EVERY + 1):
+            trainer.step()
+            d = (await sync.push(trainer.model)).delta
+            modes.append(d.mode)
+            if d.mode == "full":
+                assert d.why_full == d.auto and "the last delta took" in d.auto and "tried again after" in d.auto
+            assert await _exact(engine, trainer)
+        assert modes == ["full"] * PROBE_EVERY + ["delta"]
+        assert "trying a delta again" in d.auto
+        await sync.close()
 
 
 async def test_a_full_push_every_k_pushes(trainer, specs):
@@ -263,4 +291,8 @@ async def test_delta_options_are_checked():
         WeightSync([], delta="sometimes")
     with pytest.raises(ValidationError, match="full_every"):
         WeightSync([], delta=True, full_every=-1)
+    with pytest.raises(ValidationError, match="shadow_device_bytes"):
+        WeightSync([], delta=True, shadow_device_bytes=-1)
+    with pytest.raises(ValidationError, match="engine_base must be 'auto' or 'host'"):
+        WeightSync([], delta=True, engine_base="gpu")
     await anyio.sleep(0)

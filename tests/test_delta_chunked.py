@@ -17,7 +17,7 @@ from streamsync.delta.codec import PIECES, check_digest, decode_into, digest
 from streamsync.delta.shadow import Shadow
 from streamsync.delta.wsum import BLOCK, wsum64
 from streamsync.errors import ValidationError
-from streamsync.pack import TensorSpec
+from streamsync.pack import TensorSpec, dtype_name
 from streamsync.plan.chunk import ChunkPlan
 
 # sizes around the block and the mask's byte boundaries; dtypes of every element width a chunk mixes
@@ -206,3 +206,31 @@ def test_pieces_that_do_not_fit_the_tensor_are_refused_before_anything_is_writte
         with pytest.raises(ValidationError, match=why):
             decode_into(base, enc, changed, pieces)
         assert not base.any(), why
+
+
+@pytest.mark.gpu
+def test_a_receiver_on_a_gpu_keeps_its_base_there_where_it_fits_and_decodes_a_delta_there():
+    from streamsync.receiver.base_copy import BaseCopy
+
+    plan = _plan()
+    gen = torch.Generator().manual_seed(11)
+    held = _tensors(gen, "cuda")
+    need = sum(t.numel() * t.element_size() for t in held)
+    for engine_base, on in (("host", "cpu"), ("auto", "cuda")):
+        base = BaseCopy("cuda")
+        info = {"version": 1, "push_id": "p1", "chunk": 0}
+        base.note(info, {"chunks": 1, "keep": True, "bytes": need, "engine_base": engine_base})
+        list(base.tee(zip((s.name for s in plan.specs), held, strict=True)))
+        base.end_round(finished=True)
+        assert base.held == (1, "p1") and base.on.type == on and all(t.device.type == on for t in base.tensors.values())
+    shadow = ChunkShadow(plan, torch.device("cuda"))
+    shadow.seed(held)
+    new = _step(held, 0.03, gen)
+    entries, views = [], []
+    for s, (e, dig) in zip(plan.specs, shadow.encode(new, verify=True), strict=True):
+        entries.append([s.name, dtype_name(s.dtype), list(s.shape), None, e.enc, e.changed, dig])
+        views += [(f"{s.name}#{p}", t) for p, t in zip(PIECES[e.enc], e.pieces, strict=True)]
+    base.note({"version": 2, "push_id": "p2", "chunk": 0}, {"chunks": 1, "base": [1, "p1"], "entries": entries})
+    made = dict(base.apply(views, {"entries": entries}))
+    for s, t in zip(plan.specs, new, strict=True):
+        assert made[s.name].is_cuda and _same_bits(made[s.name], t), s.name

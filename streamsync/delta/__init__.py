@@ -2,7 +2,8 @@
 (docs/delta.md). `codec` encodes and decodes one tensor; `shadow` is what the sender keeps to find what
 changed; receivers keep the base they apply onto in `streamsync.receiver.base_copy`."""
 
+from .auto import AutoDelta
 from .codec import DeltaRefused, refused
 from .shadow import ChunkDelta, Shadow
 
-__all__ = ["ChunkDelta", "DeltaRefused", "Shadow", "refused"]
+__all__ = ["AutoDelta", "ChunkDelta", "DeltaRefused", "Shadow", "refused"]

@@ -35,6 +35,8 @@ class DeltaPolicy:
 
     def __init__(self, sync: WeightSync) -> None:
         self.sync = sync
+        #: delta="auto": why this push may go as a delta or went full on cost (`AutoDelta.choose`)
+        self.auto: str | None = None
 
     async def mode(self, source: Source, plans: list[ChunkPlan]) -> DeltaPush | None:
         """This push's delta mode: None (deltas off, or a rank that sends nothing), "full" (every byte; the shadow
@@ -68,8 +70,12 @@ class DeltaPolicy:
         base, sh.held = sh.held, None
         if why is not None:
             get_logger().info("full push of a delta sync", why=why)
-            return DeltaPush(sh, "full", len(plans), why_full=why)
-        return DeltaPush(sh, "delta", len(plans), base=base, verify=self.sync.deltas.verify_delta)
+            return self.full(len(plans), why, sum(p.nbytes for p in plans))
+        return DeltaPush(sh, "delta", len(plans), base=base, verify=self.sync.deltas.verify_delta, auto=self.auto)
+
+    def full(self, chunks: int, why: str, model_bytes: int) -> DeltaPush:
+        return DeltaPush(self.sync.shadow, "full", chunks, why_full=why, model_bytes=model_bytes,
+                         engine_base=self.sync.deltas.engine_base, auto=self.auto if why == self.auto else None)
 
     async def _why_full(self, fresh: bool) -> str | None:
         """Why this push of a delta sync must be full (None: it may be a delta)."""
@@ -84,6 +90,10 @@ class DeltaPolicy:
             return f"the sync's version is {self.sync.versions.version}, the shadow's {sh.held[0]}"
         if self.sync.deltas.full_every and sh.since_full + 1 >= self.sync.deltas.full_every:
             return f"every {self.sync.deltas.full_every} pushes"
+        if self.sync.deltas.delta == "auto":
+            go, self.auto = self.sync.auto.choose()
+            if not go:
+                return self.auto
         held = sh.held
         off: list[str] = []
 
@@ -103,7 +113,7 @@ class DeltaPolicy:
         group = getattr(self.sync.transport, "group_timeout", None) or 0.0
         return 2 * max(self.sync.timeout, float(group)) + 30.0
 
-    async def settle_sharded(self, attempt: Attempt, chunks: int, failed: Exception | None,
+    async def settle_sharded(self, attempt: Attempt, plans: list[ChunkPlan], failed: Exception | None,
                              report: PushReport | None) -> PushReport:
         """A sharded delta push ended on this rank: every rank learns how it ended on the others. Where an
         engine refused the delta, every rank pushes the same version in full. Where trainer rank 0 (which holds
@@ -118,7 +128,7 @@ class DeltaPolicy:
             why = next(e[1] for e in ends if e is not None and e[0])
             err = failed if isinstance(failed, PushError) and refusal else PushError(why, stage="send")
             await self.sync.transport.before_push(self.sync.timeout)  # every rank rebuilds a group the failure broke
-            return await self.full_after_refusal(attempt, chunks, err)
+            return await self.full_after_refusal(attempt, plans, err)
         if failed is not None:
             raise failed
         if ends[0] is not None:
@@ -129,7 +139,7 @@ class DeltaPolicy:
         assert report is not None
         return report
 
-    async def full_after_refusal(self, attempt: Attempt, chunks: int, err: PushError) -> PushReport:
+    async def full_after_refusal(self, attempt: Attempt, plans: list[ChunkPlan], err: PushError) -> PushReport:
         """An engine refused a delta (another base than the shadow's, or a tensor that did not match its
         digest): the failed push ended every round as any failed push does; push the same version in full.
         A collective group whose sequence the failure lost is made anew first."""
@@ -138,7 +148,7 @@ class DeltaPolicy:
         assert self.sync.transport is not None
         if self.sync.transport.broken is not None and not self.sync.transport.every_rank:
             await self.sync.transport.connect(self.sync.engines, self.sync.timeout)
-        full = DeltaPush(self.sync.shadow, "full", chunks, why_full=f"refused: {err.message}")
+        full = self.full(len(plans), f"refused: {err.message}", sum(p.nbytes for p in plans))
         report = await attempt(full)
         if report.delta is not None:
             report.delta = replace(report.delta, fallback=True)

@@ -30,6 +30,11 @@ class DeltaPush:
     #: the (version, push id) the deltas are computed against (delta mode)
     base: tuple[int, str] | None = None
     verify: bool = True
+    #: the served model's bytes and where engines keep their copy of it (a full push's mark: `Deltas.engine_base`)
+    model_bytes: int = 0
+    engine_base: str = "auto"
+    #: delta="auto": why this push goes as it does (`delta.auto.AutoDelta`)
+    auto: str | None = None
     #: why a push of a delta sync is full ("first push", "every 32 pushes", "engine x holds no base", ...)
     why_full: str | None = None
     wire_bytes: int = 0
@@ -45,7 +50,8 @@ class DeltaPush:
         if self.mode == "full":
             await anyio.to_thread.run_sync(self.shadow.seed, plan, tensors)
             self.wire_bytes += plan.nbytes
-            return plan, tensors, {"chunks": self.chunks, "keep": True, **sharded}
+            return plan, tensors, {"chunks": self.chunks, "keep": True, "bytes": self.model_bytes,
+                                   "engine_base": self.engine_base, **sharded}
         assert self.base is not None
         d = await anyio.to_thread.run_sync(lambda: self.shadow.encode(plan, tensors, verify=self.verify))
         self.wire_bytes += d.wire.nbytes

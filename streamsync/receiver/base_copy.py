@@ -1,8 +1,9 @@
-"""`BaseCopy`: the tensors a receiver last loaded, kept on the host as the base that delta chunks apply onto.
+"""`BaseCopy`: the tensors a receiver last loaded, kept as the base that delta chunks apply onto.
 
 A sender that pushes deltas marks every chunk of a push (the message's `delta` field, docs/delta.md):
 
-    {"chunks": n, "keep": true}                       a full push: keep a copy of every tensor loaded
+    {"chunks": n, "keep": true, "bytes": b,          a full push: keep a copy of every tensor loaded (b bytes
+     "engine_base": "auto" | "host"}                  in all; where, below)
     {"chunks": n, "base": [version, push id],         a delta: per HF tensor its encoding and pieces, applied
      "entries": [[name, dtype, shape, part, enc,      onto the copy, then handed to the loader whole
                   changed, digest], ...]}
@@ -16,6 +17,11 @@ without the field (its sender pushes no deltas) drops the copy and its memory.
 
 The loader gets whole HF tensors either way, as from a full push: the copy's own tensors (valid until the
 next round changes them).
+
+Where the copy lives. A receiver on a GPU (a vLLM worker) keeps it on that GPU where the GPU has room for it and
+2 GiB more when a full push starts ("engine_base": "auto", the default), so a delta is decoded and checked there
+and the loader copies device to device; otherwise, and always with "engine_base": "host", in host memory. `where`
+says which.
 
 A sharded push (transport "p2p", `"sharded": true` in the field) keeps each box of an HF tensor this worker
 receives (`keep_box`, `patch_box`): the worker's slice of the model, not the whole of it; its pieces' entries
@@ -69,8 +75,15 @@ def _entry(raw: object) -> Entry:
     return out
 
 
+#: free GPU memory a receiver leaves beside its copy
+MARGIN = 2 << 30
+
+
 class BaseCopy:
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)  # the receiver's
+        #: where the copy lives (the receiver's GPU or the host)
+        self.on = torch.device("cpu")
         self.tensors: dict[str, torch.Tensor] = {}
         #: (version, push id) of the push the copy holds whole; None: no base
         self.held: tuple[int, str] | None = None
@@ -88,6 +101,22 @@ class BaseCopy:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.tensors.values(), *self.boxes.values()))
 
+    @property
+    def where(self) -> str:
+        return "host" if self.on.type == "cpu" else str(self.on)
+
+    def _place(self, delta: Mapping[str, Any]) -> None:
+        """A full push of a delta sender starts: where its copy goes (see the module doc)."""
+        need = delta.get("bytes")
+        on = torch.device("cpu")
+        if self.device.type == "cuda" and delta.get("engine_base", "auto") == "auto" and type(need) is int:
+            held = self.nbytes if self.on == self.device else 0  # freed as the push replaces it
+            if need + MARGIN <= torch.cuda.mem_get_info(self.device)[0] + held:
+                on = self.device
+        if on != self.on:
+            self.tensors, self.boxes, self.held = {}, {}, None
+            self.on = on
+
     def begin_round(self) -> None:
         self._round, self._chunks, self._seen = None, None, set()
         self._touched = self._plain = False
@@ -100,7 +129,7 @@ class BaseCopy:
         key = (name, box)
         have = self.boxes.get(key)
         if have is None or have.dtype != t.dtype or have.shape != t.shape:
-            have = self.boxes[key] = torch.empty(t.shape, dtype=t.dtype)
+            have = self.boxes[key] = torch.empty(t.shape, dtype=t.dtype, device=self.on)
         have.copy_(t)
         self._kept.add(key)
 
@@ -137,6 +166,8 @@ class BaseCopy:
                 have = "no base" if self.held is None else f"version {self.held[0]} (push {self.held[1]})"
                 raise DeltaRefused(f"the delta applies onto version {base[0]} (push {base[1]}), this receiver "
                                    f"holds {have}")
+        if delta.get("keep") is True and self._round is None:
+            self._place(delta)
         self._round = (int(push[0]), str(push[1]))
         self._chunks = delta["chunks"]
         chunk = update_info.get("chunk")
@@ -149,7 +180,7 @@ class BaseCopy:
         for name, t in weights:
             have = self.tensors.get(name)
             if have is None or have.dtype != t.dtype or have.shape != t.shape:
-                have = self.tensors[name] = torch.empty(t.shape, dtype=t.dtype)
+                have = self.tensors[name] = torch.empty(t.shape, dtype=t.dtype, device=self.on)
             have.copy_(t)
             yield name, t
 

@@ -104,7 +104,7 @@ class WeightReceiver:
         self.stale_after: float | None = None
         self._touched = 0.0
         #: what deltas apply onto (kept only for senders that push deltas)
-        self.base = BaseCopy()
+        self.base = BaseCopy(self.device)
         self._round_transport: Receiver | None = None  # the transport the open round receives through
         #: the update being loaded, where its loader gets the packed views then the references as they came:
         #: (packed tensors, referenced tensors); None otherwise (a delta, parts)

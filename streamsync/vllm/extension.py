@@ -284,6 +284,15 @@ class StreamSyncWorkerExtension:
         held = rx.base.held if rx is not None else None
         return list(held) if held is not None else None
 
+    def streamsync_delta_copy(self) -> dict[str, object]:
+        """This worker's copy of what it last loaded, the base of delta pushes: the push it holds, its bytes and
+        where it lives ("host" or the worker's GPU)."""
+        rx = getattr(getattr(self, "weight_transfer_engine", None), "rx", None)
+        if rx is None:
+            return {"held": None, "bytes": 0, "where": None}
+        held = rx.base.held
+        return {"held": list(held) if held is not None else None, "bytes": rx.base.nbytes, "where": rx.base.where}
+
     def streamsync_round(self) -> dict[str, object]:
         """The backend's round: open, its owner (claimed by its first chunk) and seconds since it was last
         touched, so a client refused by vLLM's "already active" can tell an abandoned round from a live one."""
