@@ -91,7 +91,7 @@ def _transport(link: str) -> Any:
     from streamsync.transports.collective import CollectiveTransport
 
     if link == "colocated":
-        return None  # the library's choice by placement
+        return "auto"  # the library's choice by placement
     return CollectiveTransport("gloo", group_timeout=1800)
 
 
