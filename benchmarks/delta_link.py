@@ -26,6 +26,7 @@ import contextlib
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -70,21 +71,21 @@ def shaped(rate: str) -> Iterator[str]:
         finally:
             subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
         return
+    # pyroute2 runs its own asyncio loop, which cannot run inside this one: it goes in a child process
+    code = ("import sys; from pyroute2 import IPRoute\n"
+            "ip = IPRoute(); lo = ip.link_lookup(ifname='lo')[0]\n"
+            f"ip.tc(sys.argv[1], 'tbf', index=lo, handle=0x10000, rate='{bits}bit', burst={burst}, latency='50ms')\n")
+
+    def tbf(op: str) -> None:
+        r = subprocess.run([sys.executable, "-c", code, op], capture_output=True, text=True)
+        if r.returncode:
+            raise NotShaped(f"pyroute2: {r.stderr.strip()[-300:]}")
+
+    tbf("add")
     try:
-        from pyroute2 import IPRoute
-    except ImportError:
-        raise NotShaped("neither tc nor pyroute2 is installed") from None
-    tbf = {"index": 0, "handle": 0x10000, "rate": f"{bits}bit", "burst": burst, "latency": "50ms"}
-    with IPRoute() as ip:
-        tbf["index"] = ip.link_lookup(ifname="lo")[0]
-        try:
-            ip.tc("add", "tbf", **tbf)
-        except Exception as e:
-            raise NotShaped(f"pyroute2: {type(e).__name__}: {e}") from None
-        try:
-            yield f"pyroute2 tbf on lo, {rate}"
-        finally:
-            ip.tc("del", "tbf", **tbf)  # pyroute2 asks the same parameters back to delete it
+        yield f"pyroute2 tbf on lo, {rate}"
+    finally:
+        tbf("del")  # pyroute2 asks the same parameters back to delete it
 
 
 def _transport(link: str) -> Any:
@@ -209,7 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--links", type=lambda s: s.split(","), default=["gloo", "gloo@10gbit", "colocated"])
     ap.add_argument("--density", type=float, default=0.03, help="share of elements a step changes")
     ap.add_argument("--repeat", type=int, default=3, help="pushes measured per sync (after an uncounted one)")
-    ap.add_argument("--engine-memory", type=float, default=0.3, help="gpu_memory_utilization of the engine")
+    ap.add_argument("--engine-memory", type=float, default=0.22,
+                    help="gpu_memory_utilization of the engine (the trainer, its shadow and the engine's base copy "
+                         "share the GPU)")
     args = ap.parse_args(argv)
     result = anyio.run(run, args)
     print("\n" + table(result))

@@ -74,8 +74,12 @@ class DeltaPolicy:
         return DeltaPush(sh, "delta", len(plans), base=base, verify=self.sync.deltas.verify_delta, auto=self.auto)
 
     def full(self, chunks: int, why: str, model_bytes: int) -> DeltaPush:
-        return DeltaPush(self.sync.shadow, "full", chunks, why_full=why, model_bytes=model_bytes,
-                         engine_base=self.sync.deltas.engine_base, auto=self.auto if why == self.auto else None)
+        # An engine beside the trainer (shared memory, CUDA IPC) keeps its copy on the host: the GPU's memory is
+        # the trainer's too.
+        assert self.sync.transport is not None
+        base = self.sync.deltas.engine_base if self.sync.transport.delta_pays else "host"
+        return DeltaPush(self.sync.shadow, "full", chunks, why_full=why, model_bytes=model_bytes, engine_base=base,
+                         auto=self.auto if why == self.auto else None)
 
     async def _why_full(self, fresh: bool) -> str | None:
         """Why this push of a delta sync must be full (None: it may be a delta)."""

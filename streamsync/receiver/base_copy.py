@@ -19,9 +19,9 @@ The loader gets whole HF tensors either way, as from a full push: the copy's own
 next round changes them).
 
 Where the copy lives. A receiver on a GPU (a vLLM worker) keeps it on that GPU where the GPU has room for it and
-2 GiB more when a full push starts ("engine_base": "auto", the default), so a delta is decoded and checked there
-and the loader copies device to device; otherwise, and always with "engine_base": "host", in host memory. `where`
-says which.
+2 GiB (or 5 % of the GPU) more when a full push starts ("engine_base": "auto", the default), so a delta is decoded
+and checked there and the loader copies device to device; otherwise, and always with "engine_base": "host" (which
+a sender beside its engines sends), in host memory. `where` says which.
 
 A sharded push (transport "p2p", `"sharded": true` in the field) keeps each box of an HF tensor this worker
 receives (`keep_box`, `patch_box`): the worker's slice of the model, not the whole of it; its pieces' entries
@@ -75,7 +75,7 @@ def _entry(raw: object) -> Entry:
     return out
 
 
-#: free GPU memory a receiver leaves beside its copy
+#: free GPU memory a receiver leaves beside its copy: 2 GiB, or 5 % of the GPU where that is more
 MARGIN = 2 << 30
 
 
@@ -111,7 +111,8 @@ class BaseCopy:
         on = torch.device("cpu")
         if self.device.type == "cuda" and delta.get("engine_base", "auto") == "auto" and type(need) is int:
             held = self.nbytes if self.on == self.device else 0  # freed as the push replaces it
-            if need + MARGIN <= torch.cuda.mem_get_info(self.device)[0] + held:
+            free, total = torch.cuda.mem_get_info(self.device)
+            if need + max(MARGIN, total // 20) <= free + held:
                 on = self.device
         if on != self.on:
             self.tensors, self.boxes, self.held = {}, {}, None
