@@ -251,6 +251,7 @@ class WeightSync:
         return self.live.url if self.live is not None else None
 
     async def close(self) -> None:
+        self.shadow = Shadow(device_bytes=self.deltas.shadow_device_bytes)  # no base once closed: memory freed
         if self.live is not None:
             await self.live.stop()
         if self.transport is not None:
@@ -276,7 +277,7 @@ class WeightSync:
         which costs milliseconds per push. Pass `reuse_plan=False`, or call `forget()`, after replacing
         modules or changing parameter shapes; in-place updates and `param.data = ...` need neither.
         """
-        return self.planner.plan(model, self.transport, self.options, self.checks)
+        return self.planner.plan(model, self.transport, self.options, self.checks, by_reference=not self._delta_on)
 
     def forget(self) -> None:
         """Drop the cached source and plan: the next push plans again."""

@@ -144,7 +144,9 @@ async def test_auto_on_a_link_goes_full_while_its_last_delta_was_slower_and_trie
             assert await _exact(engine, trainer)
         assert modes == ["full"] * PROBE_EVERY + ["delta"]
         assert "trying a delta again" in d.auto
+        assert sync.shadow.nbytes > 0
         await sync.close()
+        assert sync.shadow.nbytes == 0  # a closed sync keeps no copy of the model
 
 
 async def test_a_full_push_every_k_pushes(trainer, specs):

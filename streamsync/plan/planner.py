@@ -60,11 +60,12 @@ class Planner:
         with anyio.fail_after(timeout):
             return await e.fused_layout()
 
-    def plan(self, model: object, transport: Transport | None, options: PushOptions, checks: Checks
-             ) -> tuple[Source, list[ChunkPlan]]:
+    def plan(self, model: object, transport: Transport | None, options: PushOptions, checks: Checks, *,
+             by_reference: bool = True) -> tuple[Source, list[ChunkPlan]]:
         """`WeightSync.plan`: the source and chunk plan a push of `model` would use, kept for the next push of
-        the same model object (key: its id and the byte budgets, which may change between pushes)."""
-        ref_bytes = transport.ref_chunk_bytes if transport is not None else None
+        the same model object (key: its id and the byte budgets, which may change between pushes).
+        `by_reference=False` (a sync that pushes deltas packs every byte): chunks of the packed budget only."""
+        ref_bytes = transport.ref_chunk_bytes if transport is not None and by_reference else None
         key = (tuple(map(id, model)) if isinstance(model, list | tuple) else (id(model),)) + (options.chunk_bytes,
                                                                                                ref_bytes)
         # an FSDP1 model's tensors are gathered afresh by every push (`as_source`): nothing of it is kept
