@@ -93,7 +93,9 @@ class Shadow:
 
     def _place(self, need: int, device: torch.device) -> tuple[torch.device, bool]:
         if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
+            # what this process's allocator keeps cached (an earlier shadow, freed) is free for it too
+            free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+                - torch.cuda.memory_allocated(device)
             limit = free - (1 << 30) if self.device_bytes is None else min(self.device_bytes, free)
             if need <= limit:
                 self.where = str(device)

@@ -112,6 +112,7 @@ class BaseCopy:
         if self.device.type == "cuda" and delta.get("engine_base", "auto") == "auto" and type(need) is int:
             held = self.nbytes if self.on == self.device else 0  # freed as the push replaces it
             free, total = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # cached
             if need + max(MARGIN, total // 20) <= free + held:
                 on = self.device
         if on != self.on:
