@@ -31,7 +31,7 @@ from streamsync.engines.vllm import VllmEngine, engine_kwargs  # noqa: E402
 from streamsync.models.tiny import TINY, make_tiny  # noqa: E402
 from streamsync.testing.vllm import reference_checkpoint, stop_llm, trainer_from  # noqa: E402
 from streamsync.verify import check_prompts, compare_engines  # noqa: E402
-from streamsync.vllm.extension import expected_digests  # noqa: E402
+from streamsync.vllm.digests import expected_digests  # noqa: E402
 
 # two engine start-ups a test (30-70 s each there)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]

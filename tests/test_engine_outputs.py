@@ -21,7 +21,7 @@ from streamsync.engines.vllm_server import VllmServer  # noqa: E402
 from streamsync.models.tiny import TINY_QWEN3, make_tiny_qwen3  # noqa: E402
 from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, trainer_from  # noqa: E402
 from streamsync.verify import load_reference, long_prompt, verify_outputs  # noqa: E402
-from streamsync.vllm.extension import expected_digests  # noqa: E402
+from streamsync.vllm.digests import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -412,7 +412,7 @@ async def test_a_push_into_vllm_serve_cancelled_mid_round_leaves_it_paused_and_t
 async def test_a_cancelled_push_into_an_in_process_llm_ends_its_round(vllm_mod, llm, model_dir):
     from streamsync.engines.vllm import VllmEngine
     from streamsync.testing.vllm import greedy, trainer_from
-    from streamsync.vllm.extension import expected_digests
+    from streamsync.vllm.digests import expected_digests
 
     engine = tapped(VllmEngine)(llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=200_000, max_inflight=1)

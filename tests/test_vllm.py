@@ -19,7 +19,7 @@ from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, VllmHttpEngine 
 from streamsync.testing.vllm import generation_matches_reference, greedy, trainer_from  # noqa: E402
 from streamsync.verify import check_prompts, compare_engines, save_checkpoint  # noqa: E402
 from streamsync.vllm import compat  # noqa: E402
-from streamsync.vllm.extension import expected_digests  # noqa: E402
+from streamsync.vllm.digests import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

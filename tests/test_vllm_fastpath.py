@@ -15,7 +15,7 @@ vllm = pytest.importorskip("vllm")
 from streamsync import WeightSync  # noqa: E402
 from streamsync.engines.vllm import VllmEngine  # noqa: E402
 from streamsync.testing.vllm import greedy, trainer_from  # noqa: E402
-from streamsync.vllm.extension import expected_digests  # noqa: E402
+from streamsync.vllm.digests import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

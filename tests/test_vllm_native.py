@@ -35,7 +35,7 @@ class _Pairs(base.WeightSource):
 
 
 async def _holds(url: str, trainer: torch.nn.Module) -> bool:
-    from streamsync.vllm.extension import expected_digests
+    from streamsync.vllm.digests import expected_digests
 
     engine = VllmHttpEngine(url, name="check")
     try:  # every parameter the engine computes with, bit for bit

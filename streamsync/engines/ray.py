@@ -352,7 +352,7 @@ class RayVllmEngine(Engine):
         return await self._call("packed_modules")
 
     async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
-        from ..vllm.extension import expected_digests
+        from ..vllm.digests import expected_digests
 
         return await self.weight_digests() == expected_digests(hf, await self.packed_modules(), tied=tied)
 

@@ -4,7 +4,7 @@
 (fused: `qkv_proj`, `gate_up_proj`). On CPU, vLLM moves Linear weights into packed oneDNN copies and
 empties the parameter, so those are read back by probing the layer with an identity matrix: x = I gives
 y = W^T exactly (each output element is one product 1*w, no rounding). The sender compares against its
-own weights fused the same way (`expected_digests`).
+own weights fused the same way (`streamsync.vllm.digests.expected_digests`).
 
 Importing this module also registers the backend, a second route into worker processes besides the
 entry point (extensions are imported before the worker is built).
@@ -13,9 +13,8 @@ entry point (extensions are imported before the worker is built).
 from __future__ import annotations
 
 import json
-import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,50 +75,6 @@ def weight_digests(model: torch.nn.Module,
                     key = f"{mod_name}.{attr}" if mod_name else attr
                     if attr.startswith("W_") and isinstance(t, torch.Tensor) and t.numel() and key not in out:
                         out[key] = digest(t.contiguous())
-    return out
-
-
-_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-
-
-def expected_digests(hf: Mapping[str, torch.Tensor], packed: Mapping[str, list[str]],
-                     tied: bool = False, digest: Callable[[torch.Tensor], str] = tensor_digest,
-                     engine_names: Iterable[str] = ()) -> dict[str, str]:
-    """Digests of HF tensors fused the way vLLM stores them (e.g. q/k/v rows concatenated into qkv_proj, routed
-    experts stacked into `w13_weight` / `w2_weight` as an unquantized FusedMoE holds them on the GPU), by the same
-    `digest` as the engine's (`weight_digests`). `engine_names`: the engine's parameter names, where its stacked
-    experts sit below the checkpoint's `experts` module (a runner's `routed_experts` child in some vLLM releases)."""
-    out: dict[str, str] = {}
-    used: set[str] = set()
-    # routed experts, stacked as FusedMoE holds them unquantized: w13 = [gate; up] per expert, w2 = down
-    experts: dict[str, dict[str, dict[int, str]]] = {}
-    for name in hf:
-        m = _EXPERT.match(name)
-        if m:
-            experts.setdefault(m["layer"], {}).setdefault(m["proj"], {})[int(m["e"])] = name
-    names = sorted(engine_names)
-    for layer, projs in experts.items():
-        ids = sorted(projs.get("down_proj", {}))
-        if not ids or any(sorted(projs.get(k, {})) != ids for k in ("gate_proj", "up_proj")):
-            continue
-        w13, w2 = (next((n for n in names if n.startswith(f"{layer}.") and n.endswith(f".{w}")), f"{layer}.{w}")
-                   for w in ("w13_weight", "w2_weight"))
-        out[w13] = digest(torch.stack(
-            [torch.cat([hf[projs["gate_proj"][e]], hf[projs["up_proj"][e]]]) for e in ids]))
-        out[w2] = digest(torch.stack([hf[projs["down_proj"][e]] for e in ids]))
-        used.update(n for v in projs.values() for n in v.values())
-    for fused, parts in packed.items():
-        for name in hf:
-            if f".{parts[0]}." not in name or name in used:
-                continue
-            names = [name.replace(f".{parts[0]}.", f".{p}.") for p in parts]
-            if all(n in hf for n in names):
-                out[name.replace(f".{parts[0]}.", f".{fused}.")] = digest(torch.cat([hf[n] for n in names]))
-                used.update(names)
-    out.update((n, digest(t)) for n, t in hf.items() if n not in used)
-    if tied and "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
-        # An HF export of a tied model may carry the embedding only; the engine's head computes with it.
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
 
 

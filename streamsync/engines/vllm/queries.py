@@ -32,7 +32,7 @@ class WorkerQueries:
 
     async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
         """Compares the worker's parameters (vLLM's fused names) with `hf` fused the same way."""
-        from ...vllm.extension import expected_digests
+        from ...vllm.digests import expected_digests
 
         return await self.weight_digests() == expected_digests(hf, await self.packed_modules(), tied=tied)
 
