@@ -31,6 +31,7 @@ from streamsync.engines.vllm import VllmEngine, engine_kwargs  # noqa: E402
 from streamsync.models.megatron import export_hf_async, hf_config, megatron_from_hf  # noqa: E402
 from streamsync.models.tiny import TINY, make_tiny  # noqa: E402
 from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, reference_checkpoint, trainer_from  # noqa: E402
+from streamsync.transports.collective import CollectiveTransport  # noqa: E402
 from streamsync.verify import check_prompts, compare_engines  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -111,6 +112,22 @@ async def test_three_pushes_leave_the_engine_as_loading_the_same_checkpoint_from
         finally:
             loaded_llm.llm_engine.engine_core.shutdown()
     await sync.close()
+
+    # Deltas through gloo (routed and shared experts, the float32 expert bias, MLA's derived matrices): step 2 in
+    # full, then step 3 as the change from it; the engine then holds what loading step 3 from disk gave.
+    delta = WeightSync([pushed], transport=CollectiveTransport("gloo", group_timeout=60), delta=True,
+                       chunk_bytes=1 << 20)
+    try:
+        modes = []
+        for step in (2, 3):
+            report = await delta.push(megatron_from_hf(refs[step]), version=10 + step)
+            modes.append(report.delta.mode)
+        assert modes == ["full", "delta"] and 0 < report.delta.changed_fraction < 1, report.delta
+        got = await pushed.weight_digests()
+        differ = sorted(n for n in want if got[n] != want[n])
+        assert not differ, f"{model_type} delta: {len(differ)} engine tensors differ, e.g. {differ[:4]}"
+    finally:
+        await delta.close()
 
 
 def _with_mtp_layer(src: Path, out: Path, seed: int) -> Path:
