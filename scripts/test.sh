@@ -13,4 +13,4 @@ fi
 .venv/bin/ruff check .
 .venv/bin/mypy  # the library's types ([tool.mypy] in pyproject.toml)
 export STREAMSYNC_LOG=${STREAMSYNC_LOG:-warning} VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
-exec .venv/bin/python -m pytest -ra "$@"
+exec .venv/bin/python -m pytest -ra --durations=25 "$@"
