@@ -97,6 +97,11 @@ class ChunkShadow:
                        for size, slots in by_size.items()]
         #: per spec, the wsum64 digest of what the shadow holds of it (None: not computed since it changed)
         self.digests: list[str | None] = [None] * len(plan.specs)
+        #: per spec, its flat slice of its group's buffer (as the spec's dtype)
+        self._flat = [torch.empty(0)] * len(plan.specs)
+        for g in self.groups:
+            for slot in g.slots:
+                self._flat[slot.spec] = g.buf[slot.offset:slot.offset + slot.numel].view(self.dtypes[slot.spec])
 
     @property
     def nbytes(self) -> int:
@@ -104,11 +109,7 @@ class ChunkShadow:
 
     def view(self, spec: int) -> torch.Tensor:
         """The shadow's tensor of one spec (a view: writing it changes the shadow)."""
-        for g in self.groups:
-            for s in g.slots:
-                if s.spec == spec:
-                    return g.buf[s.offset:s.offset + s.numel].view(self.dtypes[spec]).view(self.shapes[spec])
-        raise KeyError(spec)
+        return self._flat[spec].view(self.shapes[spec])
 
     def seed(self, tensors: Sequence[torch.Tensor]) -> None:
         """A full push: the shadow takes the chunk's tensors."""
@@ -121,7 +122,7 @@ class ChunkShadow:
         `verify`): wsum64 from the fused diff, blake3 (or blake2b) from the one tensor by tensor."""
         if not self.fused:
             digests = dict(enumerate(self.digests))
-            done = [diff_one(self.view(i).view(-1), t, self.dtypes[i], self.shapes[i], i, digests, verify)
+            done = [diff_one(self._flat[i], t, self.dtypes[i], self.shapes[i], i, digests, verify)
                     for i, t in enumerate(tensors)]
             self.digests = [digests.get(i) for i in range(len(self.digests))]
             return done
