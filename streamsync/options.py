@@ -104,7 +104,8 @@ class Deltas:
                   pinned host memory and the diff runs on the host (`report.delta.shadow_where` says which).
     engine_base:  where each engine keeps its copy of what it loaded: "auto" (default) on its GPU where that has
                   room for it and 2 GiB more, so deltas are decoded and checked there; "host" in host memory
-                  (an engine colocated with the trainer, whose GPU memory the trainer needs).
+                  (an engine colocated with the trainer, whose GPU memory the trainer needs). Engines beside the
+                  trainer (shared memory, CUDA IPC) and workers of a sharded push keep it on the host either way.
     """
 
     delta: bool | str = False

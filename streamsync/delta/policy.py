@@ -75,9 +75,10 @@ class DeltaPolicy:
 
     def full(self, chunks: int, why: str, model_bytes: int) -> DeltaPush:
         # An engine beside the trainer (shared memory, CUDA IPC) keeps its copy on the host: the GPU's memory is
-        # the trainer's too.
-        assert self.sync.transport is not None
-        base = self.sync.deltas.engine_base if self.sync.transport.delta_pays else "host"
+        # the trainer's too. So does a worker of a sharded push: no one message says how much of it it keeps.
+        t = self.sync.transport
+        assert t is not None
+        base = self.sync.deltas.engine_base if t.delta_pays and not t.every_rank else "host"
         return DeltaPush(self.sync.shadow, "full", chunks, why_full=why, model_bytes=model_bytes, engine_base=base,
                          auto=self.auto if why == self.auto else None)
 
