@@ -16,9 +16,12 @@ Cases (`--cases`, in this order by default):
   moonlight Moonlight-16B-A3B shape (DeepSeek-V3 architecture: MLA, the first layer dense, 64 routed + 2 shared
         experts, the expert bias), 12 of its 27 layers. Every tensor takes the fast path; MLA's absorbed matrices
         are derived again from kv_b_proj at the round's end. Needs the MoE kernels, as moe does.
-  8b-p2p    8b through the sharded path (`P2pTransport("gloo", device="cuda")`): the trainer rank plans the pieces
-        the engine's worker holds, packs them into buckets on the GPU and sends each worker on its own GPU a
-        CUDA IPC reference over gloo; the worker copies the bytes on the GPU and answers.
+  8b-p2p, moe-p2p    8b and moe through the sharded path (`P2pTransport("gloo", device="cuda")`): the trainer
+        rank plans the pieces the engine's worker holds, packs them into buckets on the GPU and sends each worker
+        on its own GPU a CUDA IPC reference over gloo; the worker copies the bytes on the GPU and answers. Beside
+        the measured push: `streamsync plan`'s prediction (`plan.scale.predict`) of the same shape, one rank into
+        one worker on its GPU, at this run's copy rate (two copies a byte: the pack and the worker's load) and,
+        with the finite check on, this run's rate of that check over the trainer's tensors.
 
 Each push is timed by the wall clock around `sync.push`, after `sync.connect(trainer)` (which plans the push and
 sends the chunks' references ahead: its time is reported too).
@@ -63,7 +66,10 @@ from streamsync.sync import WeightSync
 CASES: dict[str, tuple[str, str]] = {"8b": ("8b", "tiny"), "tiny": ("", ""), "moe": ("moe", "tiny-moe"),
                                      "8b-fp8": ("8b", "tiny"), "moe-fp8": ("moe", "tiny-moe"),
                                      "8b-1c": ("8b", "tiny"), "moe-1c": ("moe", "tiny-moe"),
-                                     "8b-p2p": ("8b", "tiny"), "moonlight": ("moonlight", "tiny-mla")}
+                                     "8b-p2p": ("8b", "tiny"), "moe-p2p": ("moe", "tiny-moe"),
+                                     "moonlight": ("moonlight", "tiny-mla")}
+#: the published configs (`plan.shapes.PRESETS`) the p2p cases' predictions plan from
+_PRESET = {"8b": ("qwen3-8b", {}), "moe": ("qwen3-30b-a3b", {"num_hidden_layers": 12})}
 #: cases whose push is one chunk: every tensor referenced in one engine call (`CudaIpcTransport.ref_bytes`)
 ONE_CHUNK_GIB = 64.0
 
@@ -301,6 +307,7 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
         # a quantized engine holds what it made of the weights: tests/test_vllm_gpu.py checks that against an
         # engine that loaded them from disk
         exact = None if quant else await _bit_exact(engine, trainer, kind, shape)
+        check_s = _check_seconds(trainer) if args.check_finite and case.endswith("-p2p") else 0.0
         on_trainer = None
         if quant and not args.smoke:
             try:  # a measurement beside the case's: its failure must not lose the push numbers
@@ -319,6 +326,7 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
     steady = [p["seconds"] for p in pushes[1 + args.warmup:]]
     med = statistics.median(steady)
     floor = 2 * nbytes / rate  # one copy: every byte read once and written once
+    predicted = _prediction(case, args, rate, nbytes, check_s) if case.endswith("-p2p") else None
     row = {"case": case, "label": label, "trainer": kind, "bytes": nbytes, "ref_gib": ref_gib,
            "check_finite": args.check_finite,
            "engine_start_s": started,
@@ -328,6 +336,8 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
            "first_over_steady": pushes[0]["seconds"] / med, "bit_exact": exact,
            "path": [p["path"] for p in pushes], "engine_extra_bytes": [p["engine_extra_bytes"] for p in pushes],
            "engine_calls": len(pushes[-1]["engine_calls"]),
+           "direct_modules": [sum(r.get("direct_modules", 0) for r in p["engine_rounds"]) for p in pushes],
+           **({"predicted": predicted} if predicted else {}),
            **({"trainer_side": {**on_trainer, "one_copy_floor_ms": 2 * on_trainer["fp8_bytes"] / rate * 1e3}}
               if on_trainer else {}),
            "pushes": pushes}
@@ -335,12 +345,44 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
            f"steady {row['steady_push_ms']:.1f} ms (median of "
            f"{len(steady)}), floor {row['one_copy_floor_ms']:.2f} ms: {row['steady_over_floor']:.2f}x; "
            f"bit-exact {exact}; paths {sorted({str(p) for p in row['path']})}")
+    if quant:
+        bc.log(f"  modules quantized by streamsync's kernels per push: {row['direct_modules']}")
+    if predicted:
+        bc.log(f"  streamsync plan predicts {predicted['predicted_s'] * 1e3:.1f} ms ({predicted['bound']['kind']}); "
+               f"measured / predicted {med / predicted['predicted_s']:.2f}")
     if on_trainer:
         t = row["trainer_side"]
         bc.log(f"  trainer-side fp8 instead: {t['tensors']} weights quantized in {t['quant_ms']:.1f} ms, "
                f"{t['fp8_bytes'] / 1e9:.2f} GB to send (one-copy floor {t['one_copy_floor_ms']:.2f} ms), against "
                f"{row['steady_push_ms']:.1f} ms for the engine's own reload")
     return row
+
+
+def _check_seconds(trainer: torch.nn.Module) -> float:
+    """The finite check over the trainer's tensors, as a push runs it (median of 3 after one)."""
+    from streamsync.plan.finite import nonfinite
+
+    tensors = [(n, p.detach()) for n, p in trainer.named_parameters()]
+    times = []
+    for _ in range(4):
+        bc._sync()
+        t0 = time.perf_counter()
+        nonfinite(tensors)
+        bc._sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _prediction(case: str, args: argparse.Namespace, rate: float, nbytes: int, check_s: float) -> dict[str, Any]:
+    """`streamsync plan`'s prediction of a p2p case: one trainer rank into one engine worker on its GPU."""
+    from streamsync.plan.scale import Engines, Links, Trainer, predict
+    from streamsync.plan.shapes import PRESETS, Shape
+
+    preset, over = _PRESET[CASES[case][0]]
+    links = Links(copy_gbyte=rate / 2 / 2 / 1e9, colocated=True,  # the rate counts bytes read and written
+                  check_gbyte=nbytes / check_s / 1e9 if check_s else 0.0)
+    pred = predict(Shape({**PRESETS[preset], **over}), Trainer(), Engines(1, 1), links, name=case)
+    return {**pred.summary(), "copy_gbyte": links.copy_gbyte, "check_gbyte": links.check_gbyte, "preset": preset}
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -70,6 +70,8 @@ class EngineRound:
                     through vLLM's layerwise reload), "mixed" (counts below), "none" (no tensor arrived)
     fast_tensors, layerwise_tensors, fast_bytes, layerwise_bytes: what went which way (a fused tensor counts once)
     rebuilt_modules: modules whose kernels were derived again from their new tensors (`process_weights_after_loading`)
+    direct_modules: of those, quantized by streamsync's kernels, not vLLM's processing (fp8 engines: the same
+                    arithmetic, `vllm.fastpath.round.Direct` and `vllm.quant`)
     traced:         where each tensor goes was traced in this round (the engine's layout changed, or its first)
     phase_ms:       milliseconds per phase in the worker (`streamsync.vllm.stats`: map, arm, load, process, finish;
                     `call`: the calls that opened and ended the round, whole, around the others)
@@ -96,6 +98,7 @@ class EngineRound:
     phases: tuple[tuple[str, int | None, float, float], ...] = field(default=(), repr=False)
     replayed_chunks: int = 0
     replayed_tensors: int = 0
+    direct_modules: int = 0
 
     @classmethod
     def from_wire(cls, engine: str, d: Mapping[str, Any]) -> EngineRound:
@@ -123,7 +126,8 @@ class EngineRound:
         return cls(engine, num("rank"), path, num("fast_tensors"), num("layerwise_tensors"), num("fast_bytes"),
                    num("layerwise_bytes"), num("rebuilt_modules"), bool(d.get("traced")), ms,
                    extra if isinstance(extra, int) and not isinstance(extra, bool) else None,
-                   str(d.get("memory") or ""), tuple(phases), num("replayed_chunks"), num("replayed_tensors"))
+                   str(d.get("memory") or ""), tuple(phases), num("replayed_chunks"), num("replayed_tensors"),
+                   num("direct_modules"))
 
     def to_dict(self) -> dict[str, Any]:
         # shallow (every field but `phase_ms` is immutable): `asdict` deep-copies the phases only to drop them

@@ -188,3 +188,26 @@ def _run_fresh(code: str, interpret: bool = True) -> str:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fp8_expert_kernel_quantizes_as_torchs_reference_arithmetic():
+    """`vllm.quant.quantize_experts` on CUDA (its Triton kernel) against its torch passes (the arithmetic checked
+    against vLLM's `scaled_fp8_quant`): an all-zero expert, values on e4m3's rounding ties, ordinary weights."""
+    pytest.importorskip("triton")
+    from streamsync.vllm import quant
+
+    torch.manual_seed(0)
+    w = (torch.randn(6, 256, 1000, device="cuda") * 0.02).bfloat16()
+    w[1] = 0
+    w[2, 0, 0] = 448.0  # scale 1: the rest of the expert is cast as it is, ties included
+    w[2, 1, :8] = torch.tensor([42.0, 44.0, 46.0, 9.0, 9.5, -13.0, -0.0068359375, 300.0])
+    w[3] *= 1e4
+    got_q, want_q = (torch.empty(w.shape, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(2))
+    got_s, want_s = torch.full((8,), -1.0, device="cuda"), torch.full((8,), -1.0, device="cuda")
+    quant.quantize_experts(w, got_q, got_s)
+    quant.quantize_experts(w, want_q, want_s, kernel=False)
+    assert not quant._broken, quant._broken
+    assert torch.equal(got_s, want_s)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))

@@ -418,12 +418,14 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
         engine = VllmEngine(llm, name=f"fp8-{label}")
         trainer = _hf_trainer(model_dir)
         sync = WeightSync([engine], transport="auto", chunk_bytes=1 << 20)
-        paths = []
+        paths: list[Any] = []
+        direct: list[list[int]] = []  # modules quantized by streamsync's kernels, per push
         for step in (21, 22):  # the second lands on layers already quantized by the first
             perturb(trainer, step)
             report = await sync.push(trainer)
             assert await engine.get_version() == report.version
             paths.append((report.engine_paths, [r.rebuilt_modules for r in report.engine_rounds]))
+            direct.append([r.direct_modules for r in report.engine_rounds])
         await sync.close()
         mcore = _megatron_trainer(model_dir)  # fused QKV and gate/up, split and requantized by the engine
         _perturb_all(mcore, 23)
@@ -432,6 +434,7 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
         report = await sync.push(mcore)
         assert await engine.get_version() == report.version
         paths.append((report.engine_paths, [r.rebuilt_modules for r in report.engine_rounds]))
+        direct.append([r.direct_modules for r in report.engine_rounds])
         ckpt = save_checkpoint(await _hf_export(mcore, model_dir), like=model_dir, out=tmp_path / f"fp8-{label}",
                                dtype=torch.bfloat16)
         loaded_llm = vllm.LLM(model=str(ckpt), **fp8, **engine_kwargs())
@@ -444,6 +447,10 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
         assert check.ok, check
         # every quantized module rebuilt by the fast path through vLLM's own processing: no layerwise reload
         assert all(p == {engine.name: "fast"} and all(n > 0 for n in rebuilt) for p, rebuilt in paths), paths
+        # once its first push compared its own quantization with vLLM's processing, every quantized module is
+        # quantized by streamsync's kernels (the dense layers' `Direct`; the experts from the first push on)
+        print(f"fp8 {label}: modules quantized by streamsync per push {direct}")
+        assert all(n > 0 for d in direct[1:] for n in d), (direct, paths)
     finally:
         if sync is not None:
             await sync.close()

@@ -32,6 +32,11 @@ class _Rebuilt:
     name: str
     layer: torch.nn.Module
     numel: int  # elements a complete load writes into it: every element of its loadable tensors
+    #: name -> (shape, stride, dtype, device) of its load format's tensors, once a round found it processed
+    #: without vLLM's help (`round.Direct`): later rounds make them with `torch.empty_strided`, not vLLM's reload
+    fresh: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]] | None = None
+    direct: Any = None  # `round.Direct`: learned from its first processing by vLLM
+    learned: bool = False  # that first processing was looked at
 
 
 @dataclass

@@ -22,12 +22,39 @@ class _Pending:
     filled: int = 0
 
 
+@dataclass(slots=True)
+class Direct:
+    """A linear layer under vLLM's online per-tensor fp8 (`Fp8PerTensorOnlineLinearMethod`) processed without
+    vLLM: its live fp8 weight is `ops.scaled_fp8_quant` of the loaded bf16 weight (as it is or transposed: `out`
+    is the live weight seen in the load's order), its live scale that one scale, and every other live tensor
+    what was loaded. Learned by comparing with vLLM's own processing of the module's first round (`_learn`);
+    where processing makes anything else (another fp8 kernel's repacking), the module keeps vLLM's processing.
+    One quantization kernel pair and a scale copy instead of vLLM's Python, its new tensors and their copies."""
+
+    out: torch.Tensor
+    scale: torch.Tensor
+    copies: tuple[tuple[str, torch.Tensor], ...]
+
+    def apply(self, fresh: Slots) -> None:
+        from vllm import _custom_ops as ops
+
+        w = fresh["weight"]
+        assert w is not None
+        _, s = ops.scaled_fp8_quant(w, None, output=self.out)
+        self.scale.copy_(s.reshape(()))
+        for name, live in self.copies:
+            src = fresh[name]
+            assert src is not None
+            live.copy_(src)
+
+
 @dataclass
 class FastRound:
     """One round's state on the fast path: REBUILD modules being filled, and what went which way."""
 
     plan: Plan
     rebuilt: int = 0  # modules processed this round
+    direct: int = 0  # of those, quantized without vLLM's processing (`Direct`, fp8 experts)
     pending: dict[int, _Pending] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
 
@@ -119,7 +146,13 @@ class FastRound:
         if pend is None:
             if i in self.done:
                 raise RuntimeError(f"module {self.plan.rebuilt[i].name!r} was written twice in one round")
-            pend = self.pending[i] = _materialize(self.plan.rebuilt[i].layer)
+            r = self.plan.rebuilt[i]
+            if r.fresh is not None:
+                pend = _Pending({n: torch.empty_strided(shape, stride, dtype=dt, device=dev)
+                                 for n, (shape, stride, dt, dev) in r.fresh.items()}, {})
+            else:
+                pend = _materialize(r.layer)
+            self.pending[i] = pend
         return pend
 
     @torch.no_grad()
@@ -131,13 +164,25 @@ class FastRound:
 
         for i in modules:
             pend = self.pending.pop(i)
-            layer = self.plan.rebuilt[i].layer
+            r = self.plan.rebuilt[i]
+            layer = r.layer
+            if r.direct is not None:
+                r.direct.apply(pend.params)
+                self.done.add(i)
+                self.rebuilt += 1
+                self.direct += 1
+                continue
             kernel_params, kernel_buffers, non_persistent = _tensors(layer)
             if fp8_experts_rebuildable(layer):
                 rebuild_fp8_experts(layer, pend.params, kernel_params)
+                if r.fresh is None and not any(b is not None for b in pend.buffers.values()):
+                    r.fresh = _layout(pend.params)
                 self.done.add(i)
                 self.rebuilt += 1
+                self.direct += 1
                 continue
+            learn = not r.learned and _fp8_linear(layer)
+            r.learned = True
             _place(layer, pend.params, pend.buffers, non_persistent)
             try:
                 if hasattr(layer, "_already_called_process_weights_after_loading"):
@@ -147,6 +192,10 @@ class FastRound:
                 update: Any = getattr(layer, "update_param_tp_status", None)
                 if update is not None:  # processing may have made new Parameters: vLLM reconciles their TP state
                     update()
+                if learn:
+                    r.direct = _learn(layer, pend, kernel_params, kernel_buffers)
+                    if r.direct is not None:
+                        r.fresh = _layout(pend.params)
                 live: dict[int, torch.Tensor] = {}  # a processed tensor's address -> the live tensor it lands in
                 for name, p in kernel_params.items():
                     if p is not None:
@@ -168,6 +217,52 @@ class FastRound:
         left = [self.plan.rebuilt[i].name for i in self.pending]
         self.pending.clear()
         return left
+
+
+def _fp8_linear(layer: torch.nn.Module) -> bool:
+    return type(getattr(layer, "quant_method", None)).__name__ == "Fp8PerTensorOnlineLinearMethod"
+
+
+def _layout(params: Slots) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]]:
+    return {n: (tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for n, t in params.items() if t is not None}
+
+
+def _learn(layer: torch.nn.Module, pend: _Pending, kernel_params: Slots, kernel_buffers: Slots) -> Direct | None:
+    """`Direct` for a module vLLM just processed (its new tensors are the layer's), where what it made is what
+    `Direct.apply` makes of the same loaded tensors: else None."""
+    from vllm import _custom_ops as ops
+
+    w = pend.params.get("weight")
+    if (w is None or w.dim() != 2 or not w.is_cuda or any(b is not None for b in pend.buffers.values())
+            or any(b is not None for b in kernel_buffers.values())):
+        return None
+    q, s = ops.scaled_fp8_quant(w, None)
+    out: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    copies: list[tuple[str, torch.Tensor]] = []
+    for name, live in kernel_params.items():
+        new = getattr(layer, name, None)
+        if live is None or new is None:
+            if live is not None or new is not None:
+                return None
+            continue
+        if name == "weight" and live.dtype == q.dtype and new.dim() == 2:
+            for seen, view in ((new, live), (new.t(), live.t())):
+                if (seen.shape == q.shape and view.shape == q.shape and view.is_contiguous()
+                        and torch.equal(seen.view(torch.uint8), q.view(torch.uint8))):
+                    out = view
+                    break
+            if out is None:
+                return None
+        elif name == "weight_scale" and live.dtype == s.dtype and bool((new == s.reshape(())).all()):
+            scale = live
+        elif (fresh := pend.params.get(name)) is not None and new is fresh and live.shape == fresh.shape:
+            copies.append((name, live))
+        else:
+            return None
+    if out is None or scale is None:
+        return None
+    return Direct(out, scale, tuple(copies))
 
 
 def _repoint(method: object, live: Mapping[int, torch.Tensor]) -> None:
