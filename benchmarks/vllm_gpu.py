@@ -57,7 +57,7 @@ import anyio
 import torch
 
 import benchmarks.cuda as bc
-from benchmarks.report import ref_counts, write_json
+from benchmarks.report import commit, ref_counts, write_json
 from streamsync.checksum import device_digest
 from streamsync.report import GiB
 from streamsync.sync import WeightSync
@@ -430,7 +430,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 
     rate = bc.copy_rate(nbytes=(64 << 20) if args.smoke else 4 * GiB)
     bc.log(f"vLLM {vllm.__version__}; device copy rate {rate / 1e12:.2f} TB/s (bytes read + written)")
-    result: dict[str, Any] = {"machine": torch.cuda.get_device_name() if not args.smoke else "cpu (smoke)",
+    result: dict[str, Any] = {"commit": commit(),
+                              "machine": torch.cuda.get_device_name() if not args.smoke else "cpu (smoke)",
                               "host_cpu": _host_cpu(),
                               "vllm": vllm.__version__, "torch": torch.__version__, "copy_rate_Bps": rate,
                               "repeat": args.repeat, "rows": []}
