@@ -80,7 +80,7 @@ async def run_attempt(sync: WeightSync, a: Attempt) -> PushReport:
     job = pipeline.Push(
         push_id=push_id, version=version, source=source, transport=sync.transport, engines=sync.engines,
         plans=plans, trace=trace, messages=sync._messages, max_inflight=window, timeout=sync.timeout,
-        faults=sync.faults, hold=sync.planner.hold(source, plans), owner=sync.owner,
+        hold=sync.planner.hold(source, plans), owner=sync.owner,
         on_chunk=sync.outcome.chunk_hook(push_id, version, plans), checked=sync._checked,
         engine_layout=sync.engine_layout, delta=delta,
     )

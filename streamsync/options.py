@@ -178,28 +178,23 @@ class SyncKwargs(TypedDict, total=False):
     on_push: Callable[[PushReport], object] | None
     metrics: Metrics | None
     engine_stats: bool
-    faults: dict[str, int] | None
 
 
 GROUPS: tuple[type, ...] = (PushOptions, Checks, Deltas, Observers)
 
 
-def split_options(options: Mapping[str, Any]) -> tuple[PushOptions, Checks, Deltas, Observers, dict[str, int]]:
-    """The groups the keywords make, and `faults` ({stage: chunk}: an InjectedFault there, for tests)."""
+def split_options(options: Mapping[str, Any]) -> tuple[PushOptions, Checks, Deltas, Observers]:
+    """The groups the keywords make."""
     names = {f.name: g for g in GROUPS for f in fields(g)}
-    unknown = sorted(set(options) - set(names) - {"faults"})
+    unknown = sorted(set(options) - set(names))
     if unknown:
-        raise ValidationError(f"WeightSync got unknown option(s) {unknown}; known: {sorted([*names, 'faults'])}")
+        raise ValidationError(f"WeightSync got unknown option(s) {unknown}; known: {sorted(names)}")
     per: dict[type, dict[str, Any]] = {g: {} for g in GROUPS}
     for k, v in options.items():
-        if k == "faults":
-            continue
         if k == "source_options" and v is None:
             v = {}
         per[names[k]][k] = v
-    faults = options.get("faults") or {}
-    return (PushOptions(**per[PushOptions]), Checks(**per[Checks]), Deltas(**per[Deltas]), Observers(**per[Observers]),
-            dict(faults))
+    return PushOptions(**per[PushOptions]), Checks(**per[Checks]), Deltas(**per[Deltas]), Observers(**per[Observers])
 
 
 def _positive(v: object) -> bool:

@@ -55,8 +55,8 @@ class WeightSync:
     options:   keywords grouped by what they govern: how a push runs (`PushOptions`: chunk_bytes, max_inflight,
                timeout, abort_timeout, reuse_plan, source_options, engine_layout), what it checks (`Checks`:
                check_finite, reset_prefix_cache), what it sends (`Deltas`: delta, full_every, verify_delta;
-               docs/delta.md), who sees it (`Observers`: trace_dir, trace_live, on_chunk, on_push, metrics),
-               and `faults` ({stage: chunk}: an InjectedFault there; for tests only).
+               docs/delta.md), and who sees it (`Observers`: trace_dir, trace_live, on_chunk, on_push, metrics).
+               Tests make a push fail on demand with `streamsync.testing.faults.inject`.
 
     One event loop for the sync's life: engines keep connections bound to the loop `connect` ran in. From
     synchronous code use `BlockingWeightSync`, not `anyio.run(sync.push, ...)` per step.
@@ -67,7 +67,7 @@ class WeightSync:
         names = [e.name for e in engines]
         if len(set(names)) != len(names):
             raise ValidationError(f"engine names must be unique, got {names}")
-        self.options, self.checks, self.deltas, self.observers, self.faults = split_options(options)
+        self.options, self.checks, self.deltas, self.observers = split_options(options)
         self.engines = list(engines)
         self._transport_arg = transport
         self.transport: Transport | None = transport if isinstance(transport, Transport) else None

@@ -17,6 +17,7 @@ from streamsync.delta.codec import PIECES, decode_into, encode, sizes
 from streamsync.delta.wsum import BLOCK
 from streamsync.engines.receiver import ReceiverEngine
 from streamsync.errors import PushTimeout
+from streamsync.testing.faults import inject
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.testing.training import AdamTrainer
 from streamsync.transports.collective import CollectiveTransport
@@ -256,12 +257,12 @@ async def test_a_failed_delta_push_leaves_the_engine_mixed_and_the_next_push_is_
         sync = _sync(engine, _gloo())
         await sync.push(trainer.model)
         trainer.step()
-        sync.faults["send"] = 1  # chunk 0 reached the engine, chunk 1 fails
+        faults = inject(sync, {"send": 1})  # chunk 0 reached the engine, chunk 1 fails
         with pytest.raises(PushError, match="fault injected in send of chunk 1"):
             await sync.push(trainer.model)
         state = await engine.state()
         assert state.mixed and state.version is None and sync.mixed == {engine.name: 2}
-        sync.faults.clear()
+        faults.clear()
         await sync.close()  # the failed broadcast lost the group's sequence: connect again
         report = await sync.push(trainer.model)
         assert report.delta.mode == "full" and report.version == 2

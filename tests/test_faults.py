@@ -21,6 +21,7 @@ from streamsync.engines.receiver import ReceiverEngine
 from streamsync.errors import PushTimeout
 from streamsync.models.synthetic import StateModule
 from streamsync.receiver import RoundOwned, WeightReceiver
+from streamsync.testing.faults import inject
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.trace import Trace
 
@@ -140,13 +141,13 @@ async def test_a_failed_push_leaves_the_engine_reporting_mixed_weights_not_its_o
     engine = rx.engine()
     sync = WeightSync([engine], chunk_bytes=CHUNK)
     old = (await sync.push(qwen_model)).version
-    sync.faults["pack"] = 4
+    faults = inject(sync, {"pack": 4})
     with pytest.raises(PushError):
         await sync.push(qwen_model, max_inflight=1)  # one chunk at a time: chunks 0-3 were applied
     state = await engine.state()
     assert state.mixed and state.version is None and await engine.get_version() is None  # not `old`
     assert sync.mixed == {engine.name: old + 1}
-    sync.faults.clear()
+    faults.clear()
     await sync.push(qwen_model)  # the retry (same version) clears it
     assert sync.mixed == {} and await engine.state() == EngineState(old + 1, updating=False)
     await sync.close()
@@ -156,7 +157,7 @@ async def test_a_push_failing_before_any_chunk_moved_leaves_the_engine_clean(rx,
     engine = rx.engine()
     sync = WeightSync([engine], chunk_bytes=CHUNK)
     old = (await sync.push(qwen_model)).version
-    sync.faults["gather"] = 0
+    inject(sync, {"gather": 0})
     with pytest.raises(PushError):
         await sync.push(qwen_model)
     assert sync.mixed == {} and await engine.get_version() == old
@@ -165,12 +166,13 @@ async def test_a_push_failing_before_any_chunk_moved_leaves_the_engine_clean(rx,
 
 async def test_paused_keeps_an_engine_with_mixed_weights_paused(rx, qwen_model):
     engine = rx.engine()
-    sync = WeightSync([engine], chunk_bytes=CHUNK, max_inflight=1, faults={"pack": 4})  # 0-3 applied
+    sync = WeightSync([engine], chunk_bytes=CHUNK, max_inflight=1)
+    faults = inject(sync, {"pack": 4})  # 0-3 applied
     with pytest.raises(PushError):
         async with sync.paused():
             await sync.push(qwen_model)
     assert (await engine.call("status"))["paused"] is True  # it would serve half-new weights
-    sync.faults.clear()
+    faults.clear()
     async with sync.paused():  # the next successful push clears the state, and it resumes
         await sync.push(qwen_model)
     assert (await engine.call("status"))["paused"] is False
@@ -180,12 +182,13 @@ async def test_paused_keeps_an_engine_with_mixed_weights_paused(rx, qwen_model):
 async def test_an_engine_kept_paused_by_a_failed_push_is_resumed_by_the_next_whole_push_outside_paused(
         rx, qwen_model):
     engine = rx.engine()
-    sync = WeightSync([engine], chunk_bytes=CHUNK, max_inflight=1, faults={"pack": 4})
+    sync = WeightSync([engine], chunk_bytes=CHUNK, max_inflight=1)
+    faults = inject(sync, {"pack": 4})
     with pytest.raises(PushError):
         async with sync.paused():
             await sync.push(qwen_model)
     assert (await engine.call("status"))["paused"] is True
-    sync.faults.clear()
+    faults.clear()
     report = await sync.push(qwen_model)  # whole again: its requests must not hang
     state = await engine.state()
     assert state.paused is False and state.mixed is False and state.version == report.version
@@ -194,7 +197,8 @@ async def test_an_engine_kept_paused_by_a_failed_push_is_resumed_by_the_next_who
 
 async def test_paused_resumes_an_engine_with_mixed_weights_when_asked(rx, qwen_model):
     engine = rx.engine()
-    sync = WeightSync([engine], chunk_bytes=CHUNK, max_inflight=1, faults={"pack": 4})  # 0-3 applied
+    sync = WeightSync([engine], chunk_bytes=CHUNK, max_inflight=1)
+    inject(sync, {"pack": 4})  # 0-3 applied
     with pytest.raises(PushError):
         async with sync.paused(resume_on_failure=True):
             await sync.push(qwen_model)
@@ -262,10 +266,11 @@ async def test_versions_must_move_forward(qwen_receiver, qwen_model):
 
 async def test_a_failed_push_may_be_retried_with_its_version(qwen_receiver, qwen_model):
     engine = qwen_receiver.engine()
-    sync = WeightSync([engine], chunk_bytes=CHUNK, faults={"send": 2})
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    faults = inject(sync, {"send": 2})
     with pytest.raises(PushError):
         await sync.push(qwen_model, version=8)
-    sync.faults.clear()
+    faults.clear()
     await sync.push(qwen_model, version=8)
     assert await engine.get_version() == 8
     await sync.close()
@@ -510,3 +515,8 @@ def test_stop_after_the_api_server_was_killed_leaves_no_process_behind(doomed_se
     api.wait(10)
     doomed_server.stop(timeout=5)
     assert [p for p in tree if p.is_running() and p.status() != "zombie"] == []
+
+
+def test_inject_refuses_a_stage_the_pipeline_does_not_have():
+    with pytest.raises(ValueError, match="no stage 'packing'"):
+        inject(WeightSync([]), {"packing": 1})

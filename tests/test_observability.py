@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from streamsync import ChunkDone, PushReport, WeightSync
 from streamsync.log import _timestamp, configure, quiet_logger
 from streamsync.metrics import Metrics
+from streamsync.testing.faults import inject
 from streamsync.trace import STAGES
 
 # Without engines a push still runs all five stages (packing into shared memory, sending to nobody).
@@ -116,10 +117,11 @@ async def test_metrics_count_pushes_bytes_chunks_and_stage_time(mixed_model):
 
 async def test_metrics_record_failures_by_stage_and_each_engines_version(receiver, mixed_model):
     metrics = Metrics(CollectorRegistry())
-    sync = WeightSync([receiver.engine()], chunk_bytes=2048, metrics=metrics, faults={"pack": 1})
+    sync = WeightSync([receiver.engine()], chunk_bytes=2048, metrics=metrics)
+    faults = inject(sync, {"pack": 1})
     with pytest.raises(Exception, match="stage=pack"):
         await sync.push(mixed_model, version=1)
-    sync.faults.clear()
+    faults.clear()
     await sync.push(mixed_model, version=2)
     get = metrics.registry.get_sample_value
     assert get("streamsync_push_failures_total", {"stage": "pack"}) == 1

@@ -15,6 +15,7 @@ import torch
 from streamsync import EngineError, PushError, ValidationError, WeightSync
 from streamsync.checksum import digests
 from streamsync.models.synthetic import StateModule, perturb_
+from streamsync.testing.faults import inject
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.trace import STAGES
 
@@ -101,7 +102,8 @@ async def test_a_failure_in_any_stage_raises_push_error_naming_it_and_frees_ever
         qwen_receiver, qwen_model, stage, memfds):
     shm_before = set(os.listdir("/dev/shm"))
     engine = qwen_receiver.engine()
-    sync = WeightSync([engine], chunk_bytes=CHUNK, faults={stage: 3})
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    inject(sync, {stage: 3})
     with pytest.raises(PushError) as err:
         await sync.push(qwen_model, version=5)
     assert err.value.stage == stage and err.value.chunk == 3
@@ -282,7 +284,8 @@ async def test_the_plan_is_reused_and_replaced_parameter_data_is_still_seen(qwen
 
 async def test_a_failed_push_ends_the_round_on_the_engine_and_the_next_push_works(qwen_receiver, qwen_model):
     engine = qwen_receiver.engine()
-    failing = WeightSync([engine], chunk_bytes=CHUNK, faults={"pack": 4})
+    failing = WeightSync([engine], chunk_bytes=CHUNK)
+    inject(failing, {"pack": 4})
     with pytest.raises(PushError):
         await failing.push(qwen_model, version=3)
     status = await engine.call("status")
@@ -434,7 +437,8 @@ async def test_a_pipeline_failure_lets_the_round_opening_finish_before_the_abort
         await abort(version)
 
     engine.start_update, engine.abort_update = slow_start, logged_abort
-    sync = WeightSync([engine], chunk_bytes=CHUNK, faults={"convert": 0})
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    inject(sync, {"convert": 0})
     with pytest.raises(PushError) as err:
         await sync.push(qwen_model)
     assert err.value.stage == "convert" and calls == ["start", "started", "abort"]

@@ -15,6 +15,7 @@ from streamsync.engines.vllm import AsyncVllmEngine, VllmHttpEngine  # noqa: E40
 from streamsync.errors import EngineError, ValidationError  # noqa: E402
 from streamsync.models.tiny import TINY_QWEN3  # noqa: E402
 from streamsync.rollout import Sample, StreamingRollout  # noqa: E402
+from streamsync.testing.faults import inject  # noqa: E402
 from streamsync.testing.vllm import LOGPROB_TOL, trainer_from  # noqa: E402
 from streamsync.verify import compare_generation, load_reference, long_prompt, reference_logprobs  # noqa: E402
 
@@ -216,10 +217,10 @@ async def test_a_failed_update_surfaces_and_generation_goes_on_with_the_old_weig
     rollout = StreamingRollout(sync, _prompts(2), in_flight=2, max_tokens=80, sampling=GREEDY)
     async with rollout:
         await _in_flight(rollout, 2)
-        sync.faults = {"pack": 0}  # the push fails before any byte reaches the engine
+        faults = inject(sync, {"pack": 0})  # the push fails before any byte reaches the engine
         with pytest.raises(PushError):
             await rollout.update(trainer_from(model_dir, 213))
-        sync.faults = {}
+        faults.clear()
         samples = await _collect(rollout, 2)
     assert all(len(s.tokens) == 80 and s.versions == [old] for s in samples)
     assert rollout.stats.failed_updates == 1 and rollout.stats.updates == 0

@@ -19,6 +19,7 @@ from aiohttp import web
 from streamsync import PushError, WeightSync
 from streamsync.cli import main as cli
 from streamsync.testing.browser import Browser, Page, ensure_chromium
+from streamsync.testing.faults import inject
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.trace import STAGES, Trace, load
 from streamsync.trace.summary import summarize
@@ -61,7 +62,7 @@ async def pushes(tmp_path_factory, qwen_specs_path, qwen_model) -> Pushes:
         r4 = await sync.push(qwen_model, max_inflight=4)
         p.w1, p.w4, p.chunks = Path(r1.trace_path), Path(r4.trace_path), r4.chunks
         p.seconds = {p.w1.name: r1.seconds, p.w4.name: r4.seconds}
-        sync.faults = {"send": 2}
+        inject(sync, {"send": 2})
         with pytest.raises(PushError) as err:
             await sync.push(qwen_model)
         p.error = str(err.value)

@@ -16,6 +16,7 @@ vllm = pytest.importorskip("vllm")
 from streamsync import EngineError, PushError, ValidationError, WeightSync  # noqa: E402
 from streamsync.engines.base import parse_version  # noqa: E402
 from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, VllmHttpEngine  # noqa: E402
+from streamsync.testing.faults import inject  # noqa: E402
 from streamsync.testing.vllm import generation_matches_reference, greedy, trainer_from  # noqa: E402
 from streamsync.verify import check_prompts, compare_engines, save_checkpoint  # noqa: E402
 from streamsync.vllm import compat  # noqa: E402
@@ -321,7 +322,8 @@ async def test_a_push_failing_on_the_sender_side_leaves_the_engine_usable(llm, m
     sync = WeightSync([engine], chunk_bytes=1 << 20)
     v = await _next_version(sync)
     await sync.push(trainer_from(model_dir, step=13), version=v)
-    failing = WeightSync([engine], chunk_bytes=1 << 20, max_inflight=1, faults={"pack": 3})  # 0-2 applied
+    failing = WeightSync([engine], chunk_bytes=1 << 20, max_inflight=1)
+    inject(failing, {"pack": 3})  # 0-2 applied
     with pytest.raises(PushError):
         await failing.push(trainer_from(model_dir, step=14), version=v + 1)
     assert (await engine.state()).mixed and failing.mixed == {"llm": v + 1}
@@ -468,7 +470,8 @@ async def test_where_vllm_keeps_no_weight_version_the_workers_keep_it(loaded_ser
         await sync.push(good := trainer_from(model_dir, step=31), version=6)
     assert await engine.get_version() == 6
     await _assert_bit_exact(engine, good)
-    failing = WeightSync([engine], chunk_bytes=1 << 20, max_inflight=1, faults={"pack": 3})
+    failing = WeightSync([engine], chunk_bytes=1 << 20, max_inflight=1)
+    inject(failing, {"pack": 3})
     with pytest.raises(PushError):
         await failing.push(trainer_from(model_dir, step=32), version=7)
     state = await engine.state()

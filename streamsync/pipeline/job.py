@@ -23,10 +23,6 @@ if TYPE_CHECKING:
 STAGES = ("gather", "convert", "pack", "send", "release")  # the order every chunk goes through
 
 
-class InjectedFault(RuntimeError):
-    """Raised by `faults={stage: chunk}`: a failure on demand, for tests of the error paths."""
-
-
 @dataclass
 class Work:
     """One chunk on its way through the stages."""
@@ -55,7 +51,6 @@ class Push:
     messages: Messages | None = None  # builds each engine's UpdateMessage (senders only)
     max_inflight: int = 4
     timeout: float = 120.0
-    faults: dict[str, int] = field(default_factory=dict)
     #: chunk -> names of its tensors whose decoder layer continues in a later chunk (receivers keep no views)
     hold: dict[int, list[str]] = field(default_factory=dict)
     owner: str | None = None  # the WeightSync's id: every message carries it (receivers refuse others)

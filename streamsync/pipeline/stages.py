@@ -41,7 +41,7 @@ from ..message import UpdateMessage
 from ..pack import castable, dtype_name, fits
 from ..plan.chunk import ChunkPlan
 from ..trace import Trace
-from .job import InjectedFault, Push, Work
+from .job import Push, Work
 from .profiler import ProfilerRange
 
 
@@ -168,16 +168,10 @@ class _Busy:
         self.log.__exit__(*exc)
 
 
-def _maybe_fault(push: Push, stage: str, chunk: int) -> None:
-    if push.faults.get(stage) == chunk:
-        raise InjectedFault(f"fault injected in {stage} of chunk {chunk}")
-
-
 async def _work(push: Push, stage: str, w: Work, fn: Callable[[Push, Work], Awaitable[None]]) -> None:
     """One stage's work on one chunk: timed, traced, failures named by stage and chunk."""
     try:
         with _Busy(push, stage, w.plan.index, w.plan.nbytes):
-            _maybe_fault(push, stage, w.plan.index)
             await fn(push, w)
     except Exception as e:
         raise _wrap(push, stage, w.plan.index, e) from None
@@ -189,7 +183,6 @@ async def _gather_only(push: Push) -> None:
         try:
             with (anyio.fail_after(push.timeout), push.trace.span("gather", plan.index, plan.nbytes),
                   ProfilerRange(f"streamsync.gather #{plan.index}")):
-                _maybe_fault(push, "gather", plan.index)
                 await push.source.gather(plan)
         except Exception as e:
             raise _wrap(push, "gather", plan.index, e) from None

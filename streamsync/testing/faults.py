@@ -1,8 +1,13 @@
-"""Fault scenarios of the collective transport, shared by the gloo tests (CPU, CI) and the NCCL tests (two GPUs).
+"""Failures on demand for tests of the error paths, and the collective transport's fault scenarios.
 
-Each scenario runs real receiver processes and a real process group, does one thing to them (close while they
-live, close while they shut down, SIGKILL or SIGSTOP one in the middle of a push), then connects again and
-pushes once more. It returns what it measured; the tests state what must hold.
+`inject(sync, {stage: chunk})` makes `sync`'s pushes fail in that stage of that chunk: it wraps the source each
+push uses (gather, convert) and the sync's transport (pack: its `allocate`, before the chunk's buffer exists;
+send; release: its `free`), so the library itself carries nothing for tests.
+
+The scenarios run real receiver processes and a real process group (shared by the gloo tests on CPU and the NCCL
+tests on two GPUs), do one thing to them (close while they live, close while they shut down, SIGKILL or SIGSTOP
+one in the middle of a push), then connect again and push once more. Each returns what it measured; the tests
+state what must hold.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +26,96 @@ import torch
 from ..checksum import device_digests, digests
 from ..errors import PushError
 from ..models.synthetic import perturb_
+from ..pipeline import STAGES
 from ..sync import WeightSync
 from ..transports.collective.sender import CollectiveTransport
 from .receiver import ReceiverProcess
+
+
+class InjectedFault(RuntimeError):
+    """Raised where `inject` was told to fail: a failure on demand, for tests of the error paths."""
+
+
+class Faults(dict[str, int]):
+    """stage -> chunk where `sync`'s pushes fail (`inject`); edit it between pushes (`clear()` to stop)."""
+
+    def __init__(self, sync: WeightSync, at: Mapping[str, int]) -> None:
+        super().__init__(at)
+        self.pushing = False
+        self.wrapped: set[int] = set()  # ids of the sources and transports wrapped
+        plan, push = sync.plan, sync.push
+
+        def planned(model: object) -> Any:  # a push plans first thing: its source and transport are known
+            source, plans = plan(model)
+            if self.pushing:
+                self._source(source)
+                if sync.transport is not None:
+                    self._transport(sync.transport)
+            return source, plans
+
+        async def pushed(*args: Any, **kwargs: Any) -> Any:
+            self.pushing = True
+            try:
+                return await push(*args, **kwargs)
+            finally:
+                self.pushing = False
+
+        sync.plan, sync.push = planned, pushed  # type: ignore[method-assign]
+
+    def __setitem__(self, stage: str, chunk: int) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"no stage {stage!r}; stages: {STAGES}")
+        super().__setitem__(stage, chunk)
+
+    def hit(self, stage: str, chunk: int) -> None:
+        if self.pushing and self.get(stage) == chunk:
+            raise InjectedFault(f"fault injected in {stage} of chunk {chunk}")
+
+    def _source(self, source: Any) -> None:
+        if id(source) in self.wrapped:
+            return
+        self.wrapped.add(id(source))
+        gather, convert = source.gather, source.convert
+
+        async def gathered(plan: Any) -> Any:
+            self.hit("gather", plan.index)
+            return await gather(plan)
+
+        async def converted(plan: Any, *args: Any, **kwargs: Any) -> Any:
+            self.hit("convert", plan.index)
+            return await convert(plan, *args, **kwargs)
+
+        source.gather, source.convert = gathered, converted
+
+    def _transport(self, transport: Any) -> None:
+        if id(transport) in self.wrapped:
+            return
+        self.wrapped.add(id(transport))
+        allocate, send, free = transport.allocate, transport.send, transport.free
+
+        def allocated(plan: Any, tensors: Any) -> Any:
+            self.hit("pack", plan.index)
+            return allocate(plan, tensors)
+
+        async def sent(buf: Any, *args: Any, **kwargs: Any) -> Any:
+            self.hit("send", buf.chunk)
+            return await send(buf, *args, **kwargs)
+
+        def freed(buf: Any) -> Any:
+            self.hit("release", buf.chunk)
+            return free(buf)
+
+        transport.allocate, transport.send, transport.free = allocated, sent, freed
+
+
+def inject(sync: WeightSync, at: Mapping[str, int] | None = None) -> Faults:
+    """Make `sync`'s pushes raise InjectedFault in stage `s` of chunk `c` for each `s: c` of `at` (stages:
+    `pipeline.STAGES`); the push then fails as a real failure there would (`PushError` naming the stage and
+    chunk). Returns the mapping, to change or `clear()` between pushes."""
+    faults = Faults(sync, {})
+    for stage, chunk in (at or {}).items():
+        faults[stage] = chunk
+    return faults
 
 
 @dataclass
@@ -187,7 +279,7 @@ async def one_copy_failed_push(sync: WeightSync, transport: Any, model: torch.nn
     """A one-copy transport (CUDA IPC, shm) after a push failed mid-way: it drops every export (it cannot know
     what the receiver kept), the next push exports everything again, and the engine is exact. Asserts."""
     exports = (await sync.push(model)).trace.counts["refs.exports"]
-    sync.faults = {"send": 2}
+    faults = inject(sync, {"send": 2})
     try:
         await sync.push(model)
     except PushError:
@@ -195,7 +287,7 @@ async def one_copy_failed_push(sync: WeightSync, transport: Any, model: torch.nn
     else:
         raise AssertionError("the push with an injected fault in send of chunk 2 did not fail")
     assert not list(transport.refs.exports()), "exports kept after a failed push"
-    sync.faults = {}
+    faults.clear()
     perturb(model, 70)
     counts = (await sync.push(model)).trace.counts
     assert counts["refs.exports"] == exports, counts  # every storage exported again
