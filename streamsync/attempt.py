@@ -77,13 +77,13 @@ async def run_attempt(sync: WeightSync, a: Attempt) -> PushReport:
     trace.meta["prepare_ms"] = round((time.perf_counter() - started) * 1e3, 3)
     if sync.live is not None:
         sync.live.add(trace)
-    job = pipeline.Push(
+    push = pipeline.Push(pipeline.PushJob(
         push_id=push_id, version=version, source=source, transport=sync.transport, engines=sync.engines,
         plans=plans, trace=trace, messages=sync._messages, max_inflight=window, timeout=sync.timeout,
         hold=sync.planner.hold(source, plans), owner=sync.owner,
         on_chunk=sync.outcome.chunk_hook(push_id, version, plans), checked=sync._checked,
         engine_layout=sync.engine_layout, delta=delta,
-    )
+    ))
     group = EngineGroup(sync.engines, sync.timeout, sync.abort_timeout)
     rounds = Rounds()
     cache_reset: dict[str, bool] = {}
@@ -94,28 +94,28 @@ async def run_attempt(sync: WeightSync, a: Attempt) -> PushReport:
         with watching_gc(trace), responsive_threads(), limit:
             if source.is_sender and sync.engines:
                 # Gathers and packs need no engine: they start while the engines open the round.
-                job.started = anyio.Event()
+                push.started = anyio.Event()
                 group.prepare(plans[-1].index if plans else None, sync.checks.reset_prefix_cache)
-                await _run_started(job, group, rounds)
+                await _run_started(push, group, rounds)
                 await group.finish(version, rounds)
                 cache_reset, engine_rounds = await _after_round(sync, group, trace)
             else:
-                await pipeline.run(job)
+                await pipeline.run(push)
     except BaseException as e:  # a PushError, or a cancellation: the rounds end either way
         if sync.metrics is not None and isinstance(e, PushError):
             sync.metrics.observe_failure(e.stage)
-        await sync.outcome.failed(e, job, group, rounds, trace)
+        await sync.outcome.failed(e, push, group, rounds, trace)
         raise
     finally:
         push_range.__exit__()
     if limit.cancelled_caught:
-        err = PushTimeout(f"push did not finish within {time_limit:.1f} s ({job.running()})",
-                          stage=job.running_stage(), chunk=job.running_chunk(), push_id=push_id)
+        err = PushTimeout(f"push did not finish within {time_limit:.1f} s ({push.running()})",
+                          stage=push.running_stage(), chunk=push.running_chunk(), push_id=push_id)
         if sync.metrics is not None:
             sync.metrics.observe_failure(err.stage)
-        await sync.outcome.failed(err, job, group, rounds, trace)
+        await sync.outcome.failed(err, push, group, rounds, trace)
         raise err
-    report = sync.outcome.succeeded(job, source, cache_reset, engine_rounds)
+    report = sync.outcome.succeeded(push, source, cache_reset, engine_rounds)
     await sync.upkeep.after_whole()
     return report
 
@@ -145,10 +145,10 @@ async def _after_round(sync: WeightSync, group: EngineGroup, trace: Trace) -> tu
     return cache_reset, engine_rounds
 
 
-async def _run_started(job: pipeline.Push, group: EngineGroup, rounds: Rounds) -> None:
+async def _run_started(push: pipeline.Push, group: EngineGroup, rounds: Rounds) -> None:
     """start_update on every engine, concurrently with the pipeline; the first send waits for it."""
-    assert job.started is not None
-    started = job.started
+    assert push.started is not None
+    started = push.started
 
     async def start() -> None:
         await group.start(rounds)
@@ -157,6 +157,6 @@ async def _run_started(job: pipeline.Push, group: EngineGroup, rounds: Rounds) -
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(start)
-            await pipeline.run(job)
+            await pipeline.run(push)
     except BaseExceptionGroup as eg:
         raise first_push_error(eg) from None

@@ -42,24 +42,24 @@ class Outcome:
         self.sync = sync
         self.warned_declined: set[str] = set()  # engines already warned that they do not load some tensors
 
-    def succeeded(self, job: pipeline.Push, source: Source, cache_reset: dict[str, bool],
+    def succeeded(self, push: pipeline.Push, source: Source, cache_reset: dict[str, bool],
                    engine_rounds: list[EngineRound]) -> PushReport:
         log = get_logger()
-        trace = job.trace
+        trace = push.job.trace
         seconds = trace.end()
-        self.sync.versions.pushed(job.version, [e.name for e in self.sync.engines])
-        total = sum(p.nbytes for p in job.plans)
-        delta = self.delta_done(job, total, seconds)
+        self.sync.versions.pushed(push.job.version, [e.name for e in self.sync.engines])
+        total = sum(p.nbytes for p in push.job.plans)
+        delta = self.delta_done(push, total, seconds)
         sharded = isinstance(source, ShardedSource)
         path, senders = ("sharded", source.senders) if isinstance(source, ShardedSource) else ("single-sender", 1)
         report = PushReport(
-            push_id=job.push_id, version=job.version, seconds=seconds,
-            bytes=delta.wire_bytes if delta is not None else total, model_bytes=total, chunks=len(job.plans),
-            stage_seconds=trace.busy_seconds(), peak_bytes_inflight=job.peak_bytes,
+            push_id=push.job.push_id, version=push.job.version, seconds=seconds,
+            bytes=delta.wire_bytes if delta is not None else total, model_bytes=total, chunks=len(push.job.plans),
+            stage_seconds=trace.busy_seconds(), peak_bytes_inflight=push.peak_bytes,
             max_chunks_alive=trace.max_alive(), collectives=source.collectives,
             engines=[e.name for e in self.sync.engines], cache_reset=cache_reset, trace=trace,
             gc_ms=trace.counts.get("gc_us", 0) / 1e3, delta=delta, engine_rounds=engine_rounds,
-            not_loaded=self.not_loaded(job.plans), casts=dict(self.sync.planner.casts),
+            not_loaded=self.not_loaded(push.job.plans), casts=dict(self.sync.planner.casts),
             path=path, senders=senders,
         )
         if sharded:
@@ -73,7 +73,7 @@ class Outcome:
         trace.count("collectives", source.collectives)
         report.trace_path = self.write_trace(trace)
         log.info("push done", ms=round(seconds * 1e3, 1), mib=round(total / MiB, 1), gbps=round(report.gbps, 2),
-                 chunks=len(job.plans), stage_ms={k: round(v * 1e3, 1) for k, v in report.stage_seconds.items()},
+                 chunks=len(push.job.plans), stage_ms={k: round(v * 1e3, 1) for k, v in report.stage_seconds.items()},
                  **({"delta": delta.mode, "sent_mib": round(delta.wire_bytes / MiB, 2)} if delta else {}))
         if self.sync.metrics is not None and source.is_sender:
             self.sync.metrics.observe_push(report)
@@ -95,15 +95,15 @@ class Outcome:
                                          reason=declined.reason)
         return out
 
-    def delta_done(self, job: pipeline.Push, total: int, seconds: float) -> DeltaReport | None:
+    def delta_done(self, push: pipeline.Push, total: int, seconds: float) -> DeltaReport | None:
         """A delta sync's push succeeded: every engine holds it whole, so the shadow is the next push's base."""
-        d = job.delta
+        d = push.job.delta
         if d is None:
             return None
-        self.sync.shadow.held = (job.version, job.push_id)
+        self.sync.shadow.held = (push.job.version, push.job.push_id)
         self.sync.shadow.since_full = 0 if d.mode == "full" else self.sync.shadow.since_full + 1
         for k, v in (("wire_bytes", d.wire_bytes), ("changed", d.changed), ("elements", d.elements)):
-            job.trace.count(f"delta.{k}", v)
+            push.job.trace.count(f"delta.{k}", v)
         changed = d.changed / d.elements if d.elements else 0.0
         self.sync.auto.note(d.mode, seconds, d.wire_bytes, total, changed)
         return DeltaReport(d.mode, d.wire_bytes, self.sync.shadow.nbytes, d.why_full, d.base, d.changed, d.elements,
@@ -127,7 +127,7 @@ class Outcome:
 
         return done
 
-    async def failed(self, err: BaseException, job: pipeline.Push, group: EngineGroup, rounds: Rounds,
+    async def failed(self, err: BaseException, push: pipeline.Push, group: EngineGroup, rounds: Rounds,
                       trace: Trace) -> None:
         """A push failed or was cancelled: end every round it opened and record what the engines hold."""
         log = get_logger()
@@ -135,15 +135,15 @@ class Outcome:
             if isinstance(err, PushError):
                 log.error("push failed", stage=err.stage, chunk=err.chunk, receiver=err.receiver, error=str(err))
             else:
-                log.warning("push cancelled", running=job.running(), error=type(err).__name__)
+                log.warning("push cancelled", running=push.running(), error=type(err).__name__)
             # Engines that owe the failed chunk's acknowledgement did not answer within the timeout: asking them
             # to abort would hold the error back by another one. They keep the round open (open_rounds).
             unresponsive = err.unresponsive if isinstance(err, PushError) else frozenset()
             to_abort = [e for e in self.sync.engines if e.name in rounds.opened and e.name not in rounds.finished]
-            ended = (await group.abort([e for e in to_abort if e.name not in unresponsive], job.version)
+            ended = (await group.abort([e for e in to_abort if e.name not in unresponsive], push.job.version)
                      if to_abort else set())
-            self.sync.versions.failed(job.version, finished=rounds.finished, aborted=[e.name for e in to_abort],
-                                 ended=ended, sent=job.sent_any)
+            self.sync.versions.failed(push.job.version, finished=rounds.finished, aborted=[e.name for e in to_abort],
+                                 ended=ended, sent=push.sent_any)
             if self.sync.mixed:
                 log.warning("engines hold mixed weights until the next successful push", mixed=sorted(self.sync.mixed))
             if not isinstance(err, PushError):
@@ -152,7 +152,7 @@ class Outcome:
             if isinstance(err, PushError):  # drawn by the viewer: the failing stage, chunk, engine and message
                 trace.fail(err.stage, err.chunk, err.receiver, err.message)
             else:
-                trace.fail(job.running_stage(), job.running_chunk(), None, f"cancelled ({job.running()})")
+                trace.fail(push.running_stage(), push.running_chunk(), None, f"cancelled ({push.running()})")
             self.write_trace(trace)
 
     def write_trace(self, trace: Trace) -> str | None:

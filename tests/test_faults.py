@@ -119,8 +119,8 @@ def test_a_deadline_between_two_stages_names_the_chunk_and_the_stage_it_waits_fo
     """The deadline may fall while no stage is at work (one finished a chunk, the next not yet took it up):
     the message still names the first chunk in flight, never "finish"."""
     source, plans = WeightSync([], chunk_bytes=CHUNK).plan(qwen_model)
-    job = pipeline.Push(push_id="p", version=1, source=source, transport=None, engines=[], plans=plans,
-                        trace=Trace("p"), started=anyio.Event())
+    job = pipeline.Push(pipeline.PushJob(push_id="p", version=1, source=source, transport=None, engines=[],
+                                         plans=plans, trace=Trace("p")), started=anyio.Event())
     assert job.running() == "start was running"
     job.started.set()
     job.last.update(gather=6, convert=6, pack=5, send=4, release=3)

@@ -14,9 +14,9 @@ took up a chunk; the watchdog fails the push when any stage has worked on one ch
 a GPU push's host time.) Waiting for a queue slot or a credit is not timed: it ends when a later stage
 moves on, and that stage is timed."""
 
-from .job import STAGES, Push, Work
+from .job import STAGES, Push, PushJob, Work
 from .profiler import ProfilerRange
 from .stages import check_converted, first_push_error, run
 
-__all__ = ["STAGES", "ProfilerRange", "Push", "Work", "check_converted", "first_push_error",
+__all__ = ["STAGES", "ProfilerRange", "Push", "PushJob", "Work", "check_converted", "first_push_error",
            "run"]

@@ -37,9 +37,9 @@ class Work:
     delta: Mapping[str, Any] | None = None
 
 
-@dataclass
-class Push:
-    """Everything one push needs; built by WeightSync."""
+@dataclass(frozen=True)
+class PushJob:
+    """What one push is given; built by WeightSync's attempt (`attempt.run_attempt`), read by the stages."""
 
     push_id: str
     version: int
@@ -52,11 +52,22 @@ class Push:
     max_inflight: int = 4
     timeout: float = 120.0
     #: chunk -> names of its tensors whose decoder layer continues in a later chunk (receivers keep no views)
-    hold: dict[int, list[str]] = field(default_factory=dict)
+    hold: Mapping[int, list[str]] = field(default_factory=dict)
     owner: str | None = None  # the WeightSync's id: every message carries it (receivers refuse others)
     on_chunk: Callable[[int, int], None] | None = None
     engine_layout: bool = True  # engines get chunks in their own fused layout where they declared one
     delta: DeltaPush | None = None  # a sync that pushes deltas: this push's mode and shadow
+    # chunk index -> (plan, converted tensors) as last checked: a source that hands back the same list for the
+    # same plan (its cached views) is not checked again; kept across pushes by WeightSync (a cache it lends)
+    checked: dict[int, tuple[ChunkPlan, Sequence[torch.Tensor]]] = field(default_factory=dict)
+
+
+@dataclass
+class Push:
+    """One push as it runs: its job, and what changes while the stages work on it (read by the watchdog, the
+    failure path and the report)."""
+
+    job: PushJob
     live: dict[int, SendBuffer] = field(default_factory=dict)
     busy: dict[str, tuple[int, float]] = field(default_factory=dict)  # stage -> (chunk, since), for the watchdog
     cut: dict[str, int] = field(default_factory=dict)  # stage -> chunk it was on when an error or cancel hit
@@ -71,20 +82,17 @@ class Push:
     bytes_alive: int = 0
     peak_bytes: int = 0
     chunks_alive: int = 0
-    # chunk index -> (plan, converted tensors) as last checked: a source that hands back the same list for the
-    # same plan (its cached views) is not checked again; kept across pushes by WeightSync
-    checked: dict[int, tuple[ChunkPlan, Sequence[torch.Tensor]]] = field(default_factory=dict)
 
     def where(self) -> dict[str, int]:
         """stage -> chunk of the stages at work when the push was stopped; a chunk between two stages (one
         finished with it, the next not yet started) counts as the next stage's."""
         at = {stage: chunk for stage, (chunk, _) in self.busy.items()} or dict(self.cut)
-        if at or not self.source.is_sender or (self.started is not None and not self.started.is_set()):
+        if at or not self.job.source.is_sender or (self.started is not None and not self.started.is_set()):
             return at
         # Chunks go through every stage in order: the first one not yet released is in flight, waiting for
         # the first stage that has not taken it up.
         first = self.last.get("release", -1) + 1
-        pending = [p.index for p in self.plans if p.index >= first]
+        pending = [p.index for p in self.job.plans if p.index >= first]
         if not pending:
             return {}
         chunk = pending[0]

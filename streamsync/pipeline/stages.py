@@ -47,21 +47,21 @@ from .profiler import ProfilerRange
 
 async def run(push: Push) -> None:
     """Run the pipeline to completion, or raise PushError having freed every buffer."""
-    if not push.source.is_sender:
+    if not push.job.source.is_sender:
         await _gather_only(push)
         return
-    n = push.max_inflight
+    n = push.job.max_inflight
     credits = anyio.Semaphore(n)
     p_tx, p_rx = anyio.create_memory_object_stream[Work](n)
     s_tx, s_rx = anyio.create_memory_object_stream[Work](n)
-    transport = push.transport
-    assert transport is not None and push.messages is not None
+    transport = push.job.transport
+    assert transport is not None and push.job.messages is not None
     # On a GPU the sender's own tensors are gathered, converted and packed by launches from the loop's thread:
     # one chunk's three stages cannot overlap another's there (only the engines' work can), so one task runs
     # them in turn instead of three tasks handing each chunk on through queues.
-    here = push.source.gathers_here and push.source.device.type == "cuda"
+    here = push.job.source.gathers_here and push.job.source.device.type == "cuda"
     # A delta sync packs every piece: its receivers read a chunk's pieces in layout order.
-    transport.begin_push(push.plans, push.source, push.engines, by_reference=push.delta is None)
+    transport.begin_push(push.job.plans, push.job.source, push.job.engines, by_reference=push.job.delta is None)
     done = anyio.Event()
     ok = False
     try:
@@ -86,7 +86,7 @@ async def run(push: Push) -> None:
             push.live.clear()
         transport.end_push(ok)
         for name, value in transport.push_counts().items():
-            push.trace.count(name, value)
+            push.job.trace.count(name, value)
 
 
 def first_push_error(eg: BaseException) -> BaseException:
@@ -116,8 +116,8 @@ def _wrap(push: Push, stage: str, chunk: int | None, e: Exception) -> PushError:
     receiver = e.engine if isinstance(e, EngineError) else None
     msg = f"{type(e).__name__}: {e}" if not isinstance(e, EngineError) else str(e)
     if isinstance(e, TimeoutError):
-        msg = f"timed out after {push.timeout:.1f}s"
-    err = PushError(msg, stage=stage, chunk=chunk, receiver=receiver, push_id=push.push_id)
+        msg = f"timed out after {push.job.timeout:.1f}s"
+    err = PushError(msg, stage=stage, chunk=chunk, receiver=receiver, push_id=push.job.push_id)
     err.__cause__ = e
     if isinstance(e, EngineError) and e.unresponsive:
         err.unresponsive = frozenset(e.engine.split(","))
@@ -125,9 +125,9 @@ def _wrap(push: Push, stage: str, chunk: int | None, e: Exception) -> PushError:
 
 
 async def _watchdog(push: Push, done: anyio.Event) -> None:
-    """Fail the push when a stage has worked on one chunk for longer than `push.timeout`; end when `done` is set
+    """Fail the push when a stage has worked on one chunk for longer than `push.job.timeout`; end when `done` is set
     (every chunk released: ending by an event costs the push's last moments less than a cancellation)."""
-    tick = min(1.0, push.timeout / 8)
+    tick = min(1.0, push.job.timeout / 8)
     while True:
         with anyio.move_on_after(tick):
             await done.wait()
@@ -135,9 +135,9 @@ async def _watchdog(push: Push, done: anyio.Event) -> None:
             return
         now = time.perf_counter()
         for stage, (chunk, since) in list(push.busy.items()):
-            if now - since > push.timeout:
-                raise PushError(f"timed out after {push.timeout:.1f}s", stage=stage, chunk=chunk,
-                                push_id=push.push_id)
+            if now - since > push.job.timeout:
+                raise PushError(f"timed out after {push.job.timeout:.1f}s", stage=stage, chunk=chunk,
+                                push_id=push.job.push_id)
 
 
 class _Busy:
@@ -163,8 +163,8 @@ class _Busy:
         self.range.__exit__()
         if exc[0] is not None:
             self.push.cut[self.stage] = self.chunk
-        t0 = self.push.trace.t0
-        self.push.trace.add_span(self.stage, self.chunk, self.start - t0, time.perf_counter() - t0, self.nbytes)
+        t0 = self.push.job.trace.t0
+        self.push.job.trace.add_span(self.stage, self.chunk, self.start - t0, time.perf_counter() - t0, self.nbytes)
         self.log.__exit__(*exc)
 
 
@@ -179,27 +179,27 @@ async def _work(push: Push, stage: str, w: Work, fn: Callable[[Push, Work], Awai
 
 async def _gather_only(push: Push) -> None:
     """A rank that sends nothing takes part in the gathers only (their collectives line up with the sender's)."""
-    for plan in push.plans:
+    for plan in push.job.plans:
         try:
-            with (anyio.fail_after(push.timeout), push.trace.span("gather", plan.index, plan.nbytes),
+            with (anyio.fail_after(push.job.timeout), push.job.trace.span("gather", plan.index, plan.nbytes),
                   ProfilerRange(f"streamsync.gather #{plan.index}")):
-                await push.source.gather(plan)
+                await push.job.source.gather(plan)
         except Exception as e:
             raise _wrap(push, "gather", plan.index, e) from None
 
 
 async def _gather(push: Push, credits: anyio.Semaphore, out: MemoryObjectSendStream[Work]) -> None:
     async with out:
-        for plan in push.plans:
+        for plan in push.job.plans:
             # No timeout here: a credit comes back when the oldest chunk is released, and every stage in between
             # has its own timeout.
             await credits.acquire()
             push.chunks_alive += 1
-            push.trace.sample("chunks_alive", push.chunks_alive)
+            push.job.trace.sample("chunks_alive", push.chunks_alive)
             w = Work(plan)
             await _work(push, "gather", w, _gather_one)
             await out.send(w)
-            push.trace.sample("queue gather→convert", out.statistics().current_buffer_used)
+            push.job.trace.sample("queue gather→convert", out.statistics().current_buffer_used)
 
 
 async def _gather_to_pack(push: Push, credits: anyio.Semaphore, out: MemoryObjectSendStream[Work]) -> None:
@@ -207,18 +207,18 @@ async def _gather_to_pack(push: Push, credits: anyio.Semaphore, out: MemoryObjec
     first: a chunk is gathered once the requests of the one before it left for the engines, so it is packed
     while the engines load that one and never delays its going out. Waits are untimed, as the credit's is."""
     async with out:
-        for plan in push.plans:
+        for plan in push.job.plans:
             await credits.acquire()
             if plan.index > 0:
                 await _dispatched(push, plan.index - 1).wait()
             push.chunks_alive += 1
-            push.trace.sample("chunks_alive", push.chunks_alive)
+            push.job.trace.sample("chunks_alive", push.chunks_alive)
             w = Work(plan)
             await _work(push, "gather", w, _gather_one)
             await _work(push, "convert", w, _convert)
             await _work(push, "pack", w, _pack)
             await out.send(w)
-            push.trace.sample("queue pack→next", out.statistics().current_buffer_used)
+            push.job.trace.sample("queue pack→next", out.statistics().current_buffer_used)
 
 
 def _dispatched(push: Push, chunk: int) -> anyio.Event:
@@ -229,7 +229,7 @@ def _dispatched(push: Push, chunk: int) -> anyio.Event:
 
 
 async def _gather_one(push: Push, w: Work) -> None:
-    w.gathered = await push.source.gather(w.plan)
+    w.gathered = await push.job.source.gather(w.plan)
 
 
 async def _convert_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out: MemoryObjectSendStream[Work]) -> None:
@@ -237,14 +237,14 @@ async def _convert_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out:
         async for w in inbox:
             await _work(push, "convert", w, _convert)
             await out.send(w)
-            push.trace.sample("queue convert→next", out.statistics().current_buffer_used)
+            push.job.trace.sample("queue convert→next", out.statistics().current_buffer_used)
 
 
 async def _convert(push: Push, w: Work) -> None:
     # cast=False: the pack stage casts floating tensors while it copies (one kernel instead of two).
-    tensors = await push.source.convert(w.plan, w.gathered, cast=False)
+    tensors = await push.job.source.convert(w.plan, w.gathered, cast=False)
     w.gathered = None
-    check_converted(push.checked, w.plan, tensors)
+    check_converted(push.job.checked, w.plan, tensors)
     w.tensors = tensors
 
 
@@ -269,32 +269,32 @@ async def _pack_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out: Me
         async for w in inbox:
             await _work(push, "pack", w, _pack)
             await out.send(w)
-            push.trace.sample("queue pack→next", out.statistics().current_buffer_used)
+            push.job.trace.sample("queue pack→next", out.statistics().current_buffer_used)
             if push.send_idle:
                 # An idle send stage goes first: its chunk leaves, and while the engines work on it this stage
                 # packs the next. Otherwise the loop would run the next (synchronous) pack first, and the
                 # first chunk would go out only after the second's pack.
                 push.send_took = took = anyio.Event()
                 try:
-                    with anyio.fail_after(push.timeout):
+                    with anyio.fail_after(push.job.timeout):
                         await took.wait()
                 except TimeoutError as e:
                     raise _wrap(push, "send", w.plan.index, e) from None
 
 
 async def _pack(push: Push, w: Work) -> None:
-    assert push.transport is not None and w.tensors is not None
+    assert push.job.transport is not None and w.tensors is not None
     plan = w.plan
-    if push.delta is not None:  # a delta sync: the chunk's pieces against the shadow, or the chunk kept in it
-        plan, w.tensors, w.delta = await push.delta.prepare(w.plan, w.tensors)
+    if push.job.delta is not None:  # a delta sync: the chunk's pieces against the shadow, or the chunk kept in it
+        plan, w.tensors, w.delta = await push.job.delta.prepare(w.plan, w.tensors)
         w.wire = plan if plan is not w.plan else None
-    buf = push.transport.allocate(plan, w.tensors)  # sized once the tensors are known (one copy)
+    buf = push.job.transport.allocate(plan, w.tensors)  # sized once the tensors are known (one copy)
     push.live[w.plan.index] = buf
     push.bytes_alive += buf.nbytes
     push.peak_bytes = max(push.peak_bytes, push.bytes_alive)
-    push.trace.sample("bytes_alive", push.bytes_alive)
+    push.job.trace.sample("bytes_alive", push.bytes_alive)
     w.buf = buf
-    await push.transport.pack(buf, plan.layout, w.tensors)
+    await push.job.transport.pack(buf, plan.layout, w.tensors)
     w.tensors = None
 
 
@@ -318,21 +318,21 @@ async def _send_loop(push: Push, inbox: MemoryObjectReceiveStream[Work], out: Me
                 await push.started.wait()
             await _work(push, "send", w, _send)
             await out.send(w)
-            push.trace.sample("queue send→next", out.statistics().current_buffer_used)
+            push.job.trace.sample("queue send→next", out.statistics().current_buffer_used)
 
 
 async def _send(push: Push, w: Work) -> None:
-    transport, buf, messages = push.transport, w.buf, push.messages
+    transport, buf, messages = push.job.transport, w.buf, push.job.messages
     assert transport is not None and buf is not None and messages is not None
-    handles = transport.handles(buf, len(push.engines))
+    handles = transport.handles(buf, len(push.job.engines))
     # A delta sync's engines keep HF-named tensors as their base: its chunks are never fused.
-    built = messages.build(push.push_id, push.version, push.owner, w.wire or w.plan, push.hold.get(w.plan.index, ()),
-                           handles, fuse=push.engine_layout and transport.fusable and push.delta is None,
-                           delta=w.delta)
+    job = push.job
+    built = messages.build(job.push_id, job.version, job.owner, w.wire or w.plan, job.hold.get(w.plan.index, ()),
+                           handles, fuse=job.engine_layout and transport.fusable and job.delta is None, delta=w.delta)
     push.sent_any = True
-    gone = _Dispatch(len(push.engines), _dispatched(push, w.plan.index))
+    gone = _Dispatch(len(push.job.engines), _dispatched(push, w.plan.index))
     try:
-        await transport.send(buf, built, [SendLane(e, push.trace, w.plan, gone) for e in push.engines])
+        await transport.send(buf, built, [SendLane(e, push.job.trace, w.plan, gone) for e in push.job.engines])
     finally:
         gone.event.set()
 
@@ -392,10 +392,10 @@ async def _release(push: Push, credits: anyio.Semaphore, inbox: MemoryObjectRece
         async for w in inbox:
             await _work(push, "release", w, _free)
             push.chunks_alive -= 1
-            push.trace.sample("chunks_alive", push.chunks_alive)
+            push.job.trace.sample("chunks_alive", push.chunks_alive)
             credits.release()
-            if push.on_chunk is not None:
-                push.on_chunk(w.plan.index, len(push.plans))
+            if push.job.on_chunk is not None:
+                push.job.on_chunk(w.plan.index, len(push.job.plans))
     done.set()  # every chunk is through: stop the watchdog
 
 
@@ -404,7 +404,7 @@ async def _free(push: Push, w: Work) -> None:
     buf, w.buf = w.buf, None
     if buf is None or push.live.pop(buf.chunk, None) is None:
         return
-    assert push.transport is not None
-    push.transport.free(buf)
+    assert push.job.transport is not None
+    push.job.transport.free(buf)
     push.bytes_alive -= buf.nbytes
-    push.trace.sample("bytes_alive", push.bytes_alive)
+    push.job.trace.sample("bytes_alive", push.bytes_alive)

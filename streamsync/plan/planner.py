@@ -126,7 +126,7 @@ class Planner:
         self._cache = None
 
     def hold(self, source: Source, plans: list[ChunkPlan]) -> dict[int, list[str]]:
-        """Chunk -> names of its tensors whose decoder layer continues in a later chunk (`pipeline.Push.hold`)."""
+        """Chunk -> names of its tensors whose decoder layer continues in a later chunk (`pipeline.PushJob.hold`)."""
         if self._hold is None or self._hold[0] is not plans:
             self._hold = (plans, split_layers([p.names for p in source.delivers(plans)]))
         return self._hold[1]
