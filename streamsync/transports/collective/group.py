@@ -1,4 +1,5 @@
-"""The collective transport's process group: rendezvous, backend objects, broadcasts, teardown."""
+"""The process group of the collective and p2p transports: how a worker joins it (`GroupInit`, `join_group`),
+rendezvous, backend objects, broadcasts, teardown."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,6 +28,106 @@ BACKENDS = ("gloo", "nccl")
 CLOSE_TIMEOUT = 10.0
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GroupInit:
+    """How an engine worker joins a sender's group: the `init_info` the collective and p2p transports give each
+    engine (`Transport.init_info`), written by the sender with `to_wire` and checked once on the worker by
+    `parse`, which refuses a malformed field by name before anything connects.
+
+    Ranks: the senders are ranks 0 .. trainer_ranks-1 (one for the collective transport, every trainer rank
+    for p2p); an engine's workers are rank_offset + their rank in the engine (`worker_rank` where given, else
+    0 in an engine of one worker, else the worker's rank in its engine's default torch.distributed group, as
+    vLLM numbers its workers)."""
+
+    transport: str
+    backend: str
+    group: str
+    master_addr: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    workers: int
+    timeout_s: float
+    trainer_ranks: int = 1
+    worker_rank: int | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def parse(cls, info: Mapping[str, Any], kind: str) -> GroupInit:
+        """`info` (plain data from the sender) checked field by field; `kind` names the transport in errors."""
+        def field(key: str, of: type, lo: int = 0) -> Any:
+            v = info.get(key)
+            if of is int and (type(v) is not int or v < lo):
+                raise ValidationError(f"{kind} init_info {key!r} must be an int >= {lo}, got {v!r:.80}")
+            if of is float and (not isinstance(v, int | float) or isinstance(v, bool) or v <= 0):
+                raise ValidationError(f"{kind} init_info {key!r} must be a positive number, got {v!r:.80}")
+            if of is str and (not isinstance(v, str) or not v or len(v) > 255):
+                raise ValidationError(f"{kind} init_info {key!r} must be a non-empty string, got {v!r:.80}")
+            return v
+
+        backend = info.get("backend")
+        if backend not in BACKENDS:
+            raise ValidationError(f"{kind} init_info backend must be one of {BACKENDS}, got {backend!r:.40}")
+        senders = field("trainer_ranks", int, 1) if "trainer_ranks" in info else 1
+        made = cls(transport=str(info.get("transport") or kind), backend=backend, group=field("group", str),
+                   master_addr=field("master_addr", str), master_port=field("master_port", int, 1),
+                   world_size=field("world_size", int, 2), rank_offset=field("rank_offset", int, senders),
+                   workers=field("workers", int, 1), timeout_s=float(field("timeout_s", float)),
+                   trainer_ranks=senders,
+                   worker_rank=field("worker_rank", int) if "worker_rank" in info else None)
+        return made
+
+    def worker(self) -> int:
+        """This worker's rank within its engine (class doc)."""
+        if self.worker_rank is not None:
+            r = self.worker_rank
+        elif self.workers == 1:
+            r = 0
+        else:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise ValidationError("an engine of several workers needs 'worker_rank' in init_info or an "
+                                      "initialized torch.distributed default group")
+            r = dist.get_rank()
+        if r >= self.workers:
+            raise ValidationError(f"worker rank {r} outside an engine of {self.workers} workers")
+        return r
+
+    def rank(self) -> int:
+        """This worker's rank in the group; refused outside the group's world."""
+        rank = self.rank_offset + self.worker()
+        if rank >= self.world_size:
+            raise ValidationError(f"{self.transport} rank {rank} outside a world of {self.world_size}")
+        return rank
+
+
+def join_group(init: GroupInit, rank: int, device: torch.device, close_timeout: float,
+               on_store: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
+    """Join `init`'s group as `rank` (a worker: the sender hosts the store): (process group, store), after one
+    broadcast over the whole group, so every pair is connected before the first push. `on_store` runs once the
+    store is reached, before the group is made (p2p publishes the worker's GPU there)."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=init.timeout_s)
+    pg: Any = None
+    try:
+        store = dist.TCPStore(init.master_addr, init.master_port, init.world_size, False, timeout=timeout)
+        if on_store is not None:
+            on_store(store)
+        pg = make_group(init.backend, dist.PrefixStore(init.group, store), rank, init.world_size, timeout,
+                        init.master_addr)
+        broadcast(pg, torch.zeros(1, dtype=torch.uint8, device=device if init.backend == "nccl" else "cpu"))
+    except RuntimeError as e:
+        if pg is not None:
+            dispose(pg).join(close_timeout)
+        raise TransportError(f"cannot join {init.transport} group {init.group} as rank {rank}/{init.world_size} "
+                             f"via {init.master_addr}:{init.master_port}: {e}") from e
+    return pg, store
 
 
 async def in_thread(fn: Callable[..., T], *args: object) -> T:

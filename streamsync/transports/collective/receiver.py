@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
@@ -13,18 +12,7 @@ from ...cache import BoundedCache
 from ...errors import TransportError, ValidationError
 from ...pack import Layout, unpack
 from ..base import Receiver
-from .group import BACKENDS, CLOSE_TIMEOUT, broadcast, dispose, launch_broadcast, make_group, wait_event
-
-
-def _field(info: dict[str, Any], key: str, kind: type, *, lo: int = 0) -> Any:
-    v = info.get(key)
-    if kind is int and (type(v) is not int or v < lo):
-        raise ValidationError(f"collective init_info {key!r} must be an int >= {lo}, got {v!r:.80}")
-    if kind is float and (not isinstance(v, int | float) or isinstance(v, bool) or v <= 0):
-        raise ValidationError(f"collective init_info {key!r} must be a positive number, got {v!r:.80}")
-    if kind is str and (not isinstance(v, str) or not v or len(v) > 255):
-        raise ValidationError(f"collective init_info {key!r} must be a non-empty string, got {v!r:.80}")
-    return v
+from .group import CLOSE_TIMEOUT, GroupInit, broadcast, dispose, join_group, launch_broadcast, wait_event
 
 
 class CollectiveReceiver(Receiver):
@@ -44,39 +32,16 @@ class CollectiveReceiver(Receiver):
 
     def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cpu") -> None:
         super().__init__(init_info, device)
-        import torch.distributed as dist
-
-        backend = init_info.get("backend")
-        if backend not in BACKENDS:
-            raise ValidationError(f"collective init_info backend must be one of {BACKENDS}, got {backend!r:.40}")
-        if backend == "nccl" and self.device.type != "cuda":
+        init = GroupInit.parse(init_info, "collective")
+        if init.backend == "nccl" and self.device.type != "cuda":
             raise ValidationError(f"the nccl backend needs a CUDA receiver, got device {self.device}")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.group = _field(init_info, "group", str)
-        world = _field(init_info, "world_size", int, lo=2)
-        workers = _field(init_info, "workers", int, lo=1)
-        rank = _field(init_info, "rank_offset", int, lo=1) + self._worker_rank(init_info, workers)
-        if rank >= world:
-            raise ValidationError(f"collective rank {rank} outside a world of {world}")
-        addr = _field(init_info, "master_addr", str)
-        port = _field(init_info, "master_port", int, lo=1)
-        timeout = timedelta(seconds=_field(init_info, "timeout_s", float))
-        self.rank, self.world_size, self.backend = rank, world, backend
-        self.timeout = timeout.total_seconds()
+        self.init = init
+        self.group, self.rank, self.world_size, self.backend = init.group, init.rank(), init.world_size, init.backend
+        self.timeout = init.timeout_s
         self.close_timeout = CLOSE_TIMEOUT
-        self._pg: Any = None
-        self._store: Any = None
-        try:
-            store = dist.TCPStore(addr, port, world, False, timeout=timeout)
-            self._pg = make_group(backend, dist.PrefixStore(self.group, store), rank, world, timeout, addr)
-            broadcast(self._pg, torch.zeros(1, dtype=torch.uint8, device=self.device if backend == "nccl" else "cpu"))
-        except RuntimeError as e:
-            if self._pg is not None:
-                dispose(self._pg).join(self.close_timeout)
-                self._pg = None
-            raise TransportError(f"cannot join collective group {self.group} as rank {rank}/{world} via "
-                                 f"{addr}:{port}: {e}") from e
+        self._pg, store = join_group(init, self.rank, self.device, self.close_timeout)
         self._store = store
         self._seq = 0
         self._bufs: list[torch.Tensor | None] = [None] * self.SLOTS
@@ -86,23 +51,6 @@ class CollectiveReceiver(Receiver):
         self._recv_stream: torch.cuda.Stream | None = None
         self._load_streams: set[torch.cuda.Stream] = set()
         self._queued = False  # device-ordered work may be queued (drained by end_round)
-
-    @staticmethod
-    def _worker_rank(info: dict[str, Any], workers: int) -> int:
-        if "worker_rank" in info:
-            r = _field(info, "worker_rank", int)
-        elif workers == 1:
-            r = 0
-        else:
-            import torch.distributed as dist
-
-            if not dist.is_initialized():
-                raise ValidationError("an engine of several workers needs 'worker_rank' in init_info or an "
-                                      "initialized torch.distributed default group")
-            r = dist.get_rank()
-        if r >= workers:
-            raise ValidationError(f"worker rank {r} outside an engine of {workers} workers")
-        return r
 
     @property
     def _nccl(self) -> bool:

@@ -21,6 +21,7 @@ from ..pool import BufferPool, PoolBuffer, captured
 from .group import (
     BACKENDS,
     CLOSE_TIMEOUT,
+    GroupInit,
     Stalled,
     broadcast,
     dispose,
@@ -120,12 +121,8 @@ class CollectiveTransport(Transport):
         group = f"streamsync-{uuid.uuid4().hex[:12]}"
         self._infos, offset = [], 1
         for w in workers:
-            self._infos.append({
-                "transport": self.name, "backend": backend, "group": group,
-                "master_addr": self.master_addr, "master_port": int(self._store.port),
-                "world_size": world, "rank_offset": offset, "workers": w,
-                "timeout_s": gtimeout.total_seconds(),
-            })
+            self._infos.append(GroupInit(self.name, backend, group, self.master_addr, int(self._store.port), world,
+                                         offset, w, gtimeout.total_seconds()).to_wire())
             offset += w
         self._group, self._backend, self._seq, self._broken = group, backend, 0, None
         prefixed = dist.PrefixStore(group, self._store)

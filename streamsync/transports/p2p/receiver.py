@@ -14,8 +14,7 @@ from ...errors import TransportError, ValidationError
 from ...pack import Layout, TensorSpec, dtype_from_name, plan_layout, unpack
 from ...plan.shards import Box
 from ..base import Receiver
-from ..collective.group import BACKENDS, CLOSE_TIMEOUT, broadcast, dispose, make_group
-from ..collective.receiver import CollectiveReceiver, _field
+from ..collective.group import CLOSE_TIMEOUT, GroupInit, dispose, join_group
 from ..cuda_ipc.driver import map_storage
 from .ipc import MSG_BYTES, colocated, decode_ref, gpu_of, publish_gpu, read_gpus
 
@@ -42,51 +41,31 @@ class P2pReceiver(Receiver):
 
     def __init__(self, init_info: dict[str, Any], device: torch.device | str = "cpu") -> None:
         super().__init__(init_info, device)
-        import torch.distributed as dist
-
-        backend = init_info.get("backend")
-        if backend not in BACKENDS:
-            raise ValidationError(f"p2p init_info backend must be one of {BACKENDS}, got {backend!r:.40}")
-        if backend == "nccl" and self.device.type != "cuda":
+        init = GroupInit.parse(init_info, "p2p")
+        if init.backend == "nccl" and self.device.type != "cuda":
             raise ValidationError(f"the nccl backend needs a CUDA receiver, got device {self.device}")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.group = _field(init_info, "group", str)
-        world = _field(init_info, "world_size", int, lo=2)
-        workers = _field(init_info, "workers", int, lo=1)
-        self.trainer_ranks = _field(init_info, "trainer_ranks", int, lo=1)
-        self.worker = CollectiveReceiver._worker_rank(init_info, workers)
-        rank = _field(init_info, "rank_offset", int, lo=self.trainer_ranks) + self.worker
-        if rank >= world:
-            raise ValidationError(f"p2p rank {rank} outside a world of {world}")
-        addr = _field(init_info, "master_addr", str)
-        port = _field(init_info, "master_port", int, lo=1)
-        timeout = timedelta(seconds=_field(init_info, "timeout_s", float))
-        self.rank, self.world_size, self.backend, self.timeout = rank, world, backend, timeout.total_seconds()
+        self.init, self.group, self.trainer_ranks, self.worker = init, init.group, init.trainer_ranks, init.worker()
+        rank = self.rank = init.rank()
+        self.world_size, self.backend, self.timeout = init.world_size, init.backend, init.timeout_s
         # gloo sends and receives host memory (it hands the tensor's pointer to its TCP transport): a CUDA worker
         # receives into host buffers, and its loader copies from them
-        self._at = self.device if backend == "nccl" else torch.device("cpu")
+        self._at = self.device if init.backend == "nccl" else torch.device("cpu")
         self.close_timeout = CLOSE_TIMEOUT
-        self._pg: Any = None
-        self._store: Any = None
-        gpu = gpu_of(self.device) if backend == "gloo" else ""
+        gpu = gpu_of(self.device) if init.backend == "gloo" else ""
         self._ipc_srcs: set[int] = set()  # trainer ranks on this worker's GPU: they send references (module ipc)
         self._mapped: dict[str, torch.Tensor] = {}  # their buffers, mapped
         self._answer: tuple[list[int], int] = ([], 0)  # (ranks whose buffers this chunk reads, its sequence)
-        try:
-            store = dist.TCPStore(addr, port, world, False, timeout=timeout)
-            publish_gpu(store, self.group, rank, gpu)
-            self._pg = make_group(backend, dist.PrefixStore(self.group, store), rank, world, timeout, addr)
-            broadcast(self._pg, torch.zeros(1, dtype=torch.uint8, device=self.device if backend == "nccl" else "cpu"))
-            if gpu:
+        self._pg, store = join_group(init, rank, self.device, self.close_timeout,
+                                     on_store=lambda st: publish_gpu(st, self.group, rank, gpu))
+        if gpu:
+            try:
                 gpus = read_gpus(store, self.group, range(self.trainer_ranks))
-                self._ipc_srcs = {r for r, g in gpus.items() if colocated(gpu, g)}
-        except RuntimeError as e:
-            if self._pg is not None:
+            except RuntimeError as e:
                 dispose(self._pg).join(self.close_timeout)
-                self._pg = None
-            raise TransportError(f"cannot join p2p group {self.group} as rank {rank}/{world} via {addr}:{port}: "
-                                 f"{e}") from e
+                raise TransportError(f"p2p group {self.group}: the trainer ranks' GPUs were not published: {e}") from e
+            self._ipc_srcs = {r for r, g in gpus.items() if colocated(gpu, g)}
         self._store = store
         self._seq = 0
         self._staging: torch.Tensor | None = None

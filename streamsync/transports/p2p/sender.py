@@ -22,6 +22,7 @@ from ..base import SendBuffer, Transport
 from ..collective.group import (
     BACKENDS,
     CLOSE_TIMEOUT,
+    GroupInit,
     broadcast,
     dispose,
     host_store,
@@ -148,10 +149,9 @@ class P2pTransport(Transport):
         self._infos, self._offsets = [], {}
         for name, workers, _ in self._layouts:
             self._offsets[name] = offset
-            self._infos.append({"transport": self.name, "backend": meta["backend"], "group": meta["group"],
-                                "master_addr": meta["addr"], "master_port": meta["port"], "world_size": meta["world"],
-                                "rank_offset": offset, "workers": workers, "trainer_ranks": self.world,
-                                "timeout_s": self._timeout})
+            self._infos.append(GroupInit(self.name, meta["backend"], meta["group"], meta["addr"], meta["port"],
+                                         meta["world"], offset, workers, self._timeout,
+                                         trainer_ranks=self.world).to_wire())
             offset += workers
         self._seq, self._broken, self._handles = 0, None, {}
         rank, world, addr, port, backend = self.rank, meta["world"], meta["addr"], meta["port"], meta["backend"]
