@@ -36,6 +36,7 @@ class _Rebuilt:
     #: without vLLM's help (`round.Direct`): later rounds make them with `torch.empty_strided`, not vLLM's reload
     fresh: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]] | None = None
     direct: Any = None  # `round.Direct`: learned from its first processing by vLLM
+    candidate: Any = None  # `round._Candidate`: that first processing's comparison, until a round settles it
     learned: bool = False  # that first processing was looked at
 
 

@@ -27,7 +27,8 @@ class Direct:
     """A linear layer under vLLM's online per-tensor fp8 (`Fp8PerTensorOnlineLinearMethod`) processed without
     vLLM: its live fp8 weight is `ops.scaled_fp8_quant` of the loaded bf16 weight (as it is or transposed: `out`
     is the live weight seen in the load's order), its live scale that one scale, and every other live tensor
-    what was loaded. Learned by comparing with vLLM's own processing of the module's first round (`_learn`);
+    what was loaded. Learned by comparing with vLLM's own processing of the module's first round (`_learn`,
+    settled at the next round's start: `resolve`);
     where processing makes anything else (another fp8 kernel's repacking), the module keeps vLLM's processing.
     One quantization kernel pair and a scale copy instead of vLLM's Python, its new tensors and their copies."""
 
@@ -55,6 +56,9 @@ class FastRound:
     plan: Plan
     rebuilt: int = 0  # modules processed this round
     direct: int = 0  # of those, quantized without vLLM's processing (`Direct`, fp8 experts)
+
+    def __post_init__(self) -> None:
+        resolve(self.plan)
     pending: dict[int, _Pending] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
 
@@ -193,9 +197,7 @@ class FastRound:
                 if update is not None:  # processing may have made new Parameters: vLLM reconciles their TP state
                     update()
                 if learn:
-                    r.direct = _learn(layer, pend, kernel_params, kernel_buffers)
-                    if r.direct is not None:
-                        r.fresh = _layout(pend.params)
+                    r.candidate = _learn(layer, pend, kernel_params, kernel_buffers)
                 live: dict[int, torch.Tensor] = {}  # a processed tensor's address -> the live tensor it lands in
                 for name, p in kernel_params.items():
                     if p is not None:
@@ -227,9 +229,33 @@ def _layout(params: Slots) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], 
     return {n: (tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for n, t in params.items() if t is not None}
 
 
-def _learn(layer: torch.nn.Module, pend: _Pending, kernel_params: Slots, kernel_buffers: Slots) -> Direct | None:
-    """`Direct` for a module vLLM just processed (its new tensors are the layer's), where what it made is what
-    `Direct.apply` makes of the same loaded tensors: else None."""
+@dataclass(slots=True)
+class _Candidate:
+    """What a module's first processing by vLLM suggests (`_learn`): each way its live weight may be the direct
+    quantization, with a flag on the device saying whether vLLM made exactly that. The flags are read together
+    at the next round's start (`resolve`), so the first round never waits for the device module by module."""
+
+    options: list[tuple[Direct, torch.Tensor]]
+    fresh: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]]
+
+
+def resolve(plan: Plan) -> None:
+    """Settle every module's `_Candidate` with one read of their flags: `Direct` where vLLM's processing made what
+    it makes, else vLLM's processing for good."""
+    waiting = [r for r in plan.rebuilt if r.candidate is not None]
+    if not waiting:
+        return
+    flags = iter(torch.stack([f for r in waiting for _, f in r.candidate.options]).tolist())
+    for r in waiting:
+        hits = [d for d, _ in r.candidate.options if next(flags)]
+        if hits:
+            r.direct, r.fresh = hits[0], r.candidate.fresh
+        r.candidate = None
+
+
+def _learn(layer: torch.nn.Module, pend: _Pending, kernel_params: Slots, kernel_buffers: Slots) -> _Candidate | None:
+    """The ways `Direct` may make what vLLM just made of a module (its new tensors are the layer's), each with its
+    flag computed on the device (`_Candidate`); None where its tensors rule `Direct` out."""
     from vllm import _custom_ops as ops
 
     w = pend.params.get("weight")
@@ -237,8 +263,8 @@ def _learn(layer: torch.nn.Module, pend: _Pending, kernel_params: Slots, kernel_
             or any(b is not None for b in kernel_buffers.values())):
         return None
     q, s = ops.scaled_fp8_quant(w, None)
-    out: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
+    outs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live weight seen in the load's order, its flag)
+    scale: tuple[torch.Tensor, torch.Tensor] | None = None
     copies: list[tuple[str, torch.Tensor]] = []
     for name, live in kernel_params.items():
         new = getattr(layer, name, None)
@@ -247,22 +273,21 @@ def _learn(layer: torch.nn.Module, pend: _Pending, kernel_params: Slots, kernel_
                 return None
             continue
         if name == "weight" and live.dtype == q.dtype and new.dim() == 2:
-            for seen, view in ((new, live), (new.t(), live.t())):
-                if (seen.shape == q.shape and view.shape == q.shape and view.is_contiguous()
-                        and torch.equal(seen.view(torch.uint8), q.view(torch.uint8))):
-                    out = view
-                    break
-            if out is None:
+            outs = [(view, seen.view(torch.uint8).eq(q.view(torch.uint8)).all())
+                    for seen, view in ((new, live), (new.t(), live.t()))
+                    if seen.shape == q.shape and view.shape == q.shape and view.is_contiguous()]
+            if not outs:
                 return None
-        elif name == "weight_scale" and live.dtype == s.dtype and bool((new == s.reshape(())).all()):
-            scale = live
+        elif name == "weight_scale" and live.dtype == s.dtype:
+            scale = (live, new.eq(s.reshape(())).all())
         elif (fresh := pend.params.get(name)) is not None and new is fresh and live.shape == fresh.shape:
             copies.append((name, live))
         else:
             return None
-    if out is None or scale is None:
+    if not outs or scale is None:
         return None
-    return Direct(out, scale, tuple(copies))
+    return _Candidate([(Direct(out, scale[0], tuple(copies)), ok & scale[1]) for out, ok in outs],
+                      _layout(pend.params))
 
 
 def _repoint(method: object, live: Mapping[int, torch.Tensor]) -> None:
