@@ -19,6 +19,7 @@ from streamsync.testing import faults
 from streamsync.testing.faults import Rig
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.transports.collective import CollectiveReceiver, CollectiveTransport
+from streamsync.transports.collective.group import GroupInit
 
 CHUNK = 1 << 20
 
@@ -254,3 +255,23 @@ async def test_auto_transport_refuses_a_remote_engine_without_a_rendezvous_addre
     engine.remote = True
     with pytest.raises(ValidationError, match="give no address"):
         await WeightSync([engine], timeout=30).connect()
+
+
+def test_group_init_goes_over_the_wire_and_back_and_a_bad_field_is_refused_by_name():
+    """The init info the collective and p2p senders write (`GroupInit.to_wire`) is what their receivers parse,
+    and a malformed field is refused naming it before anything connects."""
+    init = GroupInit("p2p", "gloo", "g", "127.0.0.1", 1234, 5, 3, 2, 30.0, trainer_ranks=3)
+    wire = init.to_wire()
+    assert "worker_rank" not in wire and GroupInit.parse(wire, "p2p") == init
+    assert GroupInit.parse({**wire, "worker_rank": 1}, "p2p").rank() == 4
+    with pytest.raises(ValidationError, match="worker rank 2 outside an engine of 2 workers"):
+        GroupInit.parse({**wire, "worker_rank": 2}, "p2p").rank()
+    with pytest.raises(ValidationError, match="p2p rank 5 outside a world of 5"):
+        GroupInit.parse({**wire, "rank_offset": 4, "worker_rank": 1}, "p2p").rank()
+    with pytest.raises(ValidationError, match="p2p init_info 'rank_offset' must be an int >= 3"):
+        GroupInit.parse({**wire, "rank_offset": 1}, "p2p")  # a worker's rank among the senders'
+    for key, bad in (("master_port", "80"), ("timeout_s", 0), ("group", ""), ("world_size", 1)):
+        with pytest.raises(ValidationError, match=f"collective init_info '{key}'"):
+            GroupInit.parse({**wire, key: bad}, "collective")
+    with pytest.raises(ValidationError, match="backend must be one of"):
+        GroupInit.parse({**wire, "backend": "mpi"}, "collective")
