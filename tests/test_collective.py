@@ -19,7 +19,7 @@ from streamsync.testing import faults
 from streamsync.testing.faults import Rig
 from streamsync.testing.receiver import ReceiverProcess
 from streamsync.transports.collective import CollectiveReceiver, CollectiveTransport
-from streamsync.transports.collective.group import GroupInit
+from streamsync.transports.collective.group import BroadcastHandle, GroupInit
 
 CHUNK = 1 << 20
 
@@ -275,3 +275,14 @@ def test_group_init_goes_over_the_wire_and_back_and_a_bad_field_is_refused_by_na
             GroupInit.parse({**wire, key: bad}, "collective")
     with pytest.raises(ValidationError, match="backend must be one of"):
         GroupInit.parse({**wire, "backend": "mpi"}, "collective")
+
+
+def test_a_broadcast_handle_is_checked_once_against_the_receivers_group_and_step():
+    h = BroadcastHandle("g", 4, 1024, True)
+    assert BroadcastHandle.parse(h.to_wire(), "g", 4) == h
+    for wire, why in ((h.to_wire(), "out of step \\(expected 5\\)"), ({**h.to_wire(), "group": "x"}, "for group 'x'"),
+                      ({**h.to_wire(), "nbytes": 0}, "size must be a positive int"),
+                      ({**h.to_wire(), "device_ordered": 1}, "device_ordered must be a bool"),
+                      ([4], "must be \\{group, seq, nbytes\\}")):
+        with pytest.raises(ValidationError, match=why):
+            BroadcastHandle.parse(wire, "g", 5 if why.startswith("out of step") else 4)

@@ -106,6 +106,45 @@ class GroupInit:
         return rank
 
 
+@dataclass(frozen=True)
+class BroadcastHandle:
+    """A collective chunk's handle (`UpdateMessage.handle`): its group, its sequence number (a receiver out of
+    step refuses before it enters a collective), its size, and whether both sides order it on the device.
+    Written by the sender with `to_wire`, checked once by each receiver with `parse`."""
+
+    group: str
+    seq: int
+    nbytes: int
+    device_ordered: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def parse(cls, h: object, group: str, seq: int) -> BroadcastHandle:
+        """`h` checked against the receiver's `group` and the sequence number it expects."""
+        if not isinstance(h, Mapping):
+            raise ValidationError(f"collective handle must be {{group, seq, nbytes}}, got {h!r:.200}")
+        got_group, got_seq = ticket(h, "collective", group, seq)
+        size, ordered = h.get("nbytes"), h.get("device_ordered", False)
+        if type(size) is not int or not 0 < size < 1 << 45:
+            raise ValidationError(f"collective chunk size must be a positive int, got {size!r:.40}")
+        if type(ordered) is not bool:
+            raise ValidationError(f"collective handle device_ordered must be a bool, got {ordered!r:.40}")
+        return cls(got_group, got_seq, size, ordered)
+
+
+def ticket(h: Mapping[str, Any], kind: str, group: str, seq: int) -> tuple[str, int]:
+    """A chunk handle's (group, sequence number), refused unless they are the receiver's `group` and the `seq` it
+    expects next: the part of every collective and p2p handle a receiver checks before it enters a collective."""
+    if h.get("group") != group:
+        raise ValidationError(f"chunk is for group {h.get('group')!r:.80}, this receiver joined {group!r}")
+    got = h.get("seq")
+    if type(got) is not int or got != seq:
+        raise ValidationError(f"{kind} chunk sequence {got!r:.40} out of step (expected {seq})")
+    return group, got
+
+
 def join_group(init: GroupInit, rank: int, device: torch.device, close_timeout: float,
                on_store: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
     """Join `init`'s group as `rank` (a worker: the sender hosts the store): (process group, store), after one

@@ -12,7 +12,16 @@ from ...cache import BoundedCache
 from ...errors import TransportError, ValidationError
 from ...pack import Layout, unpack
 from ..base import Receiver
-from .group import CLOSE_TIMEOUT, GroupInit, broadcast, dispose, join_group, launch_broadcast, wait_event
+from .group import (
+    CLOSE_TIMEOUT,
+    BroadcastHandle,
+    GroupInit,
+    broadcast,
+    dispose,
+    join_group,
+    launch_broadcast,
+    wait_event,
+)
 
 
 class CollectiveReceiver(Receiver):
@@ -69,21 +78,10 @@ class CollectiveReceiver(Receiver):
     @contextmanager
     def open(self, update_info: dict[str, Any], nbytes: int | None = None) -> Iterator[torch.Tensor]:
         """Receive the chunk; yield its receive buffer (package doc)."""
-        h = update_info.get("handle")
-        if not isinstance(h, dict):
-            raise ValidationError(f"collective handle must be {{group, seq, nbytes}}, got {h!r:.200}")
-        if h.get("group") != self.group:
-            raise ValidationError(f"chunk is for group {h.get('group')!r:.80}, this receiver joined {self.group!r}")
-        seq, size = h.get("seq"), h.get("nbytes")
-        if type(seq) is not int or seq != self._seq:
-            raise ValidationError(f"collective chunk sequence {seq!r:.40} out of step (expected {self._seq})")
-        if type(size) is not int or not 0 < size < 1 << 45:
-            raise ValidationError(f"collective chunk size must be a positive int, got {size!r:.40}")
+        h = BroadcastHandle.parse(update_info.get("handle"), self.group, self._seq)
+        seq, size, ordered = h.seq, h.nbytes, h.device_ordered
         if nbytes is not None and size != nbytes:  # before the receive buffer grows to what a handle claims
             raise ValidationError(f"collective chunk {seq} is {size} bytes, its layout {nbytes}")
-        ordered = h.get("device_ordered", False)
-        if type(ordered) is not bool:
-            raise ValidationError(f"collective handle device_ordered must be a bool, got {ordered!r:.40}")
         if self._pg is None:
             raise TransportError("collective receiver is closed")
         if ordered and self._nccl:

@@ -21,6 +21,7 @@ from ..pool import BufferPool, PoolBuffer, captured
 from .group import (
     BACKENDS,
     CLOSE_TIMEOUT,
+    BroadcastHandle,
     GroupInit,
     Stalled,
     broadcast,
@@ -247,16 +248,15 @@ class CollectiveTransport(Transport):
     def handles(self, buf: SendBuffer, engines: int) -> Sequence[ChunkHandle]:
         """The chunk's broadcast: the group, its sequence number (a receiver out of step refuses before it
         enters a collective), its size and whether both sides order it on the device."""
-        if self._pg is None:
+        if self._pg is None or self._group is None:
             raise TransportError("collective transport is not connected")
         if self._broken is not None:
             raise TransportError(f"collective group is unusable ({self._broken}); "
                                  "close the WeightSync (or transport) and connect again")
         seq = self._seq
         self._seq += 1
-        handle = {"group": self._group, "seq": seq, "nbytes": buf.tensor.numel(),
-                  "device_ordered": self._streamed(buf.tensor)}
-        return [ChunkHandle(handle)] * engines
+        handle = BroadcastHandle(self._group, seq, buf.tensor.numel(), self._streamed(buf.tensor))
+        return [ChunkHandle(handle.to_wire())] * engines
 
     async def send(self, buf: SendBuffer, messages: Sequence[UpdateMessage], recipients: Sequence[Recipient]) -> None:
         """Every engine's update and the broadcast, together: an engine's update enters the broadcast, loads

@@ -14,7 +14,7 @@ from ...errors import TransportError, ValidationError
 from ...pack import Layout, TensorSpec, dtype_from_name, plan_layout, unpack
 from ...plan.shards import Box
 from ..base import Receiver
-from ..collective.group import CLOSE_TIMEOUT, GroupInit, dispose, join_group
+from ..collective.group import CLOSE_TIMEOUT, GroupInit, dispose, join_group, ticket
 from ..cuda_ipc.driver import map_storage
 from .ipc import MSG_BYTES, colocated, decode_ref, gpu_of, publish_gpu, read_gpus
 
@@ -112,11 +112,7 @@ class P2pReceiver(Receiver):
         h = update_info.get("handle")
         if not isinstance(h, dict):
             raise ValidationError(f"p2p handle must be {{group, seq, recv}}, got {h!r:.200}")
-        if h.get("group") != self.group:
-            raise ValidationError(f"chunk is for group {h.get('group')!r:.80}, this receiver joined {self.group!r}")
-        seq = h.get("seq")
-        if type(seq) is not int or seq != self._seq:
-            raise ValidationError(f"p2p chunk sequence {seq!r:.40} out of step (expected {self._seq})")
+        _, seq = ticket(h, "p2p", self.group, self._seq)
         if self._pg is None:
             raise TransportError("p2p receiver is closed")
         if nbytes is None or not 0 <= nbytes < 1 << 45:
