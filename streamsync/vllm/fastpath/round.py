@@ -28,9 +28,9 @@ class Direct:
     vLLM: its live fp8 weight is `ops.scaled_fp8_quant` of the loaded bf16 weight (as it is or transposed: `out`
     is the live weight seen in the load's order), its live scale that one scale, and every other live tensor
     what was loaded. Learned by comparing with vLLM's own processing of the module's first round (`_learn`,
-    settled at the next round's start: `resolve`);
-    where processing makes anything else (another fp8 kernel's repacking), the module keeps vLLM's processing.
-    One quantization kernel pair and a scale copy instead of vLLM's Python, its new tensors and their copies."""
+    settled at the next round's start: `resolve`); where processing makes anything else (another fp8 kernel's
+    repacking), the module keeps vLLM's processing. One quantization kernel pair and a scale copy instead of
+    vLLM's Python, its new tensors and their copies."""
 
     out: torch.Tensor
     scale: torch.Tensor
@@ -56,11 +56,11 @@ class FastRound:
     plan: Plan
     rebuilt: int = 0  # modules processed this round
     direct: int = 0  # of those, quantized without vLLM's processing (`Direct`, fp8 experts)
-
-    def __post_init__(self) -> None:
-        resolve(self.plan)
     pending: dict[int, _Pending] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        resolve(self.plan)  # what the last round's first processing by vLLM showed
 
     def split(self, weights: Weights) -> tuple[list[tuple[tuple[_Op, ...], torch.Tensor]],
                                                list[tuple[str, torch.Tensor]]]:
