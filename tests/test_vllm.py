@@ -351,7 +351,7 @@ async def test_tensors_larger_than_a_chunk_are_split_by_rows_and_reassembled_bit
 
 async def test_a_push_into_vllm_serve_logs_no_harmless_failed_to_load_warnings(tmp_path, monkeypatch):
     """A tied model: every layer's rotary embedding and the tied head warned on every push before the worker's
-    filter (streamsync.vllm.backend.ExpectedReloadMisses)."""
+    filter (streamsync.vllm.reload.ExpectedReloadMisses)."""
     from streamsync.engines.vllm_server import VllmServer
     from streamsync.models.tiny import make_tiny_qwen3
     from streamsync.testing.vllm import cpu_env
@@ -381,7 +381,7 @@ async def test_a_push_into_vllm_serve_logs_no_harmless_failed_to_load_warnings(t
 def test_the_reload_warning_filter_drops_exactly_the_harmless_misses(tied, layer, kept):
     import logging
 
-    from streamsync.vllm.backend import RELOAD_LOGGER, ExpectedReloadMisses
+    from streamsync.vllm.reload import RELOAD_LOGGER, ExpectedReloadMisses
 
     logger = logging.getLogger(RELOAD_LOGGER)
     seen: list[str] = []

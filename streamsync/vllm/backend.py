@@ -36,6 +36,9 @@ from ..receiver.state import WeightReceiver
 from . import compat
 from .checkpoint import engine_weights, mtp_layers
 from .fastpath import CapturedLoads, FastPath, FastRound, relayout_reloaded_experts
+from .reload import RELOAD_LOGGER as RELOAD_LOGGER  # also named here, beside the backend that installs it
+from .reload import ExpectedReloadMisses as ExpectedReloadMisses
+from .reload import install_reload_warning_filter, refresh, refresh_shared_kernels, shared_kernel_modules
 from .stats import RoundLog
 
 
@@ -131,7 +134,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         return engine_weights(self.model_config, self.model)
 
     def fused_layout(self) -> dict[str, list[Any]]:
-        """The fused tensors this worker takes (`Engine.fused_layout`): none without the fast path."""
+        """The fused tensors this worker takes (`Fused.fused_layout`): none without the fast path."""
         return self.fast.fused_layout() if self.fast_path else {}
 
     def start_weight_update(self) -> None:
@@ -274,7 +277,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         return parts
 
     def prime(self, info: dict[str, Any]) -> bool:
-        """A chunk's references ahead of its first push (`Engine.prime`): the receiver maps their storages and
+        """A chunk's references ahead of its first push (`Primable.prime`): the receiver maps their storages and
         keeps their views (`WeightReceiver.prime`); where every one of them goes straight into the engine's own
         tensors on a GPU, their copies are captured as the graph the chunk's pushes replay (`_parts`), so a first
         push runs like a later one. Loads nothing. False where this worker does not take them (a round is open:
@@ -377,94 +380,3 @@ class _TakesBlocked(FunctionLoader):
     `receiver.loaders`)."""
 
     accepts_blocked = True
-
-
-def refresh_shared_kernels(model: torch.nn.Module) -> list[str]:
-    """Rebuild what a module derives from a Parameter it shares with another module (a tied lm_head).
-
-    Layerwise reload processes a module only when weights arrive for it, and so does the fast path. A tied
-    lm_head gets none: its Parameter is the embedding's, whose data the embedding's load overwrote, but the
-    head's own weight processing is never re-run. On CPU that processing packs the weight into a oneDNN copy
-    that the output matmul uses, so the engine kept generating with the old head. Unquantized embedding/head
-    processing is a pure function of the weight (re-running it is safe); a quantized tied head would need its
-    scales reloaded and is refused loudly instead of served stale. Returns the names of the modules refreshed.
-    """
-    return refresh(shared_kernel_modules(model))
-
-
-def shared_kernel_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The modules `refresh_shared_kernels` rebuilds (found once per model layout: a walk over every module)."""
-    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
-    for mod_name, mod in model.named_modules():
-        for p in mod.parameters(recurse=False):
-            owners.setdefault(id(p), []).append((mod_name, mod))
-    out: list[tuple[str, torch.nn.Module]] = []
-    for mods in owners.values():
-        if len(mods) < 2:
-            continue
-        for mod_name, mod in mods:
-            method = getattr(mod, "quant_method", None)
-            if method is None or any(n == mod_name for n, _ in out):
-                continue
-            kind = type(method).__name__
-            if kind == "UnquantizedLinearMethod":  # its CPU processing empties the weight: not re-runnable
-                continue
-            if not kind.startswith("Unquantized"):
-                raise RuntimeError(f"module {mod_name!r} shares its weight with another module and is quantized "
-                                   f"({kind}): streamsync cannot rebuild its kernel after a push")
-            out.append((mod_name, mod))
-    return out
-
-
-def refresh(modules: list[tuple[str, torch.nn.Module]]) -> list[str]:
-    for _, mod in modules:
-        mod.quant_method.process_weights_after_loading(mod)  # type: ignore[union-attr,operator]
-    return [n for n, _ in modules]
-
-
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-
-
-class ExpectedReloadMisses(logging.Filter):
-    """Drops the "<layer class>: Failed to load weights" warnings of vLLM's layerwise reload that every push of
-    a complete checkpoint raises, and only those:
-
-    * a `...RotaryEmbedding`: its only tensor is the `cos_sin_cache` buffer, computed from the config and never
-      in a checkpoint; reload counts buffers as tensors to load, so each rotary module warns every round and
-      keeps its cache, which is what it should do.
-    * a `ParallelLMHead` when `tied`: its weight is the embedding's Parameter, so no `lm_head.weight` arrives;
-      reload puts the (already updated) shared Parameter back and streamsync rebuilds the head's kernel
-      (`refresh_shared_kernels`).
-
-    Any other layer's warning, an untied head's included, means a tensor really did not arrive: it passes.
-    A filter rather than a level: the warning comes from the worker process, and vLLM's dictConfig resets
-    the levels of its loggers but keeps their filters."""
-
-    def __init__(self, tied: bool) -> None:
-        super().__init__()
-        self.tied = tied
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != "%s: Failed to load weights" or not isinstance(record.args, tuple) or not record.args:
-            return True
-        layer = str(record.args[0])
-        return not (layer.endswith("RotaryEmbedding") or (self.tied and layer == "ParallelLMHead"))
-
-
-def has_tied_head(model: torch.nn.Module) -> bool:
-    """Whether a `ParallelLMHead` of `model` shares its weight with another module (a tied embedding)."""
-    heads = [m for m in model.modules() if type(m).__name__ == "ParallelLMHead"]
-    others = {id(p) for m in model.modules() if type(m).__name__ != "ParallelLMHead"
-              for p in m.parameters(recurse=False)}
-    return any(id(getattr(h, "weight", None)) in others for h in heads)
-
-
-def install_reload_warning_filter(model: torch.nn.Module) -> ExpectedReloadMisses:
-    """Install `ExpectedReloadMisses` for `model` on the layerwise reload's logger (replacing one installed
-    before in this process: one worker serves one model)."""
-    logger = logging.getLogger(RELOAD_LOGGER)
-    for old in [f for f in logger.filters if isinstance(f, ExpectedReloadMisses)]:
-        logger.removeFilter(old)
-    installed = ExpectedReloadMisses(tied=has_tied_head(model))
-    logger.addFilter(installed)
-    return installed
