@@ -113,3 +113,49 @@ def test_buckets_keep_layers_whole_and_each_rank_within_the_budget():
     layers = [{plan.pieces[i].name.split(".")[2] if ".layers." in plan.pieces[i].name else "embed"
                for i in bucket} for bucket in plan.buckets]
     assert layers[0] == {"embed"}
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4", "glm4_moe", "qwen3_moe"])
+@pytest.mark.parametrize("tp, expert_parallel", [(2, False), (2, True), (4, False)])
+def test_the_engine_layout_read_from_the_arch_tables_splits_as_vllms_layers_do(model_type, tp, expert_parallel):
+    """`plan.vllm_layout` takes each tensor's split from its mapping (`Mapping.engine_splits`): split tensors cover
+    each element once over the workers, whole ones are on every worker (experts under expert parallelism on one),
+    and the splits are vLLM's: MLA's down projections and the router whole, its up projections by rows, o_proj and
+    down_proj by columns, GLM-4's fused gate_up_proj by the rows of each half."""
+    from streamsync.models.megatron import _tiny_from_config
+    from streamsync.models.tiny import TINY
+    from streamsync.plan.vllm_layout import engine_split, vllm_layout
+
+    cfg = TINY[model_type]
+    specs = [tuple(s) for s in _tiny_from_config({"model_type": model_type, **cfg}).hf_specs()]
+    heads, kv = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
+    lay = vllm_layout(specs, tp, heads=heads, kv_heads=kv, head_dim=int(cfg.get("head_dim", 0) or 1),
+                      expert_parallel=expert_parallel)
+    for name, _, shape in specs:
+        held = [torch.zeros(shape, dtype=torch.int32) for _ in range(tp)]
+        for w in range(tp):
+            for n, box in lay[w]:
+                if n == name:
+                    _view(held[w], box).add_(1)
+        count = sum(held)
+        split = engine_split(name)
+        if ".experts." in name and expert_parallel:
+            assert count.eq(1).all(), name  # one worker holds each expert
+        elif split is None:
+            assert all(h.eq(1).all() for h in held), name  # whole on every worker
+        elif split == "kv_heads" and tp > kv:
+            assert count.eq(tp // kv).all(), name  # each query group on tp / kv workers
+        else:
+            assert count.eq(1).all(), (name, split)
+    names = {n for n, _, _ in specs}
+    if model_type == "deepseek_v3":
+        assert engine_split("model.layers.1.self_attn.kv_a_proj_with_mqa.weight") is None
+        assert engine_split("model.layers.1.self_attn.q_a_proj.weight") is None
+        assert engine_split("model.layers.1.self_attn.kv_b_proj.weight") == COLUMN
+        assert engine_split("model.layers.1.mlp.gate.weight") is None
+        assert engine_split("model.layers.1.self_attn.o_proj.weight") == ROW
+    if model_type == "glm4":
+        assert "model.layers.0.mlp.gate_up_proj.weight" in names
+        rows = [b for n, b in lay[1] if n == "model.layers.0.mlp.gate_up_proj.weight"]
+        half = dict((n, s) for n, _, s in specs)["model.layers.0.mlp.gate_up_proj.weight"][0] // 2
+        assert [(b.start[0], b.size[0]) for b in rows] == [(half // tp, half // tp), (half + half // tp, half // tp)]

@@ -62,11 +62,12 @@ def _mla() -> list[Mapping]:
     return [
         Cast(_M + "input_layernorm.weight", _H + "input_layernorm.weight"),
         Rename(a + "linear_q_proj.weight", h + "q_proj.weight", tp=COLUMN),  # no query low rank
-        Rename(a + "linear_q_down_proj.weight", h + "q_a_proj.weight", tp=COLUMN),
+        # vLLM keeps the down projections whole on every worker (ReplicatedLinear, fused as `fused_qkv_a_proj`)
+        Rename(a + "linear_q_down_proj.weight", h + "q_a_proj.weight", tp=COLUMN, engine=None),
         Cast(a + "q_layernorm.weight", h + "q_a_layernorm.weight"),
         Cast(a + "linear_q_up_proj.layer_norm_weight", h + "q_a_layernorm.weight"),  # TE fused
         Rename(a + "linear_q_up_proj.weight", h + "q_b_proj.weight", tp=COLUMN),
-        Rename(a + "linear_kv_down_proj.weight", h + "kv_a_proj_with_mqa.weight", tp=COLUMN),
+        Rename(a + "linear_kv_down_proj.weight", h + "kv_a_proj_with_mqa.weight", tp=COLUMN, engine=None),
         Cast(a + "kv_layernorm.weight", h + "kv_a_layernorm.weight"),
         Cast(a + "linear_kv_up_proj.layer_norm_weight", h + "kv_a_layernorm.weight"),  # TE fused
         Rename(a + "linear_kv_up_proj.weight", h + "kv_b_proj.weight", tp=COLUMN),
@@ -110,7 +111,7 @@ def _mtp(layer: list[Mapping]) -> list[Mapping]:
         Cast(p + "enorm.weight", _H + "enorm.weight"),
         Cast(p + "hnorm.weight", _H + "hnorm.weight"),
         # [enorm(embedding); hnorm(hidden)] -> hidden, in that order on both sides
-        Rename(p + "eh_proj.weight", _H + "eh_proj.weight", tp=COLUMN),
+        Rename(p + "eh_proj.weight", _H + "eh_proj.weight", tp=COLUMN, engine=None),  # vLLM: a plain nn.Linear
         Cast(p + "final_layernorm.weight", _H + "shared_head.norm.weight"),
     ]
     return own + [m.under(_M, p + sub) for sub in ("transformer_layer.", "mtp_model_layer.") for m in layer]

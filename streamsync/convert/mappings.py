@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -62,6 +63,13 @@ COLUMN = TPLayout(0)
 ROW = TPLayout(1)
 GATED = TPLayout(0, 2)
 
+#: How an inference engine's tensor-parallel workers split one HF tensor (vLLM's parallel layers), where a TPLayout
+#: cannot say it: k/v rows by query group, a group on several workers where the workers outnumber the groups
+KV_HEADS: Literal["kv_heads"] = "kv_heads"
+#: ... and the rows of the vocabulary padded to 64, split by rows (VocabParallelEmbedding, ParallelLMHead)
+VOCAB: Literal["vocab"] = "vocab"
+EngineSplit = TPLayout | Literal["kv_heads", "vocab"] | None
+
 
 def tp_split(full: torch.Tensor, layout: TPLayout | None, size: int) -> list[torch.Tensor]:
     """The shard each of `size` ranks holds (views). Replicated parameters (layout None): the whole tensor."""
@@ -100,13 +108,22 @@ class Mapping:
     #: the Megatron tensor is a buffer the trainer changes (`named_buffers`), not a parameter
     buffer: bool = False
 
-    def __init__(self, megatron: str, *hf: str, tp: TPLayout | str | None = "default", send: bool = True) -> None:
+    def __init__(self, megatron: str, *hf: str, tp: TPLayout | str | None = "default", send: bool = True,
+                 engine: EngineSplit | str = "same") -> None:
         if len(hf) != self.arity():
             raise ValueError(f"{type(self).__name__} maps to {self.arity()} HF tensor(s), got {len(hf)}: {hf}")
         self.megatron = megatron
         self.hf = tuple(hf)
         self.tp: TPLayout | None = self.tp_default if tp == "default" else tp  # type: ignore[assignment]
         self.send = send
+        self._engine = engine
+
+    def engine_splits(self) -> tuple[EngineSplit, ...]:
+        """How an inference engine's tensor-parallel workers split each of the HF tensors (`plan.vllm_layout`):
+        as Megatron splits the parameter, unless the engine's layer differs (`engine=`: vLLM keeps MLA's down
+        projections whole on every worker, where megatron-core's local spec splits them)."""
+        split = self.tp if self._engine == "same" else self._engine
+        return (split,) * self.arity()  # type: ignore[return-value]
 
     def arity(self) -> int:
         return 1
@@ -200,6 +217,9 @@ class Vocab(Rename):
     def to_hf(self, t: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
         return [t[: dims.vocab_size]]
 
+    def engine_splits(self) -> tuple[EngineSplit, ...]:
+        return (VOCAB,)
+
     def shard_parts(self, local: Shape, dims: Dims, size: int, rank: int) -> list[Part]:
         # Rank r holds padded rows [r * n, (r + 1) * n); the HF tensor only the first `vocab_size` of them.
         n = local[0]
@@ -229,6 +249,9 @@ class QKV(Mapping):
 
     def arity(self) -> int:
         return 3
+
+    def engine_splits(self) -> tuple[EngineSplit, ...]:
+        return (COLUMN, KV_HEADS, KV_HEADS)  # q by heads; k and v by query group
 
     def hf_shapes(self, shape: Shape, dims: Dims) -> list[Shape]:
         rest = tuple(shape[1:])
@@ -286,6 +309,9 @@ class GatedMLP(Mapping):
     def arity(self) -> int:
         return 2
 
+    def engine_splits(self) -> tuple[EngineSplit, ...]:
+        return (COLUMN, COLUMN)  # gate and up, each by rows
+
     def hf_shapes(self, shape: Shape, dims: Dims) -> list[Shape]:
         if shape[0] % 2:
             raise ValueError(f"{self.megatron}: {shape[0]} rows cannot hold gate and up halves")
@@ -313,6 +339,9 @@ class FusedGatedMLP(GatedMLP):
 
     def arity(self) -> int:
         return 1
+
+    def engine_splits(self) -> tuple[EngineSplit, ...]:
+        return (GATED,)
 
     def hf_shapes(self, shape: Shape, dims: Dims) -> list[Shape]:
         if shape[0] % 2:
