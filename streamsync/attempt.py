@@ -95,10 +95,10 @@ async def run_attempt(sync: WeightSync, a: Attempt) -> PushReport:
             if source.is_sender and sync.engines:
                 # Gathers and packs need no engine: they start while the engines open the round.
                 push.started = anyio.Event()
-                group.prepare(plans[-1].index if plans else None, sync.checks.reset_prefix_cache)
+                group.fold(plans[-1].index if plans else None, sync.checks.reset_prefix_cache, rounds)
                 await _run_started(push, group, rounds)
                 await group.finish(version, rounds)
-                cache_reset, engine_rounds = await _after_round(sync, group, trace)
+                cache_reset, engine_rounds = await _after_round(sync, group, rounds, trace)
             else:
                 await pipeline.run(push)
     except BaseException as e:  # a PushError, or a cancellation: the rounds end either way
@@ -120,18 +120,19 @@ async def run_attempt(sync: WeightSync, a: Attempt) -> PushReport:
     return report
 
 
-async def _after_round(sync: WeightSync, group: EngineGroup, trace: Trace) -> tuple[dict[str, bool], list[EngineRound]]:
+async def _after_round(sync: WeightSync, group: EngineGroup, rounds: Rounds,
+                       trace: Trace) -> tuple[dict[str, bool], list[EngineRound]]:
     """Once every engine finished: reset their prefix caches and ask what their workers did, both at once."""
     cache_reset: dict[str, bool] = {}
     engine_rounds: list[EngineRound] = []
 
     async def reset() -> None:
-        cache_reset.update(await group.reset_caches(trace, after_finish=True))
+        cache_reset.update(await group.reset_caches(trace, rounds))
 
     async def stats() -> None:
-        engine_rounds.extend(await group.round_stats(trace))
+        engine_rounds.extend(await group.round_stats(trace, rounds))
 
-    if all(e.round_answered() for e in sync.engines):  # both answers are here already: no task group
+    if all(f.stats is not None for f in rounds.finished.values()):  # the finishes answered: no task group
         if sync.checks.reset_prefix_cache:
             await reset()
         if sync.observers.engine_stats:

@@ -32,7 +32,7 @@ class PushOptions:
                   push raises within `timeout` plus this, not twice the timeout.
     reuse_plan:   keep the source and chunk plan for the next push of the same model (`WeightSync.plan`).
     source_options: keywords for the source the model gets (`MegatronSource`: hf_config, dtype, ...).
-    engine_layout: engines that say which of their tensors are fused (`Engine.fused_layout`: vLLM-style
+    engine_layout: engines that say which of their tensors are fused (`Fused.fused_layout`: vLLM-style
                   `qkv_proj`, `gate_up_proj`, stacked MoE experts) get each run of packed HF tensors that makes
                   up one of them as that one tensor (`pipeline.messages`); other engines keep HF names.
     """

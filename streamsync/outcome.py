@@ -82,7 +82,7 @@ class Outcome:
         return report
 
     def not_loaded(self, plans: Sequence[ChunkPlan]) -> dict[str, list[str]]:
-        """Engine -> the tensors of this push it does not load (`Engine.declined_layers`), said once per engine."""
+        """Engine -> the tensors of this push it does not load (`Family.declined_layers`), said once per engine."""
         out: dict[str, list[str]] = {}
         for engine, declined in self.sync.planner.declined.items():
             names = sorted({s.name for p in plans for s in p.specs if layer_index(s.name) in declined})
@@ -142,8 +142,8 @@ class Outcome:
             to_abort = [e for e in self.sync.engines if e.name in rounds.opened and e.name not in rounds.finished]
             ended = (await group.abort([e for e in to_abort if e.name not in unresponsive], push.job.version)
                      if to_abort else set())
-            self.sync.versions.failed(push.job.version, finished=rounds.finished, aborted=[e.name for e in to_abort],
-                                 ended=ended, sent=push.sent_any)
+            self.sync.versions.failed(push.job.version, finished=set(rounds.finished),
+                                      aborted=[e.name for e in to_abort], ended=ended, sent=push.sent_any)
             if self.sync.mixed:
                 log.warning("engines hold mixed weights until the next successful push", mixed=sorted(self.sync.mixed))
             if not isinstance(err, PushError):

@@ -64,7 +64,7 @@ PATHS = ("fast", "layerwise", "mixed", "none")
 
 @dataclass(frozen=True)
 class EngineRound:
-    """What one worker of an engine did in a push's round, as it measured it (`Engine.round_stats`).
+    """What one worker of an engine did in a push's round, as it measured it (`ReportsRounds.round_stats`).
 
     path:           "fast" (every tensor copied straight into the engine's tensors), "layerwise" (every tensor
                     through vLLM's layerwise reload), "mixed" (counts below), "none" (no tensor arrived)
@@ -170,7 +170,7 @@ class PushReport:
     #: a sync that pushes deltas: what this push sent (None: delta pushes are off)
     delta: DeltaReport | None = None
     #: engine -> the tensors of this push it did not load (an MTP layer's, where the engine's main model skips
-    #: them: `Engine.declined_layers`); logged once per engine too
+    #: them: `Family.declined_layers`); logged once per engine too
     not_loaded: dict[str, list[str]] = field(default_factory=dict)
     #: "float32 -> bfloat16" -> how many tensors the push cast to the engines' dtype (`Checks.strict_dtypes`)
     casts: dict[str, int] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 
+from .engines.abilities import CachesPrefixes, Finished, FoldsRound, Pausable, ReportsRounds, RoundPlan, lacks
 from .engines.base import Engine
 from .errors import EngineError, PushError, StreamSyncError
 from .log import get_logger
@@ -24,10 +25,13 @@ from .trace import Trace
 
 @dataclass
 class Rounds:
-    """Which engines a push opened a round on (or may have: a start cut short), and finished."""
+    """Which engines a push opened a round on (or may have: a start cut short), and finished, with what each
+    finish did besides (`Finished`); the engines that open the round with the push's first update instead
+    (`FoldsRound`)."""
 
     opened: set[str] = field(default_factory=set)
-    finished: set[str] = field(default_factory=set)
+    finished: dict[str, Finished] = field(default_factory=dict)
+    deferred: set[str] = field(default_factory=set)
 
 
 class EngineGroup:
@@ -68,19 +72,27 @@ class EngineGroup:
     async def start(self, rounds: Rounds) -> None:
         """Open a round on every engine. Shielded: a pipeline failure or a cancellation must not cut an
         engine's start in half (the abort that follows would meet a half-opened round)."""
-        with anyio.CancelScope(shield=True):
-            await self.each("start_update", _start, stage="start", done=rounds.opened, maybe=rounds.opened)
+        async def start(e: Engine) -> None:
+            if e.name not in rounds.deferred:
+                await e.start_update()
 
-    def prepare(self, last_chunk: int | None, reset_cache: bool) -> None:
-        """Before a push: engines that can end the round in the call that brings the last chunk, where a push goes
-        to one engine (`Engine.end_with_chunk`), and reset their caches in the call that ends it
-        (`Engine.reset_with_finish`; `reset_caches(after_finish=True)` then asks only the rest), do."""
+        with anyio.CancelScope(shield=True):
+            await self.each("start_update", start, stage="start", done=rounds.opened, maybe=rounds.opened)
+
+    def fold(self, last_chunk: int | None, reset_cache: bool, rounds: Rounds) -> None:
+        """Before a push: engines that fold the round into the push's other calls (`FoldsRound`) are told how it
+        goes (they may end it in the call that brings the last chunk where the push goes to them alone, and reset
+        their caches in the call that ends it); those that open it with the first update are not started."""
         for e in self.engines:
-            e.reset_with_finish(reset_cache)
-            e.end_with_chunk(last_chunk if len(self.engines) == 1 else None)
+            plan = RoundPlan(last_chunk if len(self.engines) == 1 else None, reset_cache)
+            if isinstance(e, FoldsRound) and e.fold_round(plan):
+                rounds.deferred.add(e.name)
 
     async def finish(self, version: int, rounds: Rounds) -> None:
-        await self.each("finish_update", lambda e: e.finish_update(version), stage="finish", done=rounds.finished)
+        async def finish(e: Engine) -> None:
+            rounds.finished[e.name] = await e.finish_update(version) or Finished()
+
+        await self.each("finish_update", finish, stage="finish")
 
     async def abort(self, engines: Sequence[Engine], version: int) -> set[str]:
         """End a failed round on `engines` (shielded, `abort_timeout` each); the names whose round ended."""
@@ -103,20 +115,23 @@ class EngineGroup:
                     tg.start_soon(one, e)
         return ended
 
-    async def reset_caches(self, trace: Trace | None = None, after_finish: bool = False) -> dict[str, bool]:
+    async def reset_caches(self, trace: Trace | None = None, finished: Rounds | None = None) -> dict[str, bool]:
         """Reset every engine's prefix cache after a finished round. The new version is already in place, so a
         failure here does not fail the push: it is reported (the result, a warning). Each engine's reset is an
         `engine.cache_reset` span of `trace` (timed here where the sender calls it; an engine whose finish did
-        the reset, `after_finish`, is not called again and its round stats time the reset where it ran)."""
+        the reset, `Finished.cache_reset` in `finished`, is not called again and its round stats time the reset
+        where it ran). Engines that cache nothing (no `CachesPrefixes`) count as reset."""
         done: dict[str, bool] = {}
         log = get_logger()
 
         async def one(e: Engine) -> None:
-            fused = e.finished_reset() if after_finish else None
+            fused = finished.finished[e.name].cache_reset if finished and e.name in finished.finished else None
             start = trace.now() if trace is not None else 0.0
             try:
                 if fused is not None:
                     done[e.name] = fused
+                elif not isinstance(e, CachesPrefixes):
+                    done[e.name] = True
                 else:
                     with anyio.fail_after(self.timeout):
                         done[e.name] = await e.reset_cache()
@@ -133,17 +148,24 @@ class EngineGroup:
         await _each(self.engines, one)
         return done
 
-    async def round_stats(self, trace: Trace | None = None) -> list[EngineRound]:
-        """What every engine's workers did in the round that just finished (`Engine.round_stats`), their phases
-        added to `trace` as engine spans. Observability only: an engine that cannot answer is logged, not
-        failed (the weights already moved)."""
+    async def round_stats(self, trace: Trace | None = None, finished: Rounds | None = None) -> list[EngineRound]:
+        """What every engine's workers did in the round that just finished (`Finished.stats` where the finish
+        answered it, else `ReportsRounds.round_stats`), their phases added to `trace` as engine spans.
+        Observability only: an engine that cannot answer is logged, not failed (the weights already moved)."""
         out: list[EngineRound] = []
         log = get_logger()
 
         async def one(e: Engine) -> None:
+            answered = finished.finished[e.name].stats if finished and e.name in finished.finished else None
+            if answered is None and not isinstance(e, ReportsRounds):
+                return
             try:
-                with anyio.fail_after(self.timeout):
-                    got = await e.round_stats()
+                if answered is not None:
+                    got: Sequence[dict[str, Any]] | None = answered
+                else:
+                    assert isinstance(e, ReportsRounds)
+                    with anyio.fail_after(self.timeout):
+                        got = await e.round_stats()
                 rounds = [EngineRound.from_wire(e.name, d) for d in got or ()]
             except Exception as err:
                 log.warning("engine round stats unavailable", engine=e.name, error=str(err))
@@ -160,10 +182,10 @@ class EngineGroup:
         return next((i for i, e in enumerate(self.engines) if e.name == name), len(self.engines))
 
     async def pause(self, mode: str, clear_cache: bool) -> None:
-        await self.each("pause", lambda e: e.pause(mode, clear_cache), stage="pause")
+        await self.each("pause", lambda e: _pausable(e).pause(mode, clear_cache), stage="pause")
 
     async def resume(self, engines: Sequence[Engine] | None = None) -> None:
-        await self.each("resume", lambda e: e.resume(), stage="resume", engines=engines)
+        await self.each("resume", lambda e: _pausable(e).resume(), stage="resume", engines=engines)
 
 
 async def _each(engines: Sequence[Engine], one: Callable[[Engine], Coroutine[Any, Any, None]]) -> None:
@@ -177,10 +199,10 @@ async def _each(engines: Sequence[Engine], one: Callable[[Engine], Coroutine[Any
             tg.start_soon(one, e)
 
 
-async def _start(e: Engine) -> None:
-    """A push's start: engines that open the round with its first chunk (`Engine.defer_start`) are not called."""
-    if not e.defer_start():
-        await e.start_update()
+def _pausable(e: Engine) -> Pausable:
+    if not isinstance(e, Pausable):
+        raise lacks(e, "pause generation")
+    return e
 
 
 def connect_error(exc: BaseException, engines: Sequence[Engine], timeout: float) -> BaseException:

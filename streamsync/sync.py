@@ -18,6 +18,7 @@ from .delta import AutoDelta, Shadow, refused
 from .delta.policy import DeltaPolicy
 from .delta.push import DeltaPush
 from .delta.shadow import PieceShadow
+from .engines.abilities import Locatable
 from .engines.base import Engine
 from .errors import PushError, StreamSyncError, ValidationError
 from .interrupts import Terminated, sigterm_cancels
@@ -152,13 +153,11 @@ class WeightSync:
     async def connect(self, model: object | None = None) -> None:
         """Pick the transport, set up every engine's receiving half, learn what the engines hold and expect.
 
-        `model`: also plan its push now (`plan`: every parameter walked, checked against what the engines
-        expect, chunks laid out) and, where the sender's own tensors are sent, make its per-chunk views, so that
-        the first push does neither (for an 8B megatron model on the H200 a third of a first push's time). A model
-        that does not fit the engines is refused here, naming the tensor.
+        `model`: also plan its push now (`plan`: every parameter walked, checked against what the engines expect,
+        chunks laid out) and, where the sender's own tensors are sent, make its per-chunk views, so the first push
+        does neither (a third of a first 8B megatron push on the H200); a model unfit for the engines is refused.
 
-        Raises a StreamSyncError (EngineError naming the engine for an unreachable or failing one), having
-        closed every engine's connection."""
+        Raises a StreamSyncError (EngineError naming an unreachable or failing engine), all connections closed."""
         if self.connected:
             if model is not None:
                 await self._prepare(model)
@@ -166,11 +165,12 @@ class WeightSync:
         if self.live is not None:
             await self.live.start()
         try:
-            if self.engines:  # where each engine runs decides its transport (Ray actors: same node or not)
+            locating = [e for e in self.engines if isinstance(e, Locatable)]
+            if locating:  # where each engine runs decides its transport (Ray actors: same node or not)
                 with anyio.fail_after(self.timeout):
                     async with anyio.create_task_group() as tg:
-                        for e in self.engines:
-                            tg.start_soon(e.locate)
+                        for loc in locating:
+                            tg.start_soon(loc.locate)
             if self.transport is None:
                 self.transport = choose_transport(self._transport_arg, self.engines)
             self._delta_on = self.deltas.delta is True or (self.deltas.delta == "auto" and self.transport.delta_pays)

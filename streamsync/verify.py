@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from .engines.abilities import CachesPrefixes, Generates, lacks
 from .engines.base import Engine
 
 # bf16 weights, fp32 accumulation in vLLM and transformers, activations rounded to bf16 between ops in
@@ -69,7 +70,7 @@ async def verify_outputs(engine: Engine, reference: torch.nn.Module, prompt_ids:
                          max_tokens: int = 8, tol: float = DEFAULT_TOL) -> GenerationCheck:
     """Greedy-decode `prompt_ids` on `engine` (an engine that generates: the vLLM clients) and compare every
     step with `reference` (a transformers model holding the weights the engine should compute with)."""
-    tokens, logprobs = await engine.greedy(list(prompt_ids), max_tokens)
+    tokens, logprobs = await _generating(engine).greedy(list(prompt_ids), max_tokens)
     ref = reference_logprobs(reference, prompt_ids, tokens)
     check = compare_generation(ref, tokens, logprobs, tol)
     check.tokens = list(tokens)
@@ -200,9 +201,15 @@ class EngineComparison:
 async def _greedy_run(engine: Engine, prompt: Sequence[int], max_tokens: int,
                       reset: bool = True) -> tuple[list[int], list[float], bool]:
     # reset: nothing computed before (under other weights, or by the previous run) is reused
-    done = await engine.reset_cache() if reset else True
-    tokens, lps = await engine.greedy(list(prompt), max_tokens)
+    done = await engine.reset_cache() if reset and isinstance(engine, CachesPrefixes) else True
+    tokens, lps = await _generating(engine).greedy(list(prompt), max_tokens)
     return list(tokens), list(lps), done
+
+
+def _generating(engine: Engine) -> Generates:
+    if not isinstance(engine, Generates):
+        raise lacks(engine, "generate")
+    return engine
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

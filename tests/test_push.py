@@ -594,3 +594,46 @@ def test_the_finite_check_names_every_bad_tensor_across_dtypes_in_order():
     dict(named)["fp8"][0] = float("nan")
     assert nonfinite(named) == ["w7", "w250", "half", "fp8"]
     assert nonfinite(named[8:250]) == [] and nonfinite([]) == []
+
+
+async def test_an_engine_with_the_round_only_takes_pushes_and_is_refused_what_it_cannot_do(receiver, mixed_model):
+    """Abilities are types (`engines.abilities`): an engine that has the round and nothing else takes a push bit for
+    bit (no plan check, no cache to reset, no round stats to ask), and `paused()` refuses it naming it and the
+    ability, before any engine is touched."""
+    from streamsync.engines.abilities import CachesPrefixes, KeepsDeltaBase, Pausable, ReadsBack
+    from streamsync.engines.base import Engine
+
+    inner = receiver.engine()
+
+    class RoundOnly(Engine):
+        name = "round-only"
+
+        async def init_transfer(self, init_info):  # type: ignore[no-untyped-def]
+            inner.owner = self.owner
+            await inner.init_transfer(init_info)
+
+        async def start_update(self) -> None:
+            await inner.start_update()
+
+        async def update(self, message) -> None:  # type: ignore[no-untyped-def]
+            await inner.update(message)
+
+        async def finish_update(self, version: int) -> None:
+            await inner.finish_update(version)
+
+        async def get_version(self) -> int | None:
+            return await inner.get_version()
+
+    engine = RoundOnly()
+    assert isinstance(inner, Pausable | ReadsBack | KeepsDeltaBase)
+    assert not isinstance(engine, Pausable | ReadsBack | KeepsDeltaBase | CachesPrefixes)
+    sync = WeightSync([engine], chunk_bytes=1 << 16)
+    report = await sync.push(mixed_model, version=3)
+    assert report.cache_reset == {"round-only": True} and report.engine_rounds == []
+    assert await inner.checksums() == digests(mixed_model.state_dict().items())
+    with pytest.raises(PushError, match="pause: engine 'round-only' cannot pause generation"):
+        async with sync.paused():
+            pass
+    assert (await engine.state()).version == 3
+    await sync.close()
+    await inner.close()

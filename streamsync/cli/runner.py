@@ -25,6 +25,7 @@ from typing import Any
 
 import anyio
 
+from ..engines.abilities import ReadsBack
 from ..engines.base import Engine
 from ..errors import StreamSyncError
 from ..log import get_logger
@@ -69,7 +70,7 @@ async def run_spec_async(spec: Spec, work: Path) -> list[PushReport]:
 async def _bit_exact(engine: Engine, model: Any) -> bool | None:
     """Whether `engine` holds `model`'s weights bit for bit (None: it cannot say)."""
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))  # an HF model's config
-    return await engine.holds(model.state_dict(), tied=tied)
+    return await engine.holds(model.state_dict(), tied=tied) if isinstance(engine, ReadsBack) else None
 
 
 def run_spec(path: Path, json_path: Path | None = None, overrides: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from ..engines.abilities import KeepsDeltaBase
 from ..engines.base import Engine
 from ..errors import PushError, ValidationError
 from ..log import get_logger
@@ -103,7 +104,7 @@ class DeltaPolicy:
         off: list[str] = []
 
         async def check(e: Engine) -> None:
-            if await e.delta_base() != held:
+            if not isinstance(e, KeepsDeltaBase) or await e.delta_base() != held:
                 off.append(e.name)
 
         sync = self.sync

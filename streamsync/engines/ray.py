@@ -39,6 +39,17 @@ import anyio
 
 from ..errors import EngineError, ValidationError
 from ..message import UpdateMessage, wire
+from .abilities import (
+    CachesPrefixes,
+    Checkpointed,
+    Family,
+    Finished,
+    Generates,
+    KeepsDeltaBase,
+    Locatable,
+    Pausable,
+    ReadsBack,
+)
 from .base import Declined, Engine, EngineState
 
 if TYPE_CHECKING:
@@ -215,7 +226,8 @@ def _plain_engine(actor: Any, name: str, timeout: float) -> Any:
     return PlainActorEngine(_ActorLLM(actor, timeout), name=name, timeout=timeout)
 
 
-class RayVllmEngine(Engine):
+class RayVllmEngine(Engine, Locatable, Checkpointed, Family, KeepsDeltaBase, Pausable, CachesPrefixes, ReadsBack,
+                    Generates):
     """A vLLM engine in a Ray actor: one whose class mixes in `StreamsyncEngineMixin`, or a plain `vllm.LLM`
     actor (`ray.remote(vllm.LLM).remote(model, **engine_kwargs())`; module doc).
 
@@ -315,8 +327,8 @@ class RayVllmEngine(Engine):
     async def update(self, message: UpdateMessage | Mapping[str, Any]) -> None:
         await self._call("update", wire(message))  # plain data across the actor boundary
 
-    async def finish_update(self, version: int) -> None:
-        await self._call("finish_update", version)
+    async def finish_update(self, version: int) -> Finished | None:
+        return await self._call("finish_update", version)
 
     async def abort_update(self, version: int | None = None) -> None:
         await self._call("abort_update", version)

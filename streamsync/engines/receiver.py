@@ -17,6 +17,7 @@ from ..errors import EngineError
 from ..message import UpdateMessage, wire
 from ..plan.shards import Box, EngineLayout, Need
 from ..receiver.protocol import HELLO_LINE, REPLY_LINE, proof, same_secret
+from .abilities import Checkpointed, Fused, KeepsDeltaBase, Pausable, ReadsBack, Sharded
 from .base import Engine, EngineState
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 # --------------------------------------------------------------------------------------------- client
 
 
-class ReceiverEngine(Engine):
+class ReceiverEngine(Engine, Checkpointed, Fused, Sharded, KeepsDeltaBase, ReadsBack, Pausable):
     """Client of a receiver process. One request at a time; every request has a timeout.
 
     `secret` is the receiver's (`ReceiverProcess.secret`, or what its owner handed over out of band); each

@@ -1,7 +1,7 @@
 """`Messages`: builds each engine's `UpdateMessage` for a chunk, once, in the send stage.
 
 The layout a message names is the transport's for that engine where it has one (one copy: only the packed
-part), else the plan's; for an engine that declared its own fused tensors (`Engine.fused_layout`: vLLM-style
+part), else the plan's; for an engine that declared its own fused tensors (`Fused.fused_layout`: vLLM-style
 `qkv_proj`, `gate_up_proj`, stacked MoE experts) it is converted into them where some run of the chunk's
 packed tensors makes one up (`pack.fuse_layout`), so an MoE layer arrives as a few large tensors instead of
 hundreds. The bytes are the same. The conversion of a layout is made once per engine and layout key.

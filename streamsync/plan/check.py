@@ -54,7 +54,7 @@ def dtype_casts(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected]) ->
 
 def check_family(trainer: Sequence[str], engines: Mapping[str, Sequence[str]]) -> None:
     """Refuse a trainer of one model family pushed into an engine serving another (a DeepSeek-V3 trainer into a
-    Qwen3 engine), naming both, where both say what they are (`Source.architectures`, `Engine.architectures`)."""
+    Qwen3 engine), naming both, where both say what they are (`Source.architectures`, `Family.architectures`)."""
     if not trainer:
         return
     for engine, served in engines.items():

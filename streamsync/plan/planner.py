@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 
+from ..engines.abilities import Checkpointed, Family, Fused
 from ..engines.base import Declined, Engine
 from ..errors import StreamSyncError, ValidationError
 from ..log import get_logger
@@ -44,19 +45,23 @@ class Planner:
 
     async def learn(self, e: Engine, timeout: float) -> dict[str, Any] | None:
         """What engine `e` expects a push to carry, from its answers at connect; returns its fused layout (the
-        JSON `Engine.fused_layout` gives) for the messages."""
-        with anyio.fail_after(timeout):
-            exp = await e.expected_weights()
-        if exp is not None:
-            self.expected[e.name] = exp
-        with anyio.fail_after(timeout):
-            served = await e.architectures()
-        if served:
-            self.architectures[e.name] = served
-        with anyio.fail_after(timeout):
-            declined = await e.declined_layers()
-        if declined is not None:
-            self.declined[e.name] = declined
+        JSON `Fused.fused_layout` gives) for the messages."""
+        if isinstance(e, Checkpointed):
+            with anyio.fail_after(timeout):
+                exp = await e.expected_weights()
+            if exp is not None:
+                self.expected[e.name] = exp
+        if isinstance(e, Family):
+            with anyio.fail_after(timeout):
+                served = await e.architectures()
+            if served:
+                self.architectures[e.name] = served
+            with anyio.fail_after(timeout):
+                declined = await e.declined_layers()
+            if declined is not None:
+                self.declined[e.name] = declined
+        if not isinstance(e, Fused):
+            return None
         with anyio.fail_after(timeout):
             return await e.fused_layout()
 

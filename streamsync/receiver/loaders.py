@@ -102,11 +102,11 @@ class LoadingModule(torch.nn.Module):
         raise NotImplementedError
 
     def fused_layout(self) -> dict[str, Any] | None:
-        """Its fused tensors and their HF members (`Engine.fused_layout`), or None."""
+        """Its fused tensors and their HF members (`Fused.fused_layout`), or None."""
         return None
 
     def layout(self) -> list[tuple[str, Box]] | None:
-        """The boxes of HF tensors it holds (`Engine.layout`, one worker's needs), or None: every tensor
+        """The boxes of HF tensors it holds (`Sharded.layout`, one worker's needs), or None: every tensor
         whole."""
         return None
 

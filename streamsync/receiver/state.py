@@ -215,7 +215,7 @@ class WeightReceiver:
             self._load(loader, views, layout, buf, update_info)
 
     def prime(self, update_info: dict[str, Any]) -> list[tuple[TensorMeta, torch.Tensor]] | None:
-        """A chunk's references ahead of its first push (`Engine.prime`): the trainer storages they name mapped,
+        """A chunk's references ahead of its first push (`Primable.prime`): the trainer storages they name mapped,
         their views made and kept by their set's id (the push names them by id only). Nothing is loaded and no
         round is touched. None where a round is open or the transport takes no references."""
         if self.updating or self.transport is None:

@@ -25,6 +25,7 @@ import anyio
 import torch
 
 from ..checksum import digests
+from ..engines.abilities import KeepsDeltaBase, Pausable, ReadsBack, Sharded
 from ..engines.base import Engine, EngineState
 from ..engines.receiver import ReceiverEngine
 from ..errors import EngineError, ValidationError
@@ -119,7 +120,7 @@ def expected_slices(hf: Mapping[str, torch.Tensor], holds: Iterable[tuple[str, B
 # ------------------------------------------------------------------------------------------ engine
 
 
-class WorkerGroup(Engine):
+class WorkerGroup(Engine, Sharded, KeepsDeltaBase, ReadsBack, Pausable):
     """Receiver processes as the workers of one engine: each call goes to every worker (concurrently), the
     version is theirs when they agree, and the layout is theirs, worker by worker."""
 

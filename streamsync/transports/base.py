@@ -72,7 +72,7 @@ class Transport(ABC):
     #: every trainer rank runs this transport: `WeightSync.connect` and `push` call it on ranks without engines
     #: too (sharded sending, where each rank sends its own shards); False: only ranks with engines do
     every_rank: ClassVar[bool] = False
-    #: an engine's fused layout (`Engine.fused_layout`) may rename the chunk's tensors in its messages; False
+    #: an engine's fused layout (`Fused.fused_layout`) may rename the chunk's tensors in its messages; False
     #: where the transport's own per-engine layouts are what receivers assemble (sharded sending)
     fusable: ClassVar[bool] = True
     #: sending only the changed elements saves time here: the bytes cross a link slower than the host's memory
@@ -130,7 +130,7 @@ class Transport(ABC):
     def begin_prime(self, source: Source, engines: Sequence[Engine]) -> bool:
         """`connect(model)` is about to hand over the model's chunks (`prime`): True where this transport sends
         some chunks' references ahead of the first push (one copy, and an engine that takes them:
-        `Engine.takes_prime`); `end_prime` follows either way. Default: nothing is primed."""
+        `Primable`); `end_prime` follows either way. Default: nothing is primed."""
         return False
 
     async def prime(self, plan: ChunkPlan, tensors: Sequence[torch.Tensor], engines: Sequence[Engine],

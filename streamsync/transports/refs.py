@@ -38,6 +38,7 @@ import anyio
 import torch
 
 from ..cache import BoundedCache
+from ..engines.abilities import Primable
 from ..errors import StreamSyncError, ValidationError
 from ..log import get_logger
 from ..message import ChunkHandle, Recipient, UpdateMessage
@@ -368,7 +369,7 @@ def handles_with_refs(refs: References, cr: ChunkRefs | None,
 
 async def prime_chunk(refs: References, plan: ChunkPlan, tensors: Sequence[torch.Tensor], dev: torch.device,
                       engines: Sequence[Engine], timeout: float) -> int:
-    """Send a chunk's references ahead of its first push to every engine that takes them (`Engine.prime`):
+    """Send a chunk's references ahead of its first push to every engine that takes them (`Primable`):
     those engines map the storages and build the views now, and the first push names the chunk's reference set
     by its id only (its packed part, if any, goes as in any push). Between the transport's `begin_push` and
     `end_push`, like a push's chunks; returns the engines that took it."""
@@ -377,7 +378,7 @@ async def prime_chunk(refs: References, plan: ChunkPlan, tensors: Sequence[torch
         return 0
     took = 0
     for i, e in enumerate(engines):
-        if not e.takes_prime:
+        if not isinstance(e, Primable):
             continue
         info = {"chunk": plan.index, "handle": refs.fields(cr, i)}
         try:

@@ -135,12 +135,12 @@ class StreamSyncWorkerExtension:
         return {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()}
 
     def streamsync_fused_layout(self) -> dict[str, list[Any]]:
-        """The fused tensors this worker takes as one (`Engine.fused_layout`; {} without the fast path)."""
+        """The fused tensors this worker takes as one (`Fused.fused_layout`; {} without the fast path)."""
         engine = _backend(self)
         return engine.fused_layout() if engine is not None else {}
 
     def streamsync_layout(self) -> list[list[Any]] | None:
-        """[[HF name, box], ...]: the part of each checkpoint tensor this worker reads (`Engine.layout`), from its
+        """[[HF name, box], ...]: the part of each checkpoint tensor this worker reads (`Sharded.layout`), from its
         fast path's trace of vLLM's own loaders; None without one."""
         engine = _backend(self)
         if engine is None or not engine.fast_path:

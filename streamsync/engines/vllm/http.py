@@ -8,10 +8,10 @@ from typing import Any
 
 from ...errors import EngineError, EngineUnreachable
 from ..base import EngineState, parse_version
-from .round import _Guarded
+from .round import VllmClient
 
 
-class VllmHttpEngine(_Guarded):
+class VllmHttpEngine(VllmClient):
     """`vllm serve` started with VLLM_SERVER_DEV_MODE=1 and `--weight-transfer-config '{"backend":"streamsync"}'`.
 
     `api_key`: sent as `Authorization: Bearer <key>` on every request (a server started with `--api-key` and

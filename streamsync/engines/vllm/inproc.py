@@ -13,7 +13,7 @@ import anyio
 
 from ...errors import EngineError
 from ..base import DISPATCHED
-from .round import _LIVENESS_S, _device, _Guarded, _tokens_and_logprobs
+from .round import _LIVENESS_S, VllmClient, _device, _tokens_and_logprobs
 
 #: seconds an engine's call thread waits for the next call before it ends
 _IDLE_S = 60.0
@@ -123,7 +123,7 @@ class _Caller:
             _threadsafe(loop, _settle, fut, result, error)
             del loop, fut, fn, gone, result, error  # keep nothing of a served call while idle
 
-    async def call(self, engine: _Guarded, what: str, fn: Any) -> Any:
+    async def call(self, engine: VllmClient, what: str, fn: Any) -> Any:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         with self._start_lock:  # a thread ending idle checks the queue under this lock: the call is served
@@ -153,7 +153,7 @@ class _Caller:
             raise EngineError(engine.name, f"{what} failed: {type(e).__name__}: {e}") from e
 
 
-class VllmEngine(_Guarded):
+class VllmEngine(VllmClient):
     """An in-process `vllm.LLM`. Its calls block, so each runs in the engine's own thread (`_Caller`; the loop
     stays free).
 
@@ -240,7 +240,7 @@ class VllmEngine(_Guarded):
         return await self._call(method, self.llm.collective_rpc, method, args=args, kwargs=kwargs or None)
 
 
-class AsyncVllmEngine(_Guarded):
+class AsyncVllmEngine(VllmClient):
     """An in-process `vllm.AsyncLLM` (natively async)."""
 
     in_process = True

@@ -21,7 +21,7 @@ class WorkerQueries:
     """The read-side calls of a vLLM engine client; `_rpc` is the client's own way into `collective_rpc`."""
 
     name: str
-    if TYPE_CHECKING:  # the client's own (`round._Guarded`, `Engine`)
+    if TYPE_CHECKING:  # the client's own (`round.VllmClient`, `Engine`)
         async def vllm_info(self) -> VllmInfo: ...
         async def reset_cache(self) -> bool: ...
 

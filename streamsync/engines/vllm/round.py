@@ -1,9 +1,11 @@
 """The round on a vLLM engine, whichever way the client reaches it: start, updates, finish or abort, the version
-vLLM or the workers keep, each call raced against a liveness check (`_Guarded`)."""
+vLLM or the workers keep, each call raced against a liveness check (`VllmClient`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import anyio
@@ -14,6 +16,23 @@ from ...message import UpdateMessage, wire
 from ...owners import describe, superseded
 from ...vllm import compat, core_rpc
 from ...vllm.compat import VllmInfo
+from ..abilities import (
+    CachesPrefixes,
+    Checkpointed,
+    Family,
+    FoldsRound,
+    Fused,
+    Generates,
+    KeepsDeltaBase,
+    Locatable,
+    Pausable,
+    Primable,
+    ReadsBack,
+    ReportsRounds,
+    RoundPlan,
+    Sharded,
+)
+from ..abilities import Finished as Finished
 from ..base import MIXED, Engine, EngineState, parse_version
 from .queries import WorkerQueries
 
@@ -53,27 +72,38 @@ def shutdown(engine: Any, timeout: float | None = None) -> None:
     engine.shutdown = lambda *args, **kwargs: None
 
 
-class _Guarded(WorkerQueries, Engine):
+@dataclass
+class _Round:
+    """The round as the client knows it between a push's calls."""
+
+    touched: bool = False  # an update reached the engine since the round began: an abort then marks it mixed
+    open_pending: bool = False  # fold_round() deferred the start and no update has opened the round yet
+    end_at: int | None = None  # the chunk whose update ends the round
+    ended: Finished | None = None  # ... and it did: what that end did
+    reset_asked: bool = False  # the finish carries the prefix-cache reset (`core_rpc`)
+
+
+class VllmClient(WorkerQueries, Engine, Locatable, Checkpointed, Family, Fused, Sharded, KeepsDeltaBase, Primable,
+               FoldsRound, ReportsRounds, Pausable, CachesPrefixes, ReadsBack, Generates):
+    """A vLLM engine's round and every ability a vLLM engine has (`engines.abilities`); the clients differ only
+    in how a call reaches the engine."""
+
     timeout: float
     #: the workers copy received tensors straight into the engine's tensors where they can
     #: (`streamsync.vllm.fastpath`); False: every tensor goes through vLLM's layerwise reload
     fast_path: bool = True
-    #: an update reached the engine since the round began: an abort must then mark it mixed
-    _touched: bool = False
     #: the engine's vLLM is this process's (an in-process LLM / AsyncLLM): its version is read here
     in_process: bool = False
     _info: VllmInfo | None = None
-    _stats: list[dict[str, Any]] | None = None  # what the workers said the round did, from its finish
     #: a push opens the round with its first update, in the same call (the worker extension's
     #: `streamsync_update`): engines whose updates reach the workers through a Python `collective_rpc`
     open_with_first_update: bool = False
-    #: a push to this engine alone ends the round with its last chunk, in the same call (`end_with_chunk`)
+    #: a push to this engine alone ends the round with its last chunk, in the same call (`fold_round`)
     end_with_last_update: bool = False
-    _end_at: int | None = None  # the chunk whose update ends the round
-    _ended = False  # ... and it did
-    _open_pending = False  # defer_start() was asked and no update has opened the round yet
-    _reset_asked = False  # the next finish carries the prefix-cache reset (`core_rpc`)
-    _reset_done: bool | None = None  # what the engine core answered of that reset (None: not done there)
+
+    @cached_property
+    def _round(self) -> _Round:
+        return _Round()
 
     async def locate(self) -> None:
         """At connect: learn the engine's vLLM (`vllm_info`), refusing one outside the supported range."""
@@ -146,28 +176,29 @@ class _Guarded(WorkerQueries, Engine):
         """Why the engine is known to be dead, or None (alive, or it cannot tell)."""
         return None
 
-    async def _finish(self, version: str | None) -> None:
+    async def _finish(self, version: str | None) -> Finished:
         """End the open round; the engine then reports `version` (None: what it reported before)."""
         native = (await self.vllm_info()).native_versions
         push_version = version is not None and version.isdigit()
         if native and not push_version and self.workers == 1:  # a mark or nothing: vLLM's own finish sets it
             # (several workers: the extension's finish below, which every worker answers; `answers`)
-            self._reset_asked, self._reset_done = False, None
+            self._round.reset_asked = False
             await self._vllm_finish(version)
-            return
+            return Finished()
         # Where the workers keep it, a mark (a failed round's "mixed:N") is set before the round ends, so the
         # finish commits nothing of that round; a push's version is committed by the finish itself (every chunk
         # carried it), and set after it where no chunk reached the engine.
         if not native and version is not None and not push_version:
             await self._set_version(version)
         # vLLM's finish, called in the workers by streamsync's extension, which answers with what the round did
-        # there (`round_stats` then asks nothing), and in the same call (`streamsync.vllm.core_rpc`) vLLM's own
-        # version where it keeps one and, asked, the prefix-cache reset the push ends with
-        reset = self._reset_asked and push_version
-        await self._ended_with(await self.rpc("streamsync_finish_update", *self._asks(version, native, reset)),
-                               reset, version if native else None)
-        if not native and push_version and not self._touched:
+        # there (`Finished.stats`), and in the same call (`streamsync.vllm.core_rpc`) vLLM's own version where it
+        # keeps one and, asked, the prefix-cache reset the push ends with
+        reset = self._round.reset_asked and push_version
+        done = await self._answered(await self.rpc("streamsync_finish_update", *self._asks(version, native, reset)),
+                                      reset, version if native else None)
+        if not native and push_version and not self._round.touched:
             await self._set_version(str(version))
+        return done
 
     @staticmethod
     def _asks(version: str | None, native: bool | None, reset: bool) -> list[str]:
@@ -175,33 +206,28 @@ class _Guarded(WorkerQueries, Engine):
         return ([core_rpc.VERSION + str(version)] if native and version is not None else []) + (
             [core_rpc.RESET] if reset else [])
 
-    async def _ended_with(self, got: list[Any], reset: bool, native_version: str | None) -> None:
+    async def _answered(self, got: list[Any], reset: bool, native_version: str | None) -> Finished:
         """The workers' answers to a round's end: their round stats, the engine core's cache reset (asked) and
         vLLM's version (`native_version`), set here where the engine core did not (no `core_rpc` there)."""
-        self._reset_asked, self._reset_done = False, None
-        self._stats = [x for x in got if isinstance(x, dict)] or None
-        answers = [x.get("cache_reset") for x in self._stats or ()]
-        if reset and answers and all(isinstance(a, bool) for a in answers):
-            self._reset_done = all(answers)
+        self._round.reset_asked = False
+        stats = tuple(x for x in got if isinstance(x, dict)) or None
+        answers = [x.get("cache_reset") for x in stats or ()]
+        done = all(answers) if reset and answers and all(isinstance(a, bool) for a in answers) else None
         if native_version is not None and not (
-                self._stats and all(x.get("weight_version") == native_version for x in self._stats)):
+                stats and all(x.get("weight_version") == native_version for x in stats)):
             await self._vllm_set_version(native_version)
+        return Finished(cache_reset=done, stats=stats)
 
-    def reset_with_finish(self, reset: bool) -> None:
-        self._reset_asked = reset
-
-    def end_with_chunk(self, chunk: int | None) -> bool:
-        self._ended = False
-        ok = chunk is not None and self.end_with_last_update and self._info is not None
-        self._end_at = chunk if ok else None
-        return ok
-
-    def finished_reset(self) -> bool | None:
-        done, self._reset_done = self._reset_done, None
-        return done
-
-    def round_answered(self) -> bool:
-        return self._stats is not None
+    def fold_round(self, plan: RoundPlan) -> bool:
+        """The round opens with the first update where the updates reach the workers through a Python
+        `collective_rpc` (`open_with_first_update`), ends with the last chunk's update where this engine is the
+        push's only one and can (`end_with_last_update`), and the finish carries the cache reset."""
+        self._round.reset_asked = plan.reset_cache
+        self._round.ended = None
+        ends = plan.last_chunk is not None and self.end_with_last_update and self._info is not None
+        self._round.end_at = plan.last_chunk if ends else None
+        self._round.open_pending = self.open_with_first_update
+        return self._round.open_pending
 
     async def _set_version(self, version: str) -> None:
         if (await self.vllm_info()).native_versions:
@@ -258,21 +284,17 @@ class _Guarded(WorkerQueries, Engine):
     async def _start(self) -> None:
         raise NotImplementedError
 
-    def defer_start(self) -> bool:
-        self._open_pending = self.open_with_first_update
-        return self._open_pending
-
     async def _opened(self) -> None:
         """A deferred start that no update made: open the round now (a finish needs one to end)."""
-        if self._open_pending:
-            self._open_pending = False
+        if self._round.open_pending:
+            self._round.open_pending = False
             await self.start_update()
 
     async def update(self, message: UpdateMessage | Mapping[str, Any]) -> None:
-        self._touched = True
+        self._round.touched = True
         info = wire(message)
-        opening, self._open_pending = self._open_pending, False
-        ending = self._end_at is not None and info.get("chunk") == self._end_at
+        opening, self._round.open_pending = self._round.open_pending, False
+        ending = self._round.end_at is not None and info.get("chunk") == self._round.end_at
         if opening:
             try:
                 await self._fused(info, True, ending)
@@ -291,19 +313,17 @@ class _Guarded(WorkerQueries, Engine):
     async def _fused(self, info: dict[str, Any], opening: bool, ending: bool) -> None:
         """One chunk through the extension's `streamsync_update`: the round opened before it and/or ended after
         it (with the cache reset, asked) in the same call into the engine."""
-        reset = ending and self._reset_asked
+        reset = ending and self._round.reset_asked
         native = self._info is not None and self._info.native_versions
         version = str(info.get("version")) if ending and native else None
         got = await self.rpc("streamsync_update", {"streamsync": info}, "open" if opening else "",
                              "end" if ending else "", *self._asks(version, native, reset))
         if ending:
-            self._ended, self._end_at = True, None
-            await self._ended_with(got, reset, version)
+            self._round.end_at = None
+            self._round.ended = await self._answered(got, reset, version)
 
     async def _update(self, update_info: dict[str, Any]) -> None:
         raise NotImplementedError
-
-    takes_prime = True
 
     async def prime(self, message: Mapping[str, Any]) -> bool:
         """Every worker maps the chunk's references and, on a GPU, captures the fast path's copies of them as the
@@ -311,24 +331,25 @@ class _Guarded(WorkerQueries, Engine):
         got = await self.rpc("streamsync_prime", {"streamsync": dict(message)})
         return bool(got) and all(bool(g) for g in got)
 
-    async def finish_update(self, version: int) -> None:
-        if self._ended:  # the last chunk's update ended the round (`end_with_chunk`): its version is committed
-            self._ended = self._touched = False
-            return
+    async def finish_update(self, version: int) -> Finished:
+        if self._round.ended is not None:  # the last chunk's update ended the round (`fold_round`): version committed
+            done, self._round.ended, self._round.touched = self._round.ended, None, False
+            return done
         await self._opened()
-        await self._finish(str(version))
-        self._touched = False
+        done = await self._finish(str(version))
+        self._round.touched = False
+        return done
 
     async def abort_update(self, version: int | None = None) -> None:
         """End the round (vLLM finalizes the layerwise reload: layers nothing reached keep their old weights).
         If any chunk reached the engine, its version becomes "mixed:<version>": it holds neither version."""
-        mark = f"{MIXED}{version if version is not None else ''}" if self._touched else None
-        if self._open_pending:  # deferred and never opened: there is no round to end
-            self._open_pending = False
+        mark = f"{MIXED}{version if version is not None else ''}" if self._round.touched else None
+        if self._round.open_pending:  # deferred and never opened: there is no round to end
+            self._round.open_pending = False
             return
-        self._end_at = None
-        if self._ended:  # the round ended with the last chunk; the push failed after it: mark it all the same
-            self._ended = self._touched = False
+        self._round.end_at = None
+        if self._round.ended is not None:  # the round ended with the last chunk; the push failed after it: mark it
+            self._round.ended, self._round.touched = None, False
             if mark is not None:
                 await self._set_version(mark)
             return
@@ -339,7 +360,7 @@ class _Guarded(WorkerQueries, Engine):
             # but the engine still reports the old version, so mark it.
             if mark is not None:
                 await self._set_version(mark)
-        self._touched = False
+        self._round.touched = False
 
     async def get_version(self) -> int | None:
         return (await self.state()).version
@@ -351,10 +372,6 @@ class _Guarded(WorkerQueries, Engine):
         return {**init_info, "fast_path": self.fast_path}
 
     async def round_stats(self) -> list[dict[str, Any]] | None:
-        """What the last round did in each worker (`streamsync.vllm.stats`), or None before any: as the round's
-        finish answered it, where it did."""
-        if self._stats is not None:
-            got, self._stats = self._stats, None
-            return got
+        """What the last round did in each worker (`streamsync.vllm.stats`), or None before any."""
         got = [x for x in await self.rpc("streamsync_round_stats") if isinstance(x, dict)]
         return got or None

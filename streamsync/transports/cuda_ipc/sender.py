@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
+from ...engines.abilities import Primable
 from ...errors import TransportError, ValidationError
 from ...log import get_logger
 from ...message import ChunkHandle, Recipient, UpdateMessage
@@ -137,7 +138,7 @@ class CudaIpcTransport(Transport):
         self._freed_seen = freed
 
     def begin_prime(self, source: Source, engines: Sequence[Engine]) -> bool:
-        if not (self.one_copy and any(e.takes_prime for e in engines)) or not torch.cuda.is_available():
+        if not (self.one_copy and any(isinstance(e, Primable) for e in engines)) or not torch.cuda.is_available():
             return False
         seen = self._freed_seen
         self._begin_refs(source, engines)

@@ -5,7 +5,7 @@ The group holds every trainer rank (ranks 0..T-1, as in the trainer's default gr
 `TCPStore` that trainer rank 0 hosts on `master_addr`, never registered with torch.distributed, so neither
 the trainer's default group nor vLLM's is touched. Every trainer rank takes part: `WeightSync.connect` and
 `push` run this transport on ranks without engines too (`Transport.every_rank`), and trainer rank 0, which
-holds the engines, broadcasts the rendezvous and the engines' layouts (`Engine.layout`) to the others over
+holds the engines, broadcasts the rendezvous and the engines' layouts (`Sharded.layout`) to the others over
 the default group.
 
 A push is planned by `sources.sharded.ShardedSource` (`plan.shards.plan_transfers`): bucket i is chunk i of

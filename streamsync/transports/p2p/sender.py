@@ -12,6 +12,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
+from ...engines.abilities import Sharded
 from ...errors import EngineError, StreamSyncError, TransportError, ValidationError
 from ...log import get_logger
 from ...message import ChunkHandle, Recipient, UpdateMessage
@@ -136,7 +137,7 @@ class P2pTransport(Transport):
             layouts = []
             with anyio.fail_after(timeout):
                 for e in engines:
-                    layouts.append((e.name, e.workers, await e.layout()))
+                    layouts.append((e.name, e.workers, await e.layout() if isinstance(e, Sharded) else None))
             world = self.world + sum(e.workers for e in engines)
             self._store = host_store(self.master_addr, self.master_port, world, gtimeout)
             meta = {"group": f"streamsync-p2p-{uuid.uuid4().hex[:12]}", "backend": backend, "world": world,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
+from ...engines.abilities import Primable
 from ...errors import TransportError
 from ...log import get_logger
 from ...message import ChunkHandle, Recipient, UpdateMessage
@@ -112,7 +113,7 @@ class ShmTransport(Transport):
         self.pool.begin(self.pool.size if self.refs.persistent else max(p.nbytes for p in plans))
 
     def begin_prime(self, source: Source, engines: Sequence[Engine]) -> bool:
-        if not (self.one_copy and any(e.takes_prime for e in engines)):
+        if not (self.one_copy and any(isinstance(e, Primable) for e in engines)):
             return False
         self.refs.begin_push(self._shareable(source))
         return bool(self.refs.persistent)

@@ -145,7 +145,7 @@ class FastPath:
         return self.plan, True
 
     def layout(self) -> list[list[Any]] | None:
-        """[[HF name, box as JSON], ...]: the part of every checkpoint tensor this worker reads (`Engine.layout`,
+        """[[HF name, box as JSON], ...]: the part of every checkpoint tensor this worker reads (`Sharded.layout`,
         for sharded sending), from where its own loaders write (the traced plan): the box around what a
         name's copies read; a name that loads layerwise or could not be traced, its whole tensor. None without a
         plan (the names are not known yet)."""
