@@ -272,6 +272,49 @@ async def test_a_failed_delta_push_leaves_the_engine_mixed_and_the_next_push_is_
         await sync.close()
 
 
+async def test_a_worker_killed_mid_apply_leaves_its_engine_mixed_and_the_next_push_full(trainer, specs):
+    """An engine of two receiving processes (`WorkerGroup`, a rank each in the gloo group) takes a delta push; one
+    worker is killed (SIGKILL) while it applies a chunk. The push fails within its timeout naming the engine, the
+    sync holds the engine mixed, the surviving worker claims no version, and once the dead worker is back (a fresh
+    process, nothing held) the same sync pushes in full, bit for bit on both, and deltas again after that."""
+    from streamsync.testing.sliced import WorkerGroup
+
+    with ReceiverProcess(str(specs), name="w0", threads=1) as w0, \
+            ReceiverProcess(str(specs), name="w1", threads=1, delay=0.3) as w1:
+        group = WorkerGroup([w0.engine(timeout=20), w1.engine(timeout=20)], name="two")
+        sync = WeightSync([group], transport=_gloo(), chunk_bytes=1 << 20, timeout=20, source_options=BF16, delta=True)
+        assert (await sync.push(trainer.model)).delta.mode == "full"
+        trainer.step()
+
+        async def kill_mid_apply() -> None:
+            await anyio.sleep(0.45)  # worker 1 is inside a chunk's update (0.3 s each)
+            w1.kill()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kill_mid_apply)
+            with anyio.fail_after(120), pytest.raises(PushError, match="'two'"):
+                await sync.push(trainer.model)
+        # The engine owed that chunk's answer: it is not asked to abort (that would hold the error back by another
+        # timeout) and keeps the round open; the surviving worker claims no version, old or new.
+        assert sync.mixed == {"two": 2} and "two" in sync.open_rounds
+        survivor = await group.members[0].state()
+        assert survivor.version is None and (survivor.mixed or survivor.updating), survivor
+
+        with ReceiverProcess(str(specs), name="w1b", threads=1) as back:
+            group.members[1] = back.engine(timeout=20)
+            await sync.close()  # the broadcast group lost a rank: connect again
+            report = await sync.push(trainer.model)
+            assert report.delta.mode == "full", report.delta  # (connecting again forgot the base in any case)
+            want = digests(trainer.served().items())
+            assert [await m.checksums() for m in group.members] == [want, want]
+            assert not (await group.state()).mixed
+            trainer.step()
+            assert (await sync.push(trainer.model)).delta.mode == "delta"
+            want = digests(trainer.served().items())
+            assert [await m.checksums() for m in group.members] == [want, want]
+            await sync.close()
+
+
 async def test_a_cancelled_delta_push_leaves_the_engine_mixed_and_the_next_push_is_full(trainer, specs):
     with ReceiverProcess(str(specs), name="rx-cancel", threads=1, delay=0.4) as rp:
         engine = rp.engine()

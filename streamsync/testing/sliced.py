@@ -163,7 +163,21 @@ class WorkerGroup(Engine, Sharded, KeepsDeltaBase, ReadsBack, Pausable):
         await self._each(lambda i, m: m.finish_update(version))
 
     async def abort_update(self, version: int | None = None) -> None:
-        await self._each(lambda i, m: m.abort_update(version))
+        """Every worker's round ends whatever another worker's abort does (a dead worker's fails): a failure is
+        raised once every worker was asked, so a live worker never keeps a failed push's round open."""
+        failed: list[EngineError] = []
+
+        async def one(i: int, m: ReceiverEngine) -> None:
+            try:
+                await m.abort_update(version)
+            except Exception as e:
+                failed.append(EngineError(self.name, f"worker {i} ({m.name}): {e}"))
+
+        async with anyio.create_task_group() as tg:
+            for i, m in enumerate(self.members):
+                tg.start_soon(one, i, m)
+        if failed:
+            raise failed[0]
 
     async def state(self) -> EngineState:
         states = await self._each(lambda i, m: m.state())
