@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import quantizations
+
 #: vLLM versions streamsync supports: `MIN` <= version < `BELOW` (pyproject's `vllm` extra declares the same)
 MIN = (0, 25)
 BELOW = (0, 40)
@@ -112,12 +114,10 @@ def deferred_attention(layer: Any) -> bool:
     return bool(is_deferred_attention_layer(layer))
 
 
-#: vLLM quantization methods that take a push of unquantized (bf16/fp16/fp32) weights: they quantize weights as
-#: they load them ("online", from an unquantized checkpoint), so a reload makes what loading the same weights from
-#: disk makes (checked bit for bit on the H200: tests/test_vllm_gpu.py). "fp8_per_tensor" is vLLM 0.32's name for
-#: the same method. Every other method, and these from a checkpoint already quantized, is refused: most load
-#: quantized tensors only; vLLM's other online methods have not been checked against a load from disk.
-ONLINE_QUANTIZATION = ("fp8", "fp8_per_tensor")
+#: vLLM quantization methods that take a push of unquantized (bf16/fp16/fp32) weights (`quantizations`). Every
+#: other method, and these from a checkpoint already quantized, is refused: most load quantized tensors only;
+#: vLLM's other online methods have not been checked against a load from disk.
+ONLINE_QUANTIZATION = quantizations.NAMES
 
 
 def capabilities(model_config: Any = None, model: Any = None) -> dict[str, Any]:

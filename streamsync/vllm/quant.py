@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .quantizations import FP8_PER_TENSOR
+
 FP8_MAX = 448.0
 #: experts quantized per pass (fp32 temporaries of this many experts at a time)
 GROUP = 16
@@ -40,7 +42,7 @@ def fp8_experts_rebuildable(layer: torch.nn.Module) -> bool:
     """Whether `layer` is a fused-MoE layer under vLLM's online per-tensor fp8 on a Triton backend."""
     method = getattr(layer, "quant_method", None)
     backend = getattr(getattr(method, "fp8_backend", None), "name", None)
-    return type(method).__name__ == "Fp8PerTensorOnlineMoEMethod" and backend in _PLAIN_BACKENDS
+    return type(method).__name__ == FP8_PER_TENSOR.moe and backend in _PLAIN_BACKENDS
 
 
 _BLOCK = 4096  # elements a kernel program quantizes

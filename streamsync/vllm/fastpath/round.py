@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..quantizations import FP8_PER_TENSOR
 from .plan import Plan, _Op
 from .trace import _TB, Slots, Weights, _expert_layout, _place, _tensors
 
@@ -222,7 +223,7 @@ class FastRound:
 
 
 def _fp8_linear(layer: torch.nn.Module) -> bool:
-    return type(getattr(layer, "quant_method", None)).__name__ == "Fp8PerTensorOnlineLinearMethod"
+    return type(getattr(layer, "quant_method", None)).__name__ == FP8_PER_TENSOR.linear
 
 
 def _layout(params: Slots) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]]:

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...plan.chunking import layer_index
-from .. import compat
+from .. import compat, quantizations
 
 _TB = torch._C.TensorBase
 
@@ -310,7 +310,7 @@ _PLAIN_MOE_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON"})
 #: processing after a load quantizes the loaded bf16 tensors (one scale per merged linear weight, per expert for
 #: the experts) into fresh fp8 tensors, a pure function of what was loaded, so a module rebuilt through it holds
 #: exactly what vLLM's own reload of the same weights makes
-_ONLINE_FP8 = frozenset({"Fp8PerTensorOnlineLinearMethod", "Fp8PerTensorOnlineMoEMethod"})
+_ONLINE_FP8 = quantizations.LAYER_METHODS
 
 
 def module_mode(mod: torch.nn.Module) -> tuple[Mode, str]:
