@@ -134,6 +134,55 @@ class BroadcastHandle:
         return cls(got_group, got_seq, size, ordered)
 
 
+#: pieces one sending rank may send one worker in one chunk
+MAX_PIECES = 1 << 20
+
+
+@dataclass(frozen=True)
+class P2PHandle:
+    """A p2p chunk's handle (`UpdateMessage.handle`): its group, its sequence number, and per worker what each
+    sending rank sends it (`recv`: worker -> [[src rank, bytes, pieces]]; the pieces are checked where the worker
+    reads them). Written by the sender with `to_wire`, checked once by each receiver with `parse` and `segments`."""
+
+    group: str
+    seq: int
+    recv: Mapping[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"group": self.group, "seq": self.seq, "recv": self.recv}
+
+    @classmethod
+    def parse(cls, h: object, group: str, seq: int) -> P2PHandle:
+        """`h` checked against the receiver's `group` and the sequence number it expects."""
+        if not isinstance(h, Mapping):
+            raise ValidationError(f"p2p handle must be {{group, seq, recv}}, got {h!r:.200}")
+        got_group, got_seq = ticket(h, "p2p", group, seq)
+        recv = h.get("recv")
+        if not isinstance(recv, Mapping):
+            raise ValidationError(f"p2p handle 'recv' must be a dict of worker -> segments, got {recv!r:.120}")
+        return cls(got_group, got_seq, recv)
+
+    def segments(self, worker: int, ranks: int) -> list[tuple[int, int, list[Any]]]:
+        """Worker `worker`'s receive list from `ranks` sending ranks: (sending rank, bytes, its pieces)."""
+        mine = self.recv.get(str(worker), [])
+        if not isinstance(mine, list):
+            raise ValidationError(f"p2p handle: worker {worker}'s segments must be a list, got {mine!r:.120}")
+        out = []
+        seen: set[int] = set()
+        for seg in mine:
+            if not (isinstance(seg, list) and len(seg) == 3 and type(seg[0]) is int and type(seg[1]) is int
+                    and isinstance(seg[2], list) and len(seg[2]) <= MAX_PIECES):
+                raise ValidationError(f"p2p segment must be [src rank, nbytes, pieces], got {seg!r:.120}")
+            src, nbytes, pieces = seg
+            if not 0 <= src < ranks or src in seen:
+                raise ValidationError(f"p2p segment from trainer rank {src}: not one of {ranks} ranks, or twice")
+            seen.add(src)
+            if not 0 < nbytes < 1 << 45:
+                raise ValidationError(f"p2p segment from rank {src}: size {nbytes} out of range")
+            out.append((src, nbytes, pieces))
+        return out
+
+
 def ticket(h: Mapping[str, Any], kind: str, group: str, seq: int) -> tuple[str, int]:
     """A chunk handle's (group, sequence number), refused unless they are the receiver's `group` and the `seq` it
     expects next: the part of every collective and p2p handle a receiver checks before it enters a collective."""

@@ -14,14 +14,12 @@ from ...errors import TransportError, ValidationError
 from ...pack import Layout, TensorSpec, dtype_from_name, plan_layout, unpack
 from ...plan.shards import Box
 from ..base import Receiver
-from ..collective.group import CLOSE_TIMEOUT, GroupInit, dispose, join_group, ticket
+from ..collective.group import CLOSE_TIMEOUT, GroupInit, P2PHandle, dispose, join_group
 from ..cuda_ipc.driver import map_storage
 from .ipc import MSG_BYTES, colocated, decode_ref, gpu_of, publish_gpu, read_gpus
 
 if TYPE_CHECKING:
     from ...receiver.base_copy import BaseCopy
-
-_MAX_PIECES = 1 << 20
 
 
 class P2pReceiver(Receiver):
@@ -81,43 +79,17 @@ class P2pReceiver(Receiver):
             current = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return current
 
-    def _segments(self, h: dict[str, Any]) -> list[tuple[int, int, list[Any]]]:
-        """This worker's receive list: (sending rank, bytes, its pieces unchecked: `views` checks them)."""
-        recv = h.get("recv")
-        if not isinstance(recv, dict):
-            raise ValidationError(f"p2p handle 'recv' must be a dict of worker -> segments, got {recv!r:.120}")
-        mine = recv.get(str(self.worker), [])
-        if not isinstance(mine, list):
-            raise ValidationError(f"p2p handle: worker {self.worker}'s segments must be a list, got {mine!r:.120}")
-        out = []
-        seen: set[int] = set()
-        for seg in mine:
-            if not (isinstance(seg, list) and len(seg) == 3 and type(seg[0]) is int and type(seg[1]) is int
-                    and isinstance(seg[2], list) and len(seg[2]) <= _MAX_PIECES):
-                raise ValidationError(f"p2p segment must be [src rank, nbytes, pieces], got {seg!r:.120}")
-            src, nbytes, pieces = seg
-            if not 0 <= src < self.trainer_ranks or src in seen:
-                raise ValidationError(f"p2p segment from trainer rank {src}: not one of {self.trainer_ranks} "
-                                      "ranks, or twice")
-            seen.add(src)
-            if not 0 < nbytes < 1 << 45:
-                raise ValidationError(f"p2p segment from rank {src}: size {nbytes} out of range")
-            out.append((src, nbytes, pieces))
-        return out
-
     @contextmanager
     def open(self, update_info: dict[str, Any], nbytes: int | None = None) -> Iterator[torch.Tensor]:
         """Receive every segment of this worker's part of the chunk; yield the buffer `views` assembles the
         chunk's whole tensors in (`nbytes`: the size of their layout)."""
-        h = update_info.get("handle")
-        if not isinstance(h, dict):
-            raise ValidationError(f"p2p handle must be {{group, seq, recv}}, got {h!r:.200}")
-        _, seq = ticket(h, "p2p", self.group, self._seq)
+        h = P2PHandle.parse(update_info.get("handle"), self.group, self._seq)
+        seq = h.seq
         if self._pg is None:
             raise TransportError("p2p receiver is closed")
         if nbytes is None or not 0 <= nbytes < 1 << 45:
             raise ValidationError(f"p2p open needs the chunk's layout size, got {nbytes!r:.40}")
-        segments = self._segments(h)
+        segments = h.segments(self.worker, self.trainer_ranks)
         self._seq += 1
         d = update_info.get("delta")
         self._rows = {}

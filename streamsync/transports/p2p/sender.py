@@ -24,6 +24,7 @@ from ..collective.group import (
     BACKENDS,
     CLOSE_TIMEOUT,
     GroupInit,
+    P2PHandle,
     broadcast,
     dispose,
     host_store,
@@ -273,8 +274,8 @@ class P2pTransport(Transport):
             raise TransportError(f"p2p group is unusable ({self._broken}); the next push rebuilds it")
         seq = self._seq
         self._seq += 1
-        source = self._source
-        assert source is not None
+        source, group = self._source, self._group
+        assert source is not None and group is not None
         out = []
         for i in range(engines):
             name = self._layouts[i][0]
@@ -290,7 +291,7 @@ class P2pTransport(Transport):
                 js = layout.to_json()
                 hit = self._handles[key] = (recv, layout, js, layout_key(js))
             recv, layout, js, lkey = hit
-            out.append(ChunkHandle({"group": self._group, "seq": seq, "recv": recv}, layout, js, lkey))
+            out.append(ChunkHandle(P2PHandle(group, seq, recv).to_wire(), layout, js, lkey))
         buf.handle = {"seq": seq}
         return out
 
