@@ -162,3 +162,18 @@ async def test_the_engine_call_thread_answers_fails_times_out_and_ends_idle(monk
         await anyio.sleep(0.05)
     assert caller._thread is None  # idle: ended
     assert await caller.call(engine, "again", lambda: "served") == "served"
+
+
+def test_each_quantization_table_names_what_the_installed_vllm_has():
+    """`vllm.quantizations`: every method name a push accepts is one vLLM's `quantization=` knows, and the layer
+    method classes each table names (the fast path and the kernels key on them) exist in vLLM's online fp8."""
+    pytest.importorskip("vllm")
+    import vllm.model_executor.layers.quantization.online.fp8 as online
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    from streamsync.vllm import quantizations
+
+    assert set(quantizations.NAMES) <= set(QUANTIZATION_METHODS)
+    for method in quantizations.ONLINE:
+        assert isinstance(getattr(online, method.linear, None), type), method.linear
+        assert isinstance(getattr(online, method.moe, None), type), method.moe
