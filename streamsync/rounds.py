@@ -130,12 +130,13 @@ class EngineGroup:
             try:
                 if fused is not None:
                     done[e.name] = fused
-                elif not isinstance(e, CachesPrefixes):
-                    done[e.name] = True
                 else:
-                    with anyio.fail_after(self.timeout):
-                        done[e.name] = await e.reset_cache()
-                    if trace is not None:
+                    if isinstance(e, CachesPrefixes):
+                        with anyio.fail_after(self.timeout):
+                            done[e.name] = await e.reset_cache()
+                    else:
+                        done[e.name] = True
+                    if trace is not None:  # also where nothing was cached: every engine's lane shows the push's end
                         trace.add_span("engine.cache_reset", -1, start, trace.now(), 0, e.name)
             except Exception as err:
                 log.warning("prefix cache reset failed", engine=e.name, error=str(err))
