@@ -30,7 +30,7 @@ from streamsync.checksum import digests  # noqa: E402
 from streamsync.engines.vllm import VllmEngine, engine_kwargs  # noqa: E402
 from streamsync.models.megatron import export_hf_async, hf_config, megatron_from_hf  # noqa: E402
 from streamsync.models.tiny import TINY, make_tiny  # noqa: E402
-from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, reference_checkpoint, trainer_from  # noqa: E402
+from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, reference_checkpoint, reference_llm, trainer_from  # noqa: E402
 from streamsync.transports.collective import CollectiveTransport  # noqa: E402
 from streamsync.verify import check_prompts, compare_engines  # noqa: E402
 
@@ -100,8 +100,7 @@ async def test_three_pushes_leave_the_engine_as_loading_the_same_checkpoint_from
         # the checkpoint's bf16 gate as it loads: those take vLLM's reload path, the rest the fast path, and the
         # report says so
         assert report.engine_paths["pushed"] == ("fast" if model_type == "glm4" else "mixed"), report.engine_rounds
-        loaded_llm = vllm.LLM(model=str(refs[step]), **ENGINE_ARGS, **engine_kwargs())
-        try:
+        with reference_llm(refs[step]) as loaded_llm:
             loaded = VllmEngine(loaded_llm, name="loaded")
             got, want = await pushed.weight_digests(), await loaded.weight_digests()
             assert set(got) == set(want)
@@ -109,8 +108,6 @@ async def test_three_pushes_leave_the_engine_as_loading_the_same_checkpoint_from
             assert not differ, f"{model_type} push {step}: {len(differ)} engine tensors differ, e.g. {differ[:4]}"
             check = await compare_engines(pushed, loaded, prompts, max_tokens=8, as_served=True)
             assert check.ok, f"{model_type} push {step}: {check}"
-        finally:
-            loaded_llm.llm_engine.engine_core.shutdown()
     await sync.close()
 
     # Deltas through gloo (routed and shared experts, the float32 expert bias, MLA's derived matrices): step 2 in
@@ -165,21 +162,21 @@ async def test_a_trainers_mtp_layer_is_reported_as_not_loaded_by_an_engine_witho
     trainer = megatron_from_hf(ref)
     assert any(n.startswith("mtp.layers.") for n, _ in trainer[0].named_parameters())
     cpu_env()
-    llms = [vllm.LLM(model=str(d), **ENGINE_ARGS, **engine_kwargs()) for d in (start, ref)]
+    pushed_llm = vllm.LLM(model=str(start), **ENGINE_ARGS, **engine_kwargs())
     try:
-        pushed, loaded = VllmEngine(llms[0], name="pushed"), VllmEngine(llms[1], name="loaded")
+        pushed = VllmEngine(pushed_llm, name="pushed")
         sync = WeightSync([pushed], chunk_bytes=1 << 20)
         report = await sync.push(trainer, version=1)
         n = int(TINY["deepseek_v3"]["num_hidden_layers"])
         mtp = [name for name in report.not_loaded["pushed"]]
         assert mtp and all(name.startswith(f"model.layers.{n}.") for name in mtp)
         assert f"model.layers.{n}.eh_proj.weight" in mtp and f"model.layers.{n}.enorm.weight" in mtp
-        got, want = await pushed.weight_digests(), await loaded.weight_digests()
-        assert got == want
         await sync.close()
+        with reference_llm(ref) as loaded_llm:
+            got, want = await pushed.weight_digests(), await VllmEngine(loaded_llm, name="loaded").weight_digests()
+        assert got == want
     finally:
-        for llm in llms:
-            llm.llm_engine.engine_core.shutdown()
+        pushed_llm.llm_engine.engine_core.shutdown()
 
 
 async def test_a_trainer_of_another_family_is_refused_before_any_byte_moves_naming_both(llm, tmp_path):

