@@ -122,6 +122,28 @@ def server(model_dir, tmp_path_factory):
         yield s
 
 
+@pytest.fixture(scope="session")
+def tied_model_dir(tmp_path_factory) -> str:
+    """The tiny Qwen3 with its output layer tied to the embedding."""
+    from streamsync.models.tiny import make_tiny_qwen3
+
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
+def tied_server(tied_model_dir, tmp_path_factory):
+    """`vllm serve` of the tied model, logging vLLM's info lines too (what its workers print on each push)."""
+    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.testing.vllm import cpu_env
+
+    cpu_env()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_LOGGING_LEVEL", "INFO")  # in the server's environment only
+        server = VllmServer(tied_model_dir, log=tmp_path_factory.mktemp("serve") / "vllm-serve-tied.log")
+    with server:
+        yield server
+
+
 @pytest.fixture
 def cuda_mixed(tmp_path):
     model = StateModule(mixed_specs(), fill="random", seed=7, device="cuda")

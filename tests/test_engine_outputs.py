@@ -17,8 +17,7 @@ vllm = pytest.importorskip("vllm")
 
 from streamsync import WeightSync  # noqa: E402
 from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, VllmHttpEngine, engine_kwargs  # noqa: E402
-from streamsync.engines.vllm_server import VllmServer  # noqa: E402
-from streamsync.models.tiny import TINY_QWEN3, make_tiny_qwen3  # noqa: E402
+from streamsync.models.tiny import TINY_QWEN3  # noqa: E402
 from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, trainer_from  # noqa: E402
 from streamsync.verify import load_reference, long_prompt, verify_outputs  # noqa: E402
 from streamsync.vllm.digests import expected_digests  # noqa: E402
@@ -28,12 +27,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPT = long_prompt(TINY_QWEN3["vocab_size"], 200)
 
 
-# Tied engines live for this module only (the untied ones are the session's, shared with other files).
-@pytest.fixture(scope="module")
-def tied_model_dir(tmp_path_factory) -> str:
-    return str(make_tiny_qwen3(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True))
-
-
+# The tied in-process engines live for this module only (the untied ones and both servers are the session's,
+# shared with other files).
 @pytest.fixture(scope="module")
 def tied_llm(tied_model_dir):
     cpu_env()
@@ -51,13 +46,6 @@ async def tied_async_llm(tied_model_dir):
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=tied_model_dir, **ENGINE_ARGS, **engine_kwargs()))
     yield engine
     engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tied_server(tied_model_dir, tmp_path_factory):
-    cpu_env()
-    with VllmServer(tied_model_dir, log=tmp_path_factory.mktemp("serve") / "vllm-serve-tied.log") as s:
-        yield s
 
 
 async def _three_pushes(engine, model_dir: str) -> None:

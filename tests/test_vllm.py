@@ -349,26 +349,19 @@ async def test_tensors_larger_than_a_chunk_are_split_by_rows_and_reassembled_bit
     await sync.close()
 
 
-async def test_a_push_into_vllm_serve_logs_no_harmless_failed_to_load_warnings(tmp_path, monkeypatch):
+async def test_a_push_into_vllm_serve_logs_no_harmless_failed_to_load_warnings(tied_server, tied_model_dir):
     """A tied model: every layer's rotary embedding and the tied head warned on every push before the worker's
-    filter (streamsync.vllm.reload.ExpectedReloadMisses)."""
-    from streamsync.engines.vllm_server import VllmServer
-    from streamsync.models.tiny import make_tiny_qwen3
-    from streamsync.testing.vllm import cpu_env
-
-    cpu_env()
-    tied = str(make_tiny_qwen3(tmp_path / "cache", tie_word_embeddings=True))
-    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # the worker's info lines show its output reaches the log
-    log = tmp_path / "serve.log"
-    with VllmServer(tied, log=log) as server:
-        engine = VllmHttpEngine(server.url, name="serve-tied")
-        sync = WeightSync([engine], chunk_bytes=1 << 20)
-        for step in (1, 2):
-            report = await sync.push(trainer_from(tied, step=step))
-        assert await engine.get_version() == report.version
-        await _assert_bit_exact(engine, trainer_from(tied, step=2))
-        await sync.close()
-    text = log.read_text()
+    filter (streamsync.vllm.reload.ExpectedReloadMisses). The server logs vLLM's info lines: the worker's show
+    that its output reaches the log."""
+    engine = VllmHttpEngine(tied_server.url, name="serve-tied")
+    sync = WeightSync([engine], chunk_bytes=1 << 20)
+    for step in (1, 2):
+        report = await sync.push(trainer_from(tied_model_dir, step=step))
+    assert await engine.get_version() == report.version
+    await _assert_bit_exact(engine, trainer_from(tied_model_dir, step=2))
+    await sync.close()
+    assert tied_server.log_path is not None
+    text = tied_server.log_path.read_text()
     assert "(Worker" in text and "Loading weights took" in text, text[-2000:]  # the worker's lines are here
     assert "Failed to load weights" not in text, [ln for ln in text.splitlines() if "Failed to load" in ln][:4]
 

@@ -21,21 +21,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def tied_dir(tmp_path_factory) -> str:
-    from streamsync.models.tiny import make_tiny_qwen3
-
-    return str(make_tiny_qwen3(tmp_path_factory.mktemp("cache"), tie_word_embeddings=True))
-
-
-@pytest.fixture(scope="module")
-def inproc_llm(tied_dir):
+def inproc_llm(tied_model_dir):
     from streamsync.engines.vllm import engine_kwargs
     from streamsync.testing.vllm import ENGINE_ARGS, cpu_env
 
     cpu_env()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        engine = vllm.LLM(model=tied_dir, **ENGINE_ARGS, **engine_kwargs(), distributed_executor_backend="uni")
+        engine = vllm.LLM(model=tied_model_dir, **ENGINE_ARGS, **engine_kwargs(), distributed_executor_backend="uni")
     yield engine
     del engine
 
@@ -50,9 +43,9 @@ async def _exact(engine, trainer) -> None:
     assert got == expected_digests(trainer.state_dict(), await engine.packed_modules())
 
 
-async def test_fast_and_layerwise_pushes_leave_identical_weights_in_a_tied_model(inproc_llm, tied_dir):
+async def test_fast_and_layerwise_pushes_leave_identical_weights_in_a_tied_model(inproc_llm, tied_model_dir):
     prompt = inproc_llm.get_tokenizer().encode("the model weight sync push chunk")
-    trainer, other = trainer_from(tied_dir, step=1), trainer_from(tied_dir, step=2)
+    trainer, other = trainer_from(tied_model_dir, step=1), trainer_from(tied_model_dir, step=2)
     fast = VllmEngine(inproc_llm, name="llm")
     sync = WeightSync([fast], chunk_bytes=1 << 20)
     report = await sync.push(trainer, version=1)
@@ -75,27 +68,27 @@ async def test_fast_and_layerwise_pushes_leave_identical_weights_in_a_tied_model
     await sync.close()
 
 
-async def test_a_changed_layout_is_traced_again_and_the_push_lands_in_the_new_tensors(inproc_llm, tied_dir):
+async def test_a_changed_layout_is_traced_again_and_the_push_lands_in_the_new_tensors(inproc_llm, tied_model_dir):
     """A module whose tensor was replaced (what a reload or a wake-up does) is found at the next round's start;
     the map is traced again and the push writes the tensor the model holds now."""
     engine = VllmEngine(inproc_llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
-    await sync.push(trainer_from(tied_dir, step=3), version=10)
+    await sync.push(trainer_from(tied_model_dir, step=3), version=10)
     norm = _worker(inproc_llm).model_runner.get_model().model.norm
     old = norm.weight
     norm.weight = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
-    trainer = trainer_from(tied_dir, step=4)
+    trainer = trainer_from(tied_model_dir, step=4)
     report = await sync.push(trainer, version=11)
     (r,) = report.engine_rounds
     assert r.traced and r.path == "fast"
     await _exact(engine, trainer)
     assert not torch.equal(norm.weight, old)  # the old tensor kept the old weights: the push went to the new one
-    report = await sync.push(trainer_from(tied_dir, step=5), version=12)
+    report = await sync.push(trainer_from(tied_model_dir, step=5), version=12)
     assert not report.engine_rounds[0].traced  # traced once per layout
     await sync.close()
 
 
-async def test_a_module_whose_loader_cannot_be_traced_loads_layerwise_and_exactly(inproc_llm, tied_dir):
+async def test_a_module_whose_loader_cannot_be_traced_loads_layerwise_and_exactly(inproc_llm, tied_model_dir):
     """A weight loader that computes on the tensor (here: multiplies it by one) cannot be replayed as copies:
     its decoder layer takes vLLM's layerwise reload, every other module the fast path, and the result is exact."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -115,7 +108,7 @@ async def test_a_module_whose_loader_cannot_be_traced_loads_layerwise_and_exactl
     engine = VllmEngine(inproc_llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
     try:
-        trainer = trainer_from(tied_dir, step=6)
+        trainer = trainer_from(tied_model_dir, step=6)
         report = await sync.push(trainer, version=20)
         (r,) = report.engine_rounds
         assert r.path == "mixed" and r.fast_tensors > 0 and r.layerwise_tensors > 0
@@ -133,13 +126,13 @@ async def test_a_module_whose_loader_cannot_be_traced_loads_layerwise_and_exactl
         # the next round trace again, now with the loader as vLLM made it
         norm = model.model.norm
         norm.weight = torch.nn.Parameter(norm.weight.detach().clone(), requires_grad=False)
-    report = await sync.push(trainer := trainer_from(tied_dir, step=7), version=21)
+    report = await sync.push(trainer := trainer_from(tied_model_dir, step=7), version=21)
     assert report.engine_paths == {"llm": "fast"} and report.engine_rounds[0].traced
     await _exact(engine, trainer)
     await sync.close()
 
 
-async def test_a_blocked_source_is_copied_as_it_is_never_through_a_reshaped_copy(inproc_llm, tied_dir):
+async def test_a_blocked_source_is_copied_as_it_is_never_through_a_reshaped_copy(inproc_llm, tied_model_dir):
     """Q, K and V of megatron's interleaved QKV are (groups, rows, hidden) views of one storage: the fast path's
     copies read them where they lie (the source of each copy is the sender's view itself) and fill exactly the
     rows of `qkv_proj` their HF tensors would."""
