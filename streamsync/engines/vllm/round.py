@@ -20,6 +20,7 @@ from ..abilities import (
     CachesPrefixes,
     Checkpointed,
     Family,
+    Finished,
     FoldsRound,
     Fused,
     Generates,
@@ -32,7 +33,6 @@ from ..abilities import (
     RoundPlan,
     Sharded,
 )
-from ..abilities import Finished as Finished
 from ..base import MIXED, Engine, EngineState, parse_version
 from .queries import WorkerQueries
 
