@@ -26,11 +26,13 @@ def inproc_llm(tied_model_dir):
     from streamsync.testing.vllm import ENGINE_ARGS, cpu_env
 
     cpu_env()
+    set_threads = torch.set_num_threads  # the CPU worker makes it a no-op in the process it runs in: this one
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         engine = vllm.LLM(model=tied_model_dir, **ENGINE_ARGS, **engine_kwargs(), distributed_executor_backend="uni")
     yield engine
     del engine
+    torch.set_num_threads = set_threads
 
 
 def _worker(llm):

