@@ -85,14 +85,26 @@ class Outcome:
         """Engine -> the tensors of this push it does not load (`Family.declined_layers`), said once per engine."""
         out: dict[str, list[str]] = {}
         for engine, declined in self.sync.planner.declined.items():
-            names = sorted({s.name for p in plans for s in p.specs if layer_index(s.name) in declined})
+            pushed = {s.name for p in plans for s in p.specs}
+            names = sorted(n for n in pushed if declined.declines(n))
             if names:
                 out[engine] = names
-                if engine not in self.warned_declined:
-                    self.warned_declined.add(engine)
-                    get_logger().warning("engine does not load some tensors of the push", engine=engine,
-                                         tensors=len(names), layers=f"{declined.start}..{declined.stop - 1}",
-                                         reason=declined.reason)
+            if engine in self.warned_declined:
+                continue
+            if names:
+                self.warned_declined.add(engine)
+                layers = [n for n in names if layer_index(n) in declined]
+                get_logger().warning("engine does not load some tensors of the push", engine=engine,
+                                     tensors=len(names),
+                                     **({"layers": f"{declined.start}..{declined.stop - 1}",
+                                         "reason": declined.reason} if layers else {}),
+                                     **({"names": sorted(set(names) - set(layers)), "why": declined.names_reason}
+                                        if len(layers) < len(names) else {}))
+            elif declined.optional[1] > declined.optional[0] and not any(map(declined.may_omit, pushed)):
+                self.warned_declined.add(engine)
+                get_logger().warning("the push carries no MTP layer: the engine's MTP draft model keeps the weights it "
+                                     "started with", engine=engine,
+                                     layers=f"{declined.optional[0]}..{declined.optional[1] - 1}")
         return out
 
     def delta_done(self, push: pipeline.Push, total: int, seconds: float) -> DeltaReport | None:

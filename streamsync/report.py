@@ -80,6 +80,8 @@ class EngineRound:
     replayed_chunks: CUDA graphs replayed (`fastpath.CapturedLoads`): one per chunk, or one per part where a chunk
                     both packs and references tensors (the parts are captured apart)
     replayed_tensors: the tensors those graphs copied (fast-path tensors not copied one by one)
+    draft_tensors:  tensors loaded into the engine's MTP draft model (an MTP layer's, through vLLM's layerwise
+                    reload of the draft; counted in layerwise_tensors too)
     """
 
     engine: str
@@ -99,6 +101,7 @@ class EngineRound:
     replayed_chunks: int = 0
     replayed_tensors: int = 0
     direct_modules: int = 0
+    draft_tensors: int = 0
 
     @classmethod
     def from_wire(cls, engine: str, d: Mapping[str, Any]) -> EngineRound:
@@ -127,7 +130,7 @@ class EngineRound:
                    num("layerwise_bytes"), num("rebuilt_modules"), bool(d.get("traced")), ms,
                    extra if isinstance(extra, int) and not isinstance(extra, bool) else None,
                    str(d.get("memory") or ""), tuple(phases), num("replayed_chunks"), num("replayed_tensors"),
-                   num("direct_modules"))
+                   num("direct_modules"), num("draft_tensors"))
 
     def to_dict(self) -> dict[str, Any]:
         # shallow (every field but `phase_ms` is immutable): `asdict` deep-copies the phases only to drop them

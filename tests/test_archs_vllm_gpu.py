@@ -29,7 +29,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from streamsync.engines.vllm import VllmEngine, engine_kwargs  # noqa: E402
 from streamsync.models.tiny import TINY, make_tiny  # noqa: E402
-from streamsync.testing.vllm import reference_checkpoint, stop_llm, trainer_from  # noqa: E402
+from streamsync.testing.vllm import reference_checkpoint, stop_llm, trainer_from, with_mtp_layer  # noqa: E402
 from streamsync.verify import check_prompts, compare_engines  # noqa: E402
 from streamsync.vllm.digests import expected_digests  # noqa: E402
 
@@ -111,6 +111,50 @@ async def test_three_colocated_pushes_leave_the_gpu_engine_as_loading_the_checkp
             prompts = check_prompts(int(TINY[model_type]["vocab_size"]), count=2)
             check = await compare_engines(pushed, loaded, prompts, max_tokens=8, as_served=True)
             assert check.ok, f"{model_type}: {check}"
+        finally:
+            stop_llm(loaded_llm)
+    finally:
+        if sync is not None:
+            await sync.close()
+        stop_llm(pushed_llm)
+
+
+MTP_DRAFT = {"method": "deepseek_mtp", "num_speculative_tokens": 1}
+
+
+@gpu
+async def test_a_trainers_mtp_layer_lands_in_the_gpu_engines_mtp_draft_model(tmp_path):
+    """A megatron-core DeepSeek-V3 trainer with an MTP layer on the GPU pushes into an engine running MTP
+    speculative decoding: after two pushes the main and the draft model hold what an engine started on the last
+    checkpoint holds, bit for bit (device digests), and both generate the same greedy tokens."""
+    _gpu_env()
+    model_dir = make_tiny("deepseek_v3", tmp_path)
+    start = with_mtp_layer(model_dir, tmp_path / "start", seed=1)
+    refs = {step: with_mtp_layer(reference_checkpoint(model_dir, step, tmp_path / f"dense{step}"),
+                                 tmp_path / f"ref{step}", seed=10 + step) for step in (1, 3)}
+    pushed_llm = vllm.LLM(model=str(start), **ENGINE, **engine_kwargs(), speculative_config=MTP_DRAFT)
+    sync: WeightSync | None = None
+    try:
+        pushed = VllmEngine(pushed_llm, name="pushed")
+        before = await pushed.draft_digests(device=True)
+        assert before
+        sync = WeightSync([pushed], transport="auto", chunk_bytes=1 << 20)
+        for step, ref in refs.items():
+            report = await sync.push(_trainer(model_dir, ref, step), version=step)
+            print(f"MTP push {step}: path {report.engine_paths['pushed']}, {report.seconds * 1e3:.1f} ms, "
+                  f"{report.engine_rounds[0].draft_tensors} draft tensors")
+            assert report.not_loaded == {} and report.engine_rounds[0].draft_tensors > 0, report.engine_rounds
+        loaded_llm = vllm.LLM(model=str(refs[3]), **ENGINE, **engine_kwargs(), speculative_config=MTP_DRAFT)
+        try:
+            loaded = VllmEngine(loaded_llm, name="loaded")
+            assert await pushed.weight_digests(device=True) == await loaded.weight_digests(device=True)
+            got, want = await pushed.draft_digests(device=True), await loaded.draft_digests(device=True)
+            assert set(got) == set(want) and got != before
+            differ = sorted(n for n in want if got[n] != want[n])
+            assert not differ, f"{len(differ)} draft tensors differ, e.g. {differ[:4]}"
+            prompts = check_prompts(int(TINY["deepseek_v3"]["vocab_size"]), count=2)
+            check = await compare_engines(pushed, loaded, prompts, max_tokens=8, as_served=True)
+            assert check.ok, str(check)
         finally:
             stop_llm(loaded_llm)
     finally:

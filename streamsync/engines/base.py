@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..message import UpdateMessage
+from ..plan.chunking import layer_index
 from .abilities import Finished
 
 #: Version string a vLLM engine reports after a failed push left part of that push's weights in it.
@@ -80,14 +81,31 @@ def parse_version(v: object) -> EngineState:
 
 @dataclass(frozen=True)
 class Declined:
-    """Decoder layers [start, stop) an engine does not load, and why (`Family.declined_layers`)."""
+    """What an engine's checkpoint holds that a push need not carry (`Family.declined_layers`): decoder layers
+    [start, stop) it does not load, and why (MTP layers, where it runs no MTP draft model); single tensors it does
+    not load (`names`, why: `names_reason`; an MTP layer's copies of the embedding and output layer, which its MTP
+    draft model shares with the main model); and layers [start, stop) it loads but a push may leave out
+    (`optional`: the MTP layers its draft model loads, which a trainer without MTP layers cannot send; the draft
+    then keeps the weights it started with)."""
 
     start: int
     stop: int
     reason: str
+    names: frozenset[str] = frozenset()
+    names_reason: str = ""
+    optional: tuple[int, int] = (0, 0)
 
     def __contains__(self, layer: object) -> bool:
         return isinstance(layer, int) and self.start <= layer < self.stop
+
+    def declines(self, name: str) -> bool:
+        """The engine does not load the tensor `name` (its layer's, or the tensor itself)."""
+        return name in self.names or layer_index(name) in self
+
+    def may_omit(self, name: str) -> bool:
+        """A push may leave out the tensor `name`, which the engine loads if it comes (an `optional` layer's)."""
+        i = layer_index(name)
+        return i is not None and self.optional[0] <= i < self.optional[1]
 
 
 class Engine(ABC):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ..convert import same_family
 from ..errors import ValidationError
 from ..pack import dtype_name
 from .chunk import ChunkPlan
-from .chunking import layer_index
+
+if TYPE_CHECKING:  # the engines' package imports the plan's (`layer_index`)
+    from ..engines.base import Declined
 
 #: HF name -> (dtype name, shape): what an engine holds and a push must carry
 Expected = Mapping[str, tuple[str, tuple[int, ...]]]
@@ -64,12 +67,13 @@ def check_family(trainer: Sequence[str], engines: Mapping[str, Sequence[str]]) -
 
 
 def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected], *, once: bool = True,
-               declined: Mapping[str, Container[int]] | None = None) -> None:
+               declined: Mapping[str, Declined] | None = None) -> None:
     """Refuse a plan that names a tensor twice, or that does not match what an engine holds (`expected`, by
     engine name): unknown names, dtype or shape mismatches, missing tensors, each named with its chunk.
     `once=False`: a tensor may be in several chunks (a sharded push sends each worker's slices of it in the
-    bucket that worker's layer falls in). `declined`: by engine, the decoder layers it does not load (MTP
-    layers): their tensors are neither unknown nor missing there."""
+    bucket that worker's layer falls in). `declined`: by engine, what of its checkpoint a push need not carry
+    (`Declined`: MTP layers it does not load, or loads into its draft model if they come): neither unknown nor
+    missing there when left out, and checked like any tensor when they come to an engine that loads them."""
     if not plans:
         raise ValidationError("nothing to push: the source planned no chunks")
     seen: dict[str, int] = {}
@@ -88,7 +92,7 @@ def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected], *, 
         skip = (declined or {}).get(engine)
         for p in plans:
             for s in p.specs:
-                if skip is not None and layer_index(s.name) in skip:
+                if skip is not None and skip.declines(s.name):
                     continue
                 exp = holds.get(s.name)
                 if exp is None:
@@ -98,7 +102,7 @@ def check_plan(plans: Sequence[ChunkPlan], expected: Mapping[str, Expected], *, 
                         cast_to = exp[0]
                     problems.append(f"parameter {s.name!r} (chunk {p.index}) is {dtype_name(s.dtype)}"
                                     f"{s.full_shape}, engine holds {exp[0]}{exp[1]}")
-        missing = sorted(set(holds) - set(seen))
+        missing = sorted(n for n in set(holds) - set(seen) if skip is None or not skip.may_omit(n))
         if missing:
             problems.append(f"{len(missing)} parameter(s) missing from the push, e.g. {missing[:3]}")
         if problems:

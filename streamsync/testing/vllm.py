@@ -82,6 +82,32 @@ def generation_matches_reference(llm: Any, model_dir: str | os.PathLike, trainer
     return compare_generation(reference_logprobs(ref, prompt_ids, tokens), tokens, lps, LOGPROB_TOL)
 
 
+def with_mtp_layer(src: str | os.PathLike, out: str | os.PathLike, seed: int) -> Path:
+    """`src` (a DeepSeek-V3 checkpoint) with one MTP layer, as DeepSeek-V3 checkpoints hold it: its own tensors
+    (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`), a decoder layer, and copies of the embedding and output
+    layer, at index num_hidden_layers; `num_nextn_predict_layers` 1 in the config."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from ..models.megatron import _tiny_from_config
+    from ..models.synthetic import StateModule
+
+    out = Path(out)
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    state = load_file(str(out / "model.safetensors"))
+    n = cfg["num_hidden_layers"]
+    specs = [s for s in _tiny_from_config(cfg).hf_specs() if s[0].startswith(f"model.layers.{n}.")]
+    state.update(StateModule(specs, fill="random", seed=seed).state_dict())
+    state[f"model.layers.{n}.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state[f"model.layers.{n}.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    return out
+
+
 def shaped_checkpoint(out: str | os.PathLike, *, arch: str = "qwen3", vocab: int, hidden: int, layers: int,
                       heads: int, kv_heads: int, head_dim: int, ffn: int, experts: int = 0, moe_ffn: int = 0,
                       tie: bool = False, names: bool = False, **mla: Any) -> str:

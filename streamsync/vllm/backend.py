@@ -34,11 +34,18 @@ from ..receiver import kernels
 from ..receiver.loaders import FunctionLoader
 from ..receiver.state import WeightReceiver
 from . import compat
-from .checkpoint import engine_weights, mtp_layers
+from .checkpoint import engine_weights, mtp_layers, own_modules, shared_with_main
 from .fastpath import CapturedLoads, FastPath, FastRound, relayout_reloaded_experts
 from .reload import RELOAD_LOGGER as RELOAD_LOGGER  # also named here, beside the backend that installs it
 from .reload import ExpectedReloadMisses as ExpectedReloadMisses
-from .reload import install_reload_warning_filter, refresh, refresh_shared_kernels, shared_kernel_modules
+from .reload import (
+    hold_kv_b,
+    install_reload_warning_filter,
+    refresh,
+    refresh_shared_kernels,
+    released_kv_b,
+    shared_kernel_modules,
+)
 from .stats import RoundLog
 
 
@@ -70,9 +77,13 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         super().__init__(config, vllm_config, device, model)
         install_reload_warning_filter(model)
         self.rx = WeightReceiver(device)
-        #: layers whose tensors this worker does not load (`checkpoint.mtp_layers`)
-        self._declined = mtp_layers(self.model_config.hf_config)
+        #: the checkpoint's MTP layers (`checkpoint.mtp_layers`): not loaded, unless the worker runs an MTP draft
+        #: model (`attach_draft`), into which they then go
+        self._mtp = mtp_layers(self.model_config.hf_config)
+        self.draft: torch.nn.Module | None = None
+        self._draft_armed = False  # layerwise reload armed for the draft model's own modules this round
         self._expert_layers: set[int] = set()  # layers whose experts the round reloaded layerwise
+        self._draft_layers: set[int] = set()  # the same, of the draft model
         self.record_digests = False
         self.received_digests: dict[str, str] = {}
         #: copy received tensors straight into the engine's tensors where they can go (`fastpath`); False:
@@ -90,7 +101,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self._traced_ahead = False  # `prime` traced the plan again since the last round
         self._shared: tuple[object, list[tuple[str, torch.nn.Module]]] | None = None
         # path (and the fast tensors graphs replayed) -> [tensors, bytes]
-        self._counts: dict[str, list[int]] = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0]}
+        self._counts: dict[str, list[int]] = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0],
+                                              "draft": [0, 0]}
         #: the worker keeps the weight version (vLLM keeps none, or WORKER_VERSIONS_ENV asks for it)
         self.keeps_version = not compat.native_weight_version()
         self.weight_version = "default"  # vLLM's own initial version string
@@ -131,7 +143,14 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                                                         "captured loads record PyTorch's copies", e)
 
     def _checkpoint(self) -> dict[str, tuple[str, list[int]]] | None:
-        return engine_weights(self.model_config, self.model)
+        return engine_weights(self.model_config, self.model)  # the main model's: the fast path's
+
+    def attach_draft(self, draft: torch.nn.Module | None) -> None:
+        """The worker's MTP draft model (`checkpoint.draft_model`; the worker extension finds it): a push's MTP
+        layers are loaded into it, through vLLM's layerwise reload of its own modules (`_load_draft`)."""
+        if draft is not self.draft and self._draft_armed:
+            raise RuntimeError("streamsync: the MTP draft model changed during a weight update")
+        self.draft = draft
 
     def fused_layout(self) -> dict[str, list[Any]]:
         """The fused tensors this worker takes (`Fused.fused_layout`): none without the fast path."""
@@ -152,8 +171,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.rx.start()
         self.received_digests = {}
         self._round_version = None
-        self._counts = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0]}
+        self._counts = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0], "draft": [0, 0]}
         self._expert_layers = set()  # layers whose experts this round reloaded layerwise
+        self._draft_layers = set()  # the same, of the draft model
         self._replayed0 = self.graphs.replayed
         self.log.begin()
         with self.log.phase("map"):
@@ -163,7 +183,10 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self._traced, self._traced_ahead = traced or self._traced_ahead, False
         with self.log.phase("arm"), compat.vllm_config_set(self.vllm_config):
             if plan is None:
+                hold_kv_b(self.model)
                 initialize_layerwise_reload(self.model)
+            if plan is not None and plan.arm:
+                hold_kv_b(self.model, plan.arm)
             for mod in plan.arm if plan is not None else ():
                 initialize_layerwise_reload(mod)  # arms it and its children, which the plan keeps layerwise too
         self._armed = plan is None or bool(plan.arm)
@@ -199,8 +222,14 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
         def load(weights: Any) -> None:
             weights = weights if isinstance(weights, list) else list(weights)
-            if self._declined:  # an MTP layer's tensors: the sender reports them as not loaded
-                weights = [(n, t) for n, t in weights if layer_index(n) not in self._declined]
+            if self._mtp:  # an MTP layer's tensors: into the draft model, else the sender reports them not loaded
+                mtp = [(n, t) for n, t in weights if layer_index(n) in self._mtp]
+                if mtp:
+                    weights = [(n, t) for n, t in weights if layer_index(n) not in self._mtp]
+                    if self.draft is not None:
+                        with self.log.phase("load", chunk):
+                            self._load_draft([(n, self._hf(n, t).clone() if keep(n) else self._hf(n, t))
+                                              for n, t in mtp if n not in self._shared_copies])
             if self.record_digests:
                 self.received_digests.update((n, tensor_digest(self._hf(n, t))) for n, t in weights)
             rnd = self._round
@@ -311,6 +340,33 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             return t
         return t.reshape(shape)
 
+    @property
+    def _shared_copies(self) -> frozenset[str]:
+        return shared_with_main(self._mtp)
+
+    def _load_draft(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """An MTP layer's tensors, into the MTP draft model through vLLM's layerwise reload (its own loader names
+        them, and processes each module once complete: packed CPU linears, MLA's absorbed matrices). Only the
+        draft's own modules are armed: it computes with the main model's embedding and output layer."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        draft = self.draft
+        assert draft is not None
+        if not weights:
+            return
+        if not self._draft_armed:
+            with compat.vllm_config_set(self.vllm_config):
+                armed = own_modules(draft, self.model)
+                hold_kv_b(draft, armed)
+                for mod in armed:
+                    initialize_layerwise_reload(mod)
+            self._draft_armed = True
+        self._draft_layers.update(i for n, _ in weights if ".experts." in n and (i := layer_index(n)) is not None)
+        self._count("layerwise", [t for _, t in weights])
+        self._counts["draft"][0] += len(weights)
+        with compat.mtp_check_disabled():
+            draft.load_weights(weights)  # type: ignore[operator]  # nn.Module attribute
+
     def _load_layerwise(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self._expert_layers.update(i for n, _ in weights if ".experts." in n and (i := layer_index(n)) is not None)
         with compat.mtp_check_disabled():
@@ -342,8 +398,13 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                 finalize_layerwise_reload(self.model, self.model_config)
                 relayout_reloaded_experts(self.model, self._expert_layers)
             self._armed = False
+            if self._draft_armed and self.draft is not None:  # after the main model's, whose the shared modules are
+                finalize_layerwise_reload(self.draft, self.model_config)
+                relayout_reloaded_experts(self.draft, self._draft_layers)
+            self._draft_armed = False
             for mod in plan.derive if plan is not None else ():
-                mod.process_weights_after_loading(self.model_config.dtype)  # type: ignore[operator]
+                if not released_kv_b(mod):  # (AMX MLA) a kv_b_proj this round did not fill: derived as it was
+                    mod.process_weights_after_loading(self.model_config.dtype)  # type: ignore[operator]
             if plan is None:
                 refresh_shared_kernels(self.model)
             else:  # the modules to refresh are found once per plan (a walk over every module)
@@ -362,7 +423,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             rebuilt_modules=rnd.rebuilt + len(rnd.plan.derive) if rnd is not None else 0,
             direct_modules=rnd.direct if rnd is not None else 0,
             traced=self._traced, fast_path=self.fast_path, replayed_chunks=self.graphs.replayed - self._replayed0,
-            replayed_tensors=self._counts["replayed"][0])
+            replayed_tensors=self._counts["replayed"][0], draft_tensors=self._counts["draft"][0])
 
     def _count(self, path: str, tensors: list[torch.Tensor]) -> None:
         c = self._counts[path]

@@ -1,6 +1,7 @@
 """What a worker's model was loaded from, read without loading it: the checkpoint's tensor names, dtypes and shapes
-(the safetensors headers), and the layers vLLM's main model does not load (MTP). The worker's backend checks a
-push against these, and its extension answers them to the sender."""
+(the safetensors headers), and the layers vLLM's main model does not load (MTP), which go to the engine's MTP draft
+model where it runs MTP speculative decoding. The worker's backend checks a push against these, and its extension
+answers them to the sender."""
 
 from __future__ import annotations
 
@@ -50,17 +51,26 @@ def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype, tied: bool = F
     return out
 
 
-def engine_weights(model_config: Any, model: torch.nn.Module) -> dict[str, tuple[str, list[int]]] | None:
+def engine_weights(model_config: Any, model: torch.nn.Module, draft: torch.nn.Module | None = None
+                   ) -> dict[str, tuple[str, list[int]]] | None:
     """`checkpoint_weights` of the checkpoint a worker's model was loaded from, with the float32 tensors that model
-    keeps under their checkpoint names, less those it declines (`declined_weights`)."""
+    keeps under their checkpoint names. The MTP layers' tensors are left out, unless the worker runs an MTP draft
+    model (`draft`): then those it loads are in, less the copies of the main model's tensors it shares
+    (`shared_with_main`)."""
     mc = model_config
     tied = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
     kept = {n: p.dtype for n, p in model.named_parameters() if p.dtype == torch.float32 != mc.dtype}
+    if draft is not None:
+        kept.update((checkpoint_name(n), p.dtype) for n, p in draft.named_parameters()
+                    if p.dtype == torch.float32 != mc.dtype)
     found = checkpoint_weights(mc.model, mc.dtype, tied, kept)
     if found is None:
         return None
     mtp = mtp_layers(mc.hf_config)
-    return {n: v for n, v in found.items() if layer_index(n) not in mtp}
+    if draft is None:
+        return {n: v for n, v in found.items() if layer_index(n) not in mtp}
+    shared = shared_with_main(mtp)
+    return {n: v for n, v in found.items() if n not in shared}
 
 
 def mtp_layers(hf_config: Any) -> range:
@@ -72,5 +82,53 @@ def mtp_layers(hf_config: Any) -> range:
 
 
 #: why a push does not load an MTP layer's tensors
-MTP_DECLINED = ("an MTP layer: vLLM's main model skips it, and a push does not reach the engine's MTP draft model "
-                "(speculative decoding keeps the draft weights it started with)")
+MTP_DECLINED = ("an MTP layer: vLLM's main model skips it, and the engine runs no MTP speculative decoding (no draft "
+                "model to load it into)")
+#: why a push does not load an MTP layer's copies of the embedding and output layer
+MTP_SHARED = ("an MTP layer's copy of the embedding or output layer: the engine's MTP draft model computes with the "
+              "main model's (vLLM shares them), which the push's main-model tensors update")
+
+
+def draft_model(runner: Any) -> torch.nn.Module | None:
+    """The MTP draft model of a worker's model runner (vLLM's MTP speculative decoding: `DeepSeekMTP`,
+    `Glm4MoeMTP`, ...), or None: no speculative decoding, or a draft of another kind (EAGLE, a separate draft
+    model), whose weights are not the trainer's MTP layers."""
+    get = getattr(runner, "get_draft_model", None)
+    model = get() if callable(get) else getattr(getattr(runner, "drafter", None), "model", None)
+    unwrap = getattr(model, "unwrap", None)  # a CUDA-graph wrapper (vLLM's own `get_draft_model` unwraps it)
+    if not isinstance(model, torch.nn.Module) and callable(unwrap):
+        model = unwrap()
+    if not isinstance(model, torch.nn.Module) or not type(model).__name__.endswith("MTP"):
+        return None
+    return model
+
+
+def checkpoint_name(draft_name: str) -> str:
+    """A draft model's parameter name as the checkpoint names it: vLLM's MTP models hold an MTP layer's decoder
+    layer as `mtp_block` (`model.layers.61.mtp_block.mlp.gate.e_score_correction_bias` is the checkpoint's
+    `model.layers.61.mlp.gate.e_score_correction_bias`)."""
+    return draft_name.replace(".mtp_block.", ".", 1)
+
+
+def shared_with_main(mtp: range) -> frozenset[str]:
+    """The MTP layers' checkpoint tensors that vLLM's MTP draft models do not hold themselves: their copies of the
+    embedding and the output layer, for which the draft computes with the main model's (vLLM's proposer shares
+    them whatever the checkpoint holds)."""
+    return frozenset(f"model.layers.{i}.{t}" for i in mtp for t in ("embed_tokens.weight", "shared_head.head.weight"))
+
+
+def own_modules(draft: torch.nn.Module, main: torch.nn.Module) -> list[torch.nn.Module]:
+    """The largest submodules of `draft` that hold no tensor of `main` (the modules an MTP draft model shares with
+    its main model, its embedding and output layer, left out): what a round arms for reload in the draft."""
+    shared = {id(t) for t in (*main.parameters(), *main.buffers())}
+    out: list[torch.nn.Module] = []
+
+    def walk(mod: torch.nn.Module) -> None:
+        if not any(id(t) in shared for t in (*mod.parameters(), *mod.buffers())):
+            out.append(mod)
+            return
+        for child in mod.children():
+            walk(child)
+
+    walk(draft)
+    return out

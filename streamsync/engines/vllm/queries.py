@@ -46,10 +46,21 @@ class WorkerQueries:
         return (await self.vllm_info()).architectures
 
     async def declined_layers(self) -> Declined | None:
-        """The checkpoint's MTP layers, which the workers' main model does not load (`checkpoint.mtp_layers`)."""
+        """The checkpoint's MTP layers, which the workers' main model does not load (`checkpoint.mtp_layers`):
+        declined, or optional where the workers run an MTP draft model (`StreamSyncWorkerExtension`)."""
         got = (await self.rpc("streamsync_declined_layers"))[0]
         start, stop = got["layers"]
-        return Declined(int(start), int(stop), str(got["reason"])) if stop > start else None
+        names = frozenset(str(n) for n in got.get("names") or ())
+        optional = got.get("optional") or (0, 0)
+        if stop <= start and not names and optional[1] <= optional[0]:
+            return None
+        return Declined(int(start), int(stop), str(got["reason"]), names, str(got.get("names_reason") or ""),
+                        (int(optional[0]), int(optional[1])))
+
+    async def draft_digests(self, device: bool = False) -> dict[str, str]:
+        """Digests of the tensors of the engine's MTP draft model that are its own (not shared with the main model),
+        by the draft's parameter names; {} where it runs none (first worker; `weight_digests` for `device`)."""
+        return (await self.rpc("streamsync_draft_digests", *(["1"] if device else [])))[0]
 
     async def delta_base(self) -> tuple[int, str] | None:
         """The push every worker keeps as its delta base (None unless all keep the same one)."""

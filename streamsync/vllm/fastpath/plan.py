@@ -211,7 +211,9 @@ def build_plan(model: torch.nn.Module, traced: Traced) -> Plan:
     key = []
     for i, t in enumerate(targets):
         now = live.get(i)
-        if now is not None and modes[t.module][0] is not Mode.LAYERWISE:
+        # an empty tensor is no copy's destination (a CPU linear's weight moved into its packed kernel, a kv_b_proj
+        # weight AMX MLA released and replaces every round): kept out of the key
+        if now is not None and now.numel() and modes[t.module][0] is not Mode.LAYERWISE:
             key.append((mods[t.module], t.tensor, now, now.data_ptr(), tuple(now.shape), tuple(now.stride())))
     methods: list[tuple[torch.nn.Module, type | None]] = [
         (mods[m], type(_quant_method(mods[m]))) for m in writers]

