@@ -220,3 +220,28 @@ async def test_a_trainers_mtp_layer_lands_in_the_engines_mtp_draft_model(tmp_pat
         await sync.close()
     finally:
         pushed_llm.llm_engine.engine_core.shutdown()
+
+
+async def test_a_glm45_trainers_mtp_layer_lands_in_the_engines_mtp_draft_model(tmp_path):
+    """The same for GLM-4.5 MoE (its MTP layer is a MoE layer with shared experts and the float32 expert bias),
+    into an engine in the test's process: after a push from megatron-core the main and the draft model hold what an
+    engine started on the same checkpoint holds, bit for bit."""
+    model_dir = make_tiny("glm4_moe", tmp_path)
+    start = with_mtp_layer(model_dir, tmp_path / "start", seed=1)
+    ref = with_mtp_layer(_reference(model_dir, 1, tmp_path / "dense"), tmp_path / "ref", seed=11)
+    draft = {"method": "mtp", "num_speculative_tokens": 1}
+    with in_process_llm(start, speculative_config=draft) as pushed_llm:
+        pushed = VllmEngine(pushed_llm, name="pushed")
+        before = await pushed.draft_digests()
+        sync = WeightSync([pushed], chunk_bytes=1 << 20)
+        report = await sync.push(megatron_from_hf(ref), version=1)
+        await sync.close()
+        assert report.not_loaded == {} and report.engine_rounds[0].draft_tensors > 0, report.engine_rounds
+        got, got_main = await pushed.draft_digests(), await pushed.weight_digests()
+    with in_process_llm(ref, speculative_config=draft) as loaded_llm:
+        loaded = VllmEngine(loaded_llm, name="loaded")
+        want, want_main = await loaded.draft_digests(), await loaded.weight_digests()
+    assert got_main == want_main
+    assert set(got) == set(want) and got != before
+    differ = sorted(name for name in want if got[name] != want[name])
+    assert not differ, f"{len(differ)} draft tensors differ, e.g. {differ[:4]}"
