@@ -13,6 +13,8 @@ the same greedy tokens on prompts longer than a KV block.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -72,6 +74,29 @@ def _engine_dtypes(llm: Any) -> dict[str, torch.dtype]:
     return {n: getattr(torch, d) for n, d in llm.collective_rpc("streamsync_weight_dtypes")[0].items()}
 
 
+@contextmanager
+def _llm(model: Any, **kwargs: Any) -> Iterator[Any]:
+    """A vLLM engine on the GPU for the block's duration, stopped however the block ends."""
+    llm = vllm.LLM(model=str(model), **ENGINE, **engine_kwargs(), **kwargs)
+    try:
+        yield llm
+    finally:
+        stop_llm(llm)
+
+
+def _same(what: str, got: dict[str, str], want: dict[str, str]) -> None:
+    """Two engines' digests (`weight_digests`, `draft_digests`) name the same tensors and agree on each."""
+    assert set(got) == set(want)
+    differ = sorted(n for n in want if got[n] != want[n])
+    assert not differ, f"{what}: {len(differ)} engine tensors differ, e.g. {differ[:4]}"
+
+
+async def _same_tokens(model_type: str, pushed: VllmEngine, loaded: VllmEngine) -> None:
+    prompts = check_prompts(int(TINY[model_type]["vocab_size"]), count=2)
+    check = await compare_engines(pushed, loaded, prompts, max_tokens=8, as_served=True)
+    assert check.ok, f"{model_type}: {check}"
+
+
 @gpu
 @pytest.mark.parametrize("model_type", FAMILIES)
 async def test_three_colocated_pushes_leave_the_gpu_engine_as_loading_the_checkpoint_does(model_type, tmp_path):
@@ -104,13 +129,8 @@ async def test_three_colocated_pushes_leave_the_gpu_engine_as_loading_the_checkp
         loaded_llm = vllm.LLM(model=str(refs[STEPS[-1]]), **ENGINE, **engine_kwargs())
         try:
             loaded = VllmEngine(loaded_llm, name="loaded")
-            got, want = await pushed.weight_digests(device=True), await loaded.weight_digests(device=True)
-            assert set(got) == set(want)
-            differ = sorted(n for n in want if got[n] != want[n])
-            assert not differ, f"{model_type}: {len(differ)} engine tensors differ, e.g. {differ[:4]}"
-            prompts = check_prompts(int(TINY[model_type]["vocab_size"]), count=2)
-            check = await compare_engines(pushed, loaded, prompts, max_tokens=8, as_served=True)
-            assert check.ok, f"{model_type}: {check}"
+            _same(model_type, await pushed.weight_digests(device=True), await loaded.weight_digests(device=True))
+            await _same_tokens(model_type, pushed, loaded)
         finally:
             stop_llm(loaded_llm)
     finally:
@@ -132,32 +152,20 @@ async def test_a_trainers_mtp_layer_lands_in_the_gpu_engines_mtp_draft_model(tmp
     start = with_mtp_layer(model_dir, tmp_path / "start", seed=1)
     refs = {step: with_mtp_layer(reference_checkpoint(model_dir, step, tmp_path / f"dense{step}"),
                                  tmp_path / f"ref{step}", seed=10 + step) for step in (1, 3)}
-    pushed_llm = vllm.LLM(model=str(start), **ENGINE, **engine_kwargs(), speculative_config=MTP_DRAFT)
-    sync: WeightSync | None = None
-    try:
+    with _llm(start, speculative_config=MTP_DRAFT) as pushed_llm:
         pushed = VllmEngine(pushed_llm, name="pushed")
         before = await pushed.draft_digests(device=True)
         assert before
-        sync = WeightSync([pushed], transport="auto", chunk_bytes=1 << 20)
-        for step, ref in refs.items():
-            report = await sync.push(_trainer(model_dir, ref, step), version=step)
-            print(f"MTP push {step}: path {report.engine_paths['pushed']}, {report.seconds * 1e3:.1f} ms, "
-                  f"{report.engine_rounds[0].draft_tensors} draft tensors")
-            assert report.not_loaded == {} and report.engine_rounds[0].draft_tensors > 0, report.engine_rounds
-        loaded_llm = vllm.LLM(model=str(refs[3]), **ENGINE, **engine_kwargs(), speculative_config=MTP_DRAFT)
-        try:
+        async with WeightSync([pushed], transport="auto", chunk_bytes=1 << 20) as sync:
+            for step, ref in refs.items():
+                report = await sync.push(_trainer(model_dir, ref, step), version=step)
+                print(f"MTP push {step}: path {report.engine_paths['pushed']}, {report.seconds * 1e3:.1f} ms, "
+                      f"{report.engine_rounds[0].draft_tensors} draft tensors")
+                assert report.not_loaded == {} and report.engine_rounds[0].draft_tensors > 0, report.engine_rounds
+        with _llm(refs[3], speculative_config=MTP_DRAFT) as loaded_llm:
             loaded = VllmEngine(loaded_llm, name="loaded")
             assert await pushed.weight_digests(device=True) == await loaded.weight_digests(device=True)
-            got, want = await pushed.draft_digests(device=True), await loaded.draft_digests(device=True)
-            assert set(got) == set(want) and got != before
-            differ = sorted(n for n in want if got[n] != want[n])
-            assert not differ, f"{len(differ)} draft tensors differ, e.g. {differ[:4]}"
-            prompts = check_prompts(int(TINY["deepseek_v3"]["vocab_size"]), count=2)
-            check = await compare_engines(pushed, loaded, prompts, max_tokens=8, as_served=True)
-            assert check.ok, str(check)
-        finally:
-            stop_llm(loaded_llm)
-    finally:
-        if sync is not None:
-            await sync.close()
-        stop_llm(pushed_llm)
+            got = await pushed.draft_digests(device=True)
+            assert got != before
+            _same("the MTP draft", got, await loaded.draft_digests(device=True))
+            await _same_tokens("deepseek_v3", pushed, loaded)
