@@ -144,22 +144,18 @@ async def test_a_trainers_mtp_layer_is_reported_as_not_loaded_by_an_engine_witho
     ref = with_mtp_layer(_reference(model_dir, 5, tmp_path / "ref-dense"), tmp_path / "ref", seed=2)
     trainer = megatron_from_hf(ref)
     assert any(n.startswith("mtp.layers.") for n, _ in trainer[0].named_parameters())
-    cpu_env()
-    pushed_llm = vllm.LLM(model=str(start), **ENGINE_ARGS, **engine_kwargs())
-    try:
+    with in_process_llm(start) as pushed_llm:  # in the test's process: nothing here is about the engine's processes
         pushed = VllmEngine(pushed_llm, name="pushed")
         sync = WeightSync([pushed], chunk_bytes=1 << 20)
         report = await sync.push(trainer, version=1)
-        n = int(TINY["deepseek_v3"]["num_hidden_layers"])
-        mtp = [name for name in report.not_loaded["pushed"]]
-        assert mtp and all(name.startswith(f"model.layers.{n}.") for name in mtp)
-        assert f"model.layers.{n}.eh_proj.weight" in mtp and f"model.layers.{n}.enorm.weight" in mtp
         await sync.close()
-        with in_process_llm(ref) as loaded_llm:
-            got, want = await pushed.weight_digests(), await VllmEngine(loaded_llm, name="loaded").weight_digests()
-        assert got == want
-    finally:
-        pushed_llm.llm_engine.engine_core.shutdown()
+        got = await pushed.weight_digests()
+    n = int(TINY["deepseek_v3"]["num_hidden_layers"])
+    mtp = [name for name in report.not_loaded["pushed"]]
+    assert mtp and all(name.startswith(f"model.layers.{n}.") for name in mtp)
+    assert f"model.layers.{n}.eh_proj.weight" in mtp and f"model.layers.{n}.enorm.weight" in mtp
+    with in_process_llm(ref) as loaded_llm:
+        assert got == await VllmEngine(loaded_llm, name="loaded").weight_digests()
 
 
 async def test_a_trainer_of_another_family_is_refused_before_any_byte_moves_naming_both(llm, tmp_path):
@@ -222,23 +218,32 @@ async def test_a_trainers_mtp_layer_lands_in_the_engines_mtp_draft_model(tmp_pat
         pushed_llm.llm_engine.engine_core.shutdown()
 
 
-async def test_a_glm45_trainers_mtp_layer_lands_in_the_engines_mtp_draft_model(tmp_path):
+async def test_a_glm45_trainers_mtp_layer_lands_in_the_engines_mtp_draft_model_in_full_and_as_a_delta(tmp_path):
     """The same for GLM-4.5 MoE (its MTP layer is a MoE layer with shared experts and the float32 expert bias),
-    into an engine in the test's process: after a push from megatron-core the main and the draft model hold what an
-    engine started on the same checkpoint holds, bit for bit."""
+    into an engine in the test's process, by a delta sync over gloo: a full push from megatron-core, then the next
+    step as the change from it. The main and the draft model then hold what an engine started on that step's
+    checkpoint holds, bit for bit."""
     model_dir = make_tiny("glm4_moe", tmp_path)
     start = with_mtp_layer(model_dir, tmp_path / "start", seed=1)
-    ref = with_mtp_layer(_reference(model_dir, 1, tmp_path / "dense"), tmp_path / "ref", seed=11)
+    refs = [with_mtp_layer(_reference(model_dir, step, tmp_path / f"dense{step}"), tmp_path / f"ref{step}",
+                           seed=10 + step) for step in (1, 2)]
     draft = {"method": "mtp", "num_speculative_tokens": 1}
     with in_process_llm(start, speculative_config=draft) as pushed_llm:
         pushed = VllmEngine(pushed_llm, name="pushed")
         before = await pushed.draft_digests()
-        sync = WeightSync([pushed], chunk_bytes=1 << 20)
-        report = await sync.push(megatron_from_hf(ref), version=1)
-        await sync.close()
-        assert report.not_loaded == {} and report.engine_rounds[0].draft_tensors > 0, report.engine_rounds
+        sync = WeightSync([pushed], transport=CollectiveTransport("gloo", group_timeout=60), delta=True,
+                          chunk_bytes=1 << 20)
+        try:
+            modes = []
+            for step, ref in enumerate(refs, 1):
+                report = await sync.push(megatron_from_hf(ref), version=step)
+                assert report.not_loaded == {} and report.engine_rounds[0].draft_tensors > 0, report.engine_rounds
+                modes.append(report.delta.mode)
+        finally:
+            await sync.close()
+        assert modes == ["full", "delta"], modes
         got, got_main = await pushed.draft_digests(), await pushed.weight_digests()
-    with in_process_llm(ref, speculative_config=draft) as loaded_llm:
+    with in_process_llm(refs[-1], speculative_config=draft) as loaded_llm:
         loaded = VllmEngine(loaded_llm, name="loaded")
         want, want_main = await loaded.draft_digests(), await loaded.weight_digests()
     assert got_main == want_main
