@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 CALLS = frozenset({
     "locate", "init_transfer", "start_update", "update", "finish_update", "abort_update", "get_version", "state",
     "expected_weights", "declined_layers", "architectures", "reset_cache", "pause", "resume", "weight_digests",
-    "packed_modules", "received_digests", "clear_kv_cache", "greedy", "rpc", "delta_base",
+    "packed_modules", "received_digests", "clear_kv_cache", "greedy", "rpc", "delta_base", "draft_digests",
 })
 PLACEMENTS = ("auto", "local", "remote")
 
@@ -359,6 +359,10 @@ class RayVllmEngine(Engine, Locatable, Checkpointed, Family, KeepsDeltaBase, Pau
 
     async def weight_digests(self, device: bool = False) -> dict[str, str]:
         return await self._call("weight_digests", device)
+
+    async def draft_digests(self, device: bool = False) -> dict[str, str]:
+        """The actor's engine's MTP draft model's own tensors, digested (`WorkerQueries.draft_digests`)."""
+        return await self._call("draft_digests", device)
 
     async def packed_modules(self) -> dict[str, list[str]]:
         return await self._call("packed_modules")
