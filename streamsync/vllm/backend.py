@@ -227,9 +227,11 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                 if mtp:
                     weights = [(n, t) for n, t in weights if layer_index(n) not in self._mtp]
                     if self.draft is not None:
+                        mtp = [(n, self._hf(n, t)) for n, t in mtp if n not in self._shared_copies]
+                        if self.record_digests:
+                            self.received_digests.update((n, tensor_digest(t)) for n, t in mtp)
                         with self.log.phase("load", chunk):
-                            self._load_draft([(n, self._hf(n, t).clone() if keep(n) else self._hf(n, t))
-                                              for n, t in mtp if n not in self._shared_copies])
+                            self._load_draft([(n, t.clone() if keep(n) else t) for n, t in mtp])
             if self.record_digests:
                 self.received_digests.update((n, tensor_digest(self._hf(n, t))) for n, t in weights)
             rnd = self._round
@@ -398,7 +400,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                 finalize_layerwise_reload(self.model, self.model_config)
                 relayout_reloaded_experts(self.model, self._expert_layers)
             self._armed = False
-            if self._draft_armed and self.draft is not None:  # after the main model's, whose the shared modules are
+            if self._draft_armed and self.draft is not None:  # after the main model's, which owns what they share
                 finalize_layerwise_reload(self.draft, self.model_config)
                 relayout_reloaded_experts(self.draft, self._draft_layers)
             self._draft_armed = False
