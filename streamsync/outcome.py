@@ -13,7 +13,6 @@ from . import pipeline
 from .errors import PushError
 from .log import get_logger
 from .plan.chunk import ChunkPlan
-from .plan.chunking import layer_index
 from .report import ChunkDone, DeltaReport, EngineRound, MiB, PushReport
 from .rounds import EngineGroup, Rounds
 from .sources import Source
@@ -84,8 +83,8 @@ class Outcome:
     def not_loaded(self, plans: Sequence[ChunkPlan]) -> dict[str, list[str]]:
         """Engine -> the tensors of this push it does not load (`Family.declined_layers`), said once per engine."""
         out: dict[str, list[str]] = {}
+        pushed = {s.name for p in plans for s in p.specs}
         for engine, declined in self.sync.planner.declined.items():
-            pushed = {s.name for p in plans for s in p.specs}
             names = sorted(n for n in pushed if declined.declines(n))
             if names:
                 out[engine] = names
@@ -93,7 +92,7 @@ class Outcome:
                 continue
             if names:
                 self.warned_declined.add(engine)
-                layers = [n for n in names if layer_index(n) in declined]
+                layers = [n for n in names if n not in declined.names]
                 get_logger().warning("engine does not load some tensors of the push", engine=engine,
                                      tensors=len(names),
                                      **({"layers": f"{declined.start}..{declined.stop - 1}",

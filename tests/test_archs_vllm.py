@@ -29,6 +29,7 @@ from streamsync.models.megatron import export_hf_async, hf_config, megatron_from
 from streamsync.models.tiny import TINY, make_tiny  # noqa: E402
 from streamsync.testing.vllm import (  # noqa: E402
     ENGINE_ARGS,
+    as_mimo,
     cpu_env,
     in_process_llm,
     reference_checkpoint,
@@ -250,3 +251,51 @@ async def test_a_glm45_trainers_mtp_layer_lands_in_the_engines_mtp_draft_model_i
     assert set(got) == set(want) and got != before
     differ = sorted(name for name in want if got[name] != want[name])
     assert not differ, f"{len(differ)} draft tensors differ, e.g. {differ[:4]}"
+
+
+async def test_a_mimo_trainers_mtp_layer_lands_in_the_draft_model_and_is_reported_not_loaded_without_one(tmp_path):
+    """MiMo holds its MTP layer apart (`model.mtp_layers.0`, its input projection taking [hidden; embedding], the
+    reverse of Megatron's eh_proj). A megatron-core MiMo trainer pushed into an engine running MTP speculative
+    decoding leaves main and draft model as an engine started on the same checkpoint holds them, bit for bit, with
+    the same greedy tokens; pushed into an engine without a draft, every MTP tensor is reported not loaded and the
+    main model still lands."""
+    qwen2 = make_tiny("qwen2", tmp_path)
+    start = with_mtp_layer(as_mimo(qwen2, tmp_path / "mimo"), tmp_path / "start", seed=1)
+    ref = with_mtp_layer(as_mimo(_reference(qwen2, 1, tmp_path / "dense"), tmp_path / "mimo1"), tmp_path / "ref",
+                         seed=11)
+    draft = {"method": "mtp", "num_speculative_tokens": 1}
+    trainer = megatron_from_hf(ref)
+    assert any(n.startswith("mtp.layers.") for n, _ in trainer[0].named_parameters())
+    with in_process_llm(start, speculative_config=draft, trust_remote_code=True) as pushed_llm:
+        pushed = VllmEngine(pushed_llm, name="pushed")
+        before = await pushed.draft_digests()
+        assert before and all(name.startswith("model.mtp_layers.") for name in before)
+        sync = WeightSync([pushed], chunk_bytes=1 << 20)
+        try:
+            report = await sync.push(trainer, version=1)
+        finally:
+            await sync.close()
+        assert report.not_loaded == {} and report.engine_rounds[0].draft_tensors > 0, report.engine_rounds
+        with in_process_llm(ref, speculative_config=draft, trust_remote_code=True) as loaded_llm:
+            loaded = VllmEngine(loaded_llm, name="loaded")
+            want, want_main = await loaded.draft_digests(), await loaded.weight_digests()
+            assert await pushed.weight_digests() == want_main
+            got = await pushed.draft_digests()
+            assert set(got) == set(want) and got != before
+            differ = sorted(name for name in want if got[name] != want[name])
+            assert not differ, f"{len(differ)} draft tensors differ, e.g. {differ[:4]}"
+            prompts = check_prompts(int(TINY["qwen2"]["vocab_size"]), count=2)
+            check = await compare_engines(pushed, loaded, prompts, max_tokens=8, as_served=True)
+            assert check.ok, check
+    with in_process_llm(start, trust_remote_code=True) as plain_llm:
+        plain = VllmEngine(plain_llm, name="plain")
+        trainer = megatron_from_hf(ref)  # the engines above ended the process group the first one was built on
+        sync = WeightSync([plain], chunk_bytes=1 << 20)
+        try:
+            report = await sync.push(trainer, version=1)
+        finally:
+            await sync.close()
+        mtp = report.not_loaded["plain"]
+        assert mtp and all(name.startswith("model.mtp_layers.0.") for name in mtp)
+        assert {"model.mtp_layers.0.input_proj.weight", "model.mtp_layers.0.token_layernorm.weight"} <= set(mtp)
+        assert await plain.weight_digests() == want_main

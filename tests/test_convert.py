@@ -34,6 +34,8 @@ MODELS = {
     "glm4": TinyModel("glm4", vocab=101),
     "glm4-moe": TinyModel("glm4-moe", vocab=101, layers=3, experts=4, shared_ffn=32, first_dense=1),
     "glm4-moe no q/k norm": TinyModel("glm4-moe", vocab=101, experts=4, shared_ffn=32, first_dense=1, qk_norm=False),
+    "deepseek-v3 mtp": TinyModel("deepseek-v3", vocab=101, experts=4, shared_ffn=32, first_dense=1, q_lora=32, mtp=1),
+    "mimo": TinyModel("mimo", vocab=101, mtp=1),
 }
 
 
@@ -55,7 +57,7 @@ def shard_all(conv, full: dict[str, torch.Tensor], tp: int) -> list[dict[str, to
 def test_hf_megatron_hf_round_trip_is_bit_exact(key: str, tp: int) -> None:
     m = MODELS[key]
     hf = m.hf_state(seed=tp)
-    conv = get_converter(m.arch, tied=m.tie)
+    conv = get_converter(m.arch, tied=m.tie, num_layers=m.layers)
     dims = dims_of(m)
     full = conv.to_megatron_state(hf, dims, padded_vocab=m.padded_vocab(tp))
     shards = shard_all(conv, full, tp)
@@ -253,6 +255,38 @@ def test_mtp_layers_are_named_by_their_hf_index_under_either_megatron_name() -> 
     for sub in ("transformer_layer", "mtp_model_layer"):
         r = conv.resolve(f"mtp.layers.61.{sub}.mlp.experts.local_experts.7.linear_fc2.weight")
         assert r.hf == ("model.layers.61.mlp.experts.7.down_proj.weight",) and r.layer == 61 and r.expert == 7
+
+
+def test_mimos_mtp_layers_are_numbered_apart_and_its_input_projection_takes_the_hidden_state_first() -> None:
+    """MiMo holds MTP layer m as `model.mtp_layers.{m}` (Megatron: `mtp.layers.{num_layers + m}`, as the source
+    names them); its input_proj computes from [hidden; embedding], Megatron's eh_proj from [embedding; hidden]."""
+    conv = get_converter("mimo", num_layers=36)
+    assert conv.resolve("mtp.layers.36.enorm.weight").hf == ("model.mtp_layers.0.token_layernorm.weight",)
+    assert conv.resolve("mtp.layers.36.hnorm.weight").hf == ("model.mtp_layers.0.hidden_layernorm.weight",)
+    assert conv.resolve("mtp.layers.36.final_layernorm.weight").hf == ("model.mtp_layers.0.final_layernorm.weight",)
+    for sub in ("transformer_layer", "mtp_model_layer"):
+        r = conv.resolve(f"mtp.layers.36.{sub}.self_attention.linear_qkv.bias")
+        assert r.hf == tuple(f"model.mtp_layers.0.self_attn.{x}_proj.bias" for x in "qkv") and r.layer == 36
+    assert conv.find_hf("model.mtp_layers.0.mlp.down_proj.weight").megatron == (
+        "mtp.layers.36.transformer_layer.mlp.linear_fc2.weight")
+    assert conv.resolve("decoder.layers.35.self_attention.linear_qkv.bias").hf[0] == (
+        "model.layers.35.self_attn.q_proj.bias")
+    r = conv.resolve("mtp.layers.36.eh_proj.weight")
+    assert r.hf == ("model.mtp_layers.0.input_proj.weight",) and r.mapping.tp == COLUMN
+    # megatron-core's MTP layer: eh_proj(cat((decoder_input, hidden_states), -1)); vLLM's MiMo MTP layer:
+    # input_proj(cat([previous_hidden_states, inputs_embeds], -1)). The same inputs must give the same output.
+    # (integer values: exact sums in any order)
+    w, emb, hidden = (torch.randint(-9, 9, shape).double() for shape in ((4, 8), (3, 4), (3, 4)))
+    (hf,) = r.mapping.to_hf(w, Dims(1, 1, 1, 1))
+    assert torch.equal(torch.cat([hidden, emb], -1) @ hf.T, torch.cat([emb, hidden], -1) @ w.T)
+    assert torch.equal(r.mapping.to_megatron([hf], Dims(1, 1, 1, 1)), w)
+    with pytest.raises(ValidationError, match="num_layers"):
+        get_converter("mimo").resolve("mtp.layers.36.eh_proj.weight")
+    with pytest.raises(ValidationError, match="MTP layer 3 is not after"):
+        conv.resolve("mtp.layers.3.eh_proj.weight")
+    assert detect_arch(SimpleNamespace(add_qkv_bias=True, mtp_num_layers=1)) == "mimo"
+    assert detect_arch(None, {"model_type": "mimo"}) == "mimo"
+    check_config("mimo", SimpleNamespace(add_qkv_bias=True, mtp_num_layers=1))
 
 
 def test_glm4s_fused_gate_up_shard_holds_each_half_of_that_rank() -> None:

@@ -39,6 +39,7 @@ DSV3_4L = TinyModel("deepseek-v3", vocab=101, layers=4, experts=4, shared_ffn=32
 DSV3_NO_Q_LORA = TinyModel("deepseek-v3", vocab=101, experts=4, shared_ffn=32, first_dense=1, tie=True)
 GLM4 = TinyModel("glm4", vocab=101)  # q/k/v biases, sandwich norms, the checkpoint's fused gate_up_proj
 GLM4_MOE = TinyModel("glm4-moe", vocab=101, layers=3, experts=4, shared_ffn=32, first_dense=1, mtp=1)
+MIMO = TinyModel("mimo", vocab=101, mtp=1)  # Qwen2 with an MTP layer of MiMo's naming, its input halves swapped
 
 TWO = [
     Case("qwen3 tp2", QWEN3, tp=2, seed=1, pushes=2),
@@ -56,6 +57,7 @@ TWO = [
     Case("deepseek-v3 no q low rank, tied, tp2", DSV3_NO_Q_LORA, tp=2, seed=34),
     Case("glm4 tp2", GLM4, tp=2, seed=35),
     Case("glm4-moe tp2 (expert tp2)", GLM4_MOE, tp=2, seed=36),
+    Case("mimo tp2", MIMO, tp=2, seed=40),
     # BlockingWeightSync on every rank from a plain loop: three pushes, no anyio.run in the trainer
     Case("qwen3 tp2 blocking", QWEN3, tp=2, seed=10, pushes=3, blocking=True),
 ]

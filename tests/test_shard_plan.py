@@ -5,7 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamsync.convert.mappings import COLUMN, QKV, ROW, Cast, Dims, GatedMLP, Rename, Vocab, tp_split
+from streamsync.convert.mappings import (
+    COLUMN,
+    QKV,
+    ROW,
+    Cast,
+    Dims,
+    GatedMLP,
+    Rename,
+    SwappedHalves,
+    Vocab,
+    tp_split,
+)
 from streamsync.errors import ValidationError
 from streamsync.plan.shards import Box, EngineLayout, Have, Need, plan_transfers
 
@@ -27,6 +38,8 @@ def _view(t: torch.Tensor, box: Box) -> torch.Tensor:
     (Vocab("e", "hf.e"), (32, 6)),                                 # 2 padding rows beyond the vocabulary
     (GatedMLP("fc1", "hf.gate", "hf.up"), (16, 6)),
     (QKV("qkv", "hf.q", "hf.k", "hf.v"), ((8 + 2 * 4) * 4, 6)),
+    (SwappedHalves("eh", "hf.input_proj", tp=COLUMN), (16, 6)),        # MiMo's MTP input projection
+    (SwappedHalves("eh", "hf.input_proj", tp=None), (16, 6)),
 ])
 def test_each_shards_parts_are_exactly_its_part_of_the_hf_tensors(mapping, shape, size):
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)

@@ -24,10 +24,11 @@ from . import archs as models
 from .archs import TRAINED_BUFFERS
 from .mappings import Dims, Mapping, Vocab, tp_merge, tp_split
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3-moe", "deepseek-v3", "glm4", "glm4-moe")
+ARCHS = ("llama", "qwen2", "mimo", "qwen3", "qwen3-moe", "deepseek-v3", "glm4", "glm4-moe")
 _ALIASES = {
     "llama": "llama", "mistral": "llama",
     "qwen2": "qwen2",
+    "mimo": "mimo",
     "qwen3": "qwen3",
     "qwen3-moe": "qwen3-moe", "qwen3_moe": "qwen3-moe",
     # DeepSeek-V2 lacks the expert bias and MTP, a subset of V3's table; Kimi-K2 and Moonlight are V3 models
@@ -39,6 +40,7 @@ _ALIASES = {
 #: HF `architectures` each family serves as (what an engine's model class must be)
 HF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "MistralForCausalLM"), "qwen2": ("Qwen2ForCausalLM",),
+    "mimo": ("MiMoForCausalLM",),
     "qwen3": ("Qwen3ForCausalLM",), "qwen3-moe": ("Qwen3MoeForCausalLM",),
     "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM"),
     "glm4": ("Glm4ForCausalLM",), "glm4-moe": ("Glm4MoeForCausalLM",),
@@ -56,7 +58,7 @@ def same_family(a: Iterable[str], b: Iterable[str]) -> bool:
         return out
 
     return bool(family(a) & family(b))
-_MTP = ("deepseek-v3", "glm4-moe")
+_MTP = ("deepseek-v3", "glm4-moe", "mimo")
 
 
 def canonical_arch(name: str) -> str:
@@ -70,7 +72,8 @@ def canonical_arch(name: str) -> str:
 def detect_arch(config: object = None, hf_config: object = None, names: Iterable[str] = ()) -> str:
     """The architecture of a model, from its HF config's `model_type` where given, else from the megatron
     TransformerConfig: multi-latent attention -> deepseek-v3, MoE experts with shared experts and qkv bias ->
-    glm4-moe, other MoE -> qwen3-moe, q/k layernorm -> qwen3, qkv bias -> qwen2, else llama. GLM-4 dense looks
+    glm4-moe, other MoE -> qwen3-moe, q/k layernorm -> qwen3, qkv bias with MTP layers -> mimo, qkv bias -> qwen2,
+    else llama. GLM-4 dense looks
     like qwen2 to megatron's config; its layers' sandwich norms among the parameter `names` tell it apart."""
     model_type = getattr(hf_config, "model_type", None) or (
         hf_config.get("model_type") if isinstance(hf_config, dict) else None)
@@ -90,7 +93,7 @@ def detect_arch(config: object = None, hf_config: object = None, names: Iterable
     if getattr(config, "qk_layernorm", False):
         return "qwen3"
     if getattr(config, "add_qkv_bias", False):
-        return "qwen2"
+        return "mimo" if getattr(config, "mtp_num_layers", None) else "qwen2"
     return "llama"
 
 
@@ -137,24 +140,38 @@ class Resolved:
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
-    rx = re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+    rx = re.escape(pattern)
+    for key in "LEM":
+        rx = rx.replace(rf"\{{{key}\}}", rf"(?P<{key}>\d+)")
     return re.compile(rx + r"\Z")
 
 
 class Converter:
-    """The table of one architecture, compiled. Stateless: safe to share."""
+    """The table of one architecture, compiled. Stateless: safe to share. `num_layers`: the model's decoder
+    layers, which number MTP layers where a checkpoint counts them apart (`{M}` = L - num_layers: MiMo's)."""
 
-    def __init__(self, arch: str, mappings: Iterable[Mapping]) -> None:
+    def __init__(self, arch: str, mappings: Iterable[Mapping], num_layers: int | None = None) -> None:
         self.arch = arch
         self.mappings = list(mappings)
+        self.num_layers = num_layers
         self._fwd = [(_compile(m.megatron), m) for m in self.mappings]
         self._rev = [(_compile(h), m) for m in self.mappings for h in m.hf]
 
-    @staticmethod
-    def _names(m: Mapping, groups: dict[str, str]) -> tuple[str, tuple[str, ...], int | None, int | None]:
+    def _names(self, m: Mapping, groups: dict[str, str]) -> tuple[str, tuple[str, ...], int | None, int | None]:
         layer = int(groups["L"]) if "L" in groups else None
         expert = int(groups["E"]) if "E" in groups else None
-        fmt = {"L": layer, "E": expert}
+        mtp = int(groups["M"]) if "M" in groups else None
+        if "{M}" in m.megatron + "".join(m.hf):
+            if self.num_layers is None:
+                raise ValidationError(f"{self.arch}: {m.megatron!r} numbers its MTP layers after the decoder "
+                                      "layers: get_converter(..., num_layers=) needs the model's num_layers")
+            if layer is None and mtp is not None:
+                layer = mtp + self.num_layers
+            mtp = None if layer is None else layer - self.num_layers
+            if mtp is None or mtp < 0:
+                raise ValidationError(f"{self.arch}: MTP layer {layer} is not after the model's {self.num_layers} "
+                                      "decoder layers")
+        fmt = {"L": layer, "E": expert, "M": mtp}
         return m.megatron.format(**fmt), tuple(h.format(**fmt) for h in m.hf), layer, expert
 
     def find(self, megatron_name: str) -> Resolved | None:
@@ -221,11 +238,12 @@ class Converter:
         return out
 
 
-def get_converter(arch: str, *, tied: bool = False) -> Converter:
+def get_converter(arch: str, *, tied: bool = False, num_layers: int | None = None) -> Converter:
     """The converter of `arch` (a name of `ARCHS` or an alias: 'mistral', 'qwen3_moe', 'kimi_k2', 'glm4_moe',
-    ...); `tied`: the model shares its embedding with the output layer (HF `tie_word_embeddings`)."""
+    ...); `tied`: the model shares its embedding with the output layer (HF `tie_word_embeddings`); `num_layers`:
+    the model's decoder layers (MiMo's MTP layers are numbered after them)."""
     key = canonical_arch(arch)
-    return Converter(key, models.table(key, tied=tied))
+    return Converter(key, models.table(key, tied=tied), num_layers)
 
 
 __all__ = ["ARCHS", "HF_ARCHITECTURES", "TRAINED_BUFFERS", "Converter", "Dims", "Resolved", "canonical_arch",

@@ -15,11 +15,25 @@ A table lists every tensor a family *may* have; a model uses the entries its nam
 has `linear_q_proj`, with one `linear_q_down_proj` / `linear_q_up_proj`). MTP layers (Megatron's
 `mtp.layers.{m}`, named here by their global layer index `{L}` = num_layers + m, as HF checkpoints number them)
 hold a decoder layer under `transformer_layer.` (megatron-core 0.16) or `mtp_model_layer.` (later releases).
+MiMo's checkpoints hold them apart, as `model.mtp_layers.{M}` with `{M}` = L - num_layers (the converter is told
+num_layers).
 """
 
 from __future__ import annotations
 
-from .mappings import COLUMN, QKV, ROW, Buffer, Cast, FusedGatedMLP, GatedMLP, Mapping, Rename, Vocab
+from .mappings import (
+    COLUMN,
+    QKV,
+    ROW,
+    Buffer,
+    Cast,
+    FusedGatedMLP,
+    GatedMLP,
+    Mapping,
+    Rename,
+    SwappedHalves,
+    Vocab,
+)
 
 _M = "decoder.layers.{L}."
 _H = "model.layers.{L}."
@@ -117,6 +131,19 @@ def _mtp(layer: list[Mapping]) -> list[Mapping]:
     return own + [m.under(_M, p + sub) for sub in ("transformer_layer.", "mtp_model_layer.") for m in layer]
 
 
+def _mimo_mtp(layer: list[Mapping]) -> list[Mapping]:
+    """MiMo's MTP layers (`model.mtp_layers.{M}`): Megatron's MTP layer under MiMo's names, its input projection
+    taking [hidden; embedding] where Megatron's takes [embedding; hidden]."""
+    p, h = "mtp.layers.{L}.", "model.mtp_layers.{M}."
+    own: list[Mapping] = [
+        Cast(p + "enorm.weight", h + "token_layernorm.weight"),
+        Cast(p + "hnorm.weight", h + "hidden_layernorm.weight"),
+        SwappedHalves(p + "eh_proj.weight", h + "input_proj.weight", tp=COLUMN, engine=None),  # a plain nn.Linear
+        Cast(p + "final_layernorm.weight", h + "final_layernorm.weight"),
+    ]
+    return own + [m.under(_M, p + sub, (_H, h)) for sub in ("transformer_layer.", "mtp_model_layer.") for m in layer]
+
+
 def _moe_mlp() -> list[Mapping]:
     e = _H + "mlp.experts.{E}."
     return [
@@ -137,6 +164,9 @@ def table(arch: str, *, tied: bool = False) -> list[Mapping]:
         return _embeddings(tied) + _attention(qk_norm=False, qkv_bias=False) + _dense_mlp()
     if arch == "qwen2":
         return _embeddings(tied) + _attention(qk_norm=False, qkv_bias=True) + _dense_mlp()
+    if arch == "mimo":  # MiMo: Qwen2 with MTP layers of its own naming
+        layer = _attention(qk_norm=False, qkv_bias=True) + _dense_mlp()
+        return _embeddings(tied) + layer + _mimo_mtp(layer)
     if arch == "qwen3":
         return _embeddings(tied) + _attention(qk_norm=True, qkv_bias=False) + _dense_mlp()
     if arch == "qwen3-moe":

@@ -128,13 +128,18 @@ class Mapping:
     def arity(self) -> int:
         return 1
 
-    def under(self, old: str, new: str) -> Mapping:
+    def under(self, old: str, new: str, hf: tuple[str, str] | None = None) -> Mapping:
         """The same mapping for a copy of the module under another Megatron prefix (an MTP layer's transformer
-        layer is a decoder layer under `mtp.layers.{L}.transformer_layer.`)."""
+        layer is a decoder layer under `mtp.layers.{L}.transformer_layer.`), and under another HF prefix where
+        `hf` = (old, new) says so (MiMo holds it under `model.mtp_layers.{M}.`)."""
         m = copy.copy(self)
         if not self.megatron.startswith(old):
             raise ValueError(f"{self.megatron!r} does not start with {old!r}")
         m.megatron = new + self.megatron[len(old):]
+        if hf is not None:
+            if not all(h.startswith(hf[0]) for h in self.hf):
+                raise ValueError(f"{self.hf!r} do not all start with {hf[0]!r}")
+            m.hf = tuple(hf[1] + h[len(hf[0]):] for h in self.hf)
         return m
 
     def hf_shapes(self, shape: Shape, dims: Dims) -> list[Shape]:
@@ -201,6 +206,36 @@ class Buffer(Cast):
 
     hf_dtype = torch.float32
     buffer = True
+
+
+class SwappedHalves(Rename):
+    """A projection of two concatenated inputs whose checkpoint takes them in the other order: MiMo's MTP
+    `input_proj` computes from [hidden; embedding], Megatron's `eh_proj` from [embedding; hidden], so the two
+    column halves trade places (each way). Megatron splits it by rows over TP; every rank's shard holds both
+    halves of its rows."""
+
+    tp_default = COLUMN
+
+    def to_hf(self, t: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
+        return [_swap_halves(t, self.megatron)]
+
+    def to_megatron(self, hf: Sequence[torch.Tensor], dims: Dims, shape: Shape | None = None) -> torch.Tensor:
+        return _swap_halves(hf[0], self.hf[0])
+
+    def shard_parts(self, local: Shape, dims: Dims, size: int, rank: int) -> list[Part]:
+        rows, cols = local[0], local[1]
+        if cols % 2:
+            raise ValueError(f"{self.megatron}: {cols} columns cannot hold two halves")
+        h, r0 = cols // 2, (rank * rows if self.tp is not None and size > 1 else 0)
+        return [Part(0, Box((r0, h), (rows, h)), Box((0, 0), (rows, h))),
+                Part(0, Box((r0, 0), (rows, h)), Box((0, h), (rows, h)))]
+
+
+def _swap_halves(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dim() != 2 or t.shape[1] % 2:
+        raise ValueError(f"{name}: {tuple(t.shape)} is not a matrix of two column halves")
+    a, b = t.chunk(2, dim=1)
+    return torch.cat([b, a], dim=1)
 
 
 class Vocab(Rename):
@@ -378,4 +413,4 @@ def _box(shape: Sequence[int], dim: int = 0, start: int = 0, rows: int | None = 
 
 
 __all__ = ["COLUMN", "GATED", "QKV", "ROW", "Auto", "Buffer", "Cast", "Dims", "FusedGatedMLP", "GatedMLP", "Mapping",
-           "Part", "Rename", "TPLayout", "Vocab", "tp_merge", "tp_split"]
+           "Part", "Rename", "SwappedHalves", "TPLayout", "Vocab", "tp_merge", "tp_split"]

@@ -86,7 +86,8 @@ class Declined:
     not load (`names`, why: `names_reason`; an MTP layer's copies of the embedding and output layer, which its MTP
     draft model shares with the main model); and layers [start, stop) it loads but a push may leave out
     (`optional`: the MTP layers its draft model loads, which a trainer without MTP layers cannot send; the draft
-    then keeps the weights it started with)."""
+    then keeps the weights it started with). `prefix`: where the checkpoint holds those layers apart from the
+    decoder layers (MiMo's `model.mtp_layers.`), the names under it are theirs, declined or optional alike."""
 
     start: int
     stop: int
@@ -94,18 +95,26 @@ class Declined:
     names: frozenset[str] = frozenset()
     names_reason: str = ""
     optional: tuple[int, int] = (0, 0)
+    prefix: str = ""
 
     def __contains__(self, layer: object) -> bool:
         return isinstance(layer, int) and self.start <= layer < self.stop
 
+    def _in(self, name: str, span: tuple[int, int]) -> bool:
+        if span[1] <= span[0]:
+            return False
+        if self.prefix:
+            return name.startswith(self.prefix)
+        i = layer_index(name)
+        return i is not None and span[0] <= i < span[1]
+
     def declines(self, name: str) -> bool:
         """The engine does not load the tensor `name` (its layer's, or the tensor itself)."""
-        return name in self.names or layer_index(name) in self
+        return name in self.names or self._in(name, (self.start, self.stop))
 
     def may_omit(self, name: str) -> bool:
         """A push may leave out the tensor `name`, which the engine loads if it comes (an `optional` layer's)."""
-        i = layer_index(name)
-        return i is not None and self.optional[0] <= i < self.optional[1]
+        return self._in(name, self.optional)
 
 
 class Engine(ABC):

@@ -35,7 +35,7 @@ def load_hf_weights(model: object, hf_state: Mapping[str, torch.Tensor], *, arch
     tied = bool(getattr(first, "share_embeddings_and_output_weights", False))
     key = canonical_arch(arch) if arch else detect_arch(cfg, names=(n for n, _ in first.named_parameters()))
     check_config(key, cfg)
-    conv = get_converter(key, tied=tied)
+    conv = get_converter(key, tied=tied, num_layers=cfg.num_layers)
     vocab = vocab_size or hf_state["model.embed_tokens.weight"].shape[0]
     dims = Dims(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, cfg.kv_channels, vocab)
     coords, groups = topology(first)
@@ -150,7 +150,7 @@ class TinyModel:
             s += [(p + "self_attn.q_proj.weight", d, (self.heads * hd, h)),
                   (p + "self_attn.k_proj.weight", d, (self.kv_heads * hd, h)),
                   (p + "self_attn.v_proj.weight", d, (self.kv_heads * hd, h))]
-            if arch in ("qwen2", "glm4", "glm4-moe"):
+            if arch in ("qwen2", "mimo", "glm4", "glm4-moe"):
                 s += [(p + "self_attn.q_proj.bias", d, (self.heads * hd,)),
                       (p + "self_attn.k_proj.bias", d, (self.kv_heads * hd,)),
                       (p + "self_attn.v_proj.bias", d, (self.kv_heads * hd,))]
@@ -189,6 +189,13 @@ class TinyModel:
             s += self._layer_specs(i)
         for i in range(self.layers, self.layers + self.mtp):
             p = f"model.layers.{i}."
+            if canonical_arch(self.arch) == "mimo":  # MiMo holds its MTP layers apart, numbered from 0
+                q = f"model.mtp_layers.{i - self.layers}."
+                s += [(q + "token_layernorm.weight", d, (h,)), (q + "hidden_layernorm.weight", d, (h,)),
+                      (q + "input_proj.weight", d, (h, 2 * h))]
+                s += [(q + n[len(p):], dt, shape) for n, dt, shape in self._layer_specs(i)]
+                s.append((q + "final_layernorm.weight", d, (h,)))
+                continue
             s += [(p + "enorm.weight", d, (h,)), (p + "hnorm.weight", d, (h,)), (p + "eh_proj.weight", d, (h, 2 * h))]
             s += self._layer_specs(i)
             s.append((p + "shared_head.norm.weight", d, (h,)))
@@ -203,7 +210,7 @@ class TinyModel:
 
     def hf_config(self) -> dict[str, Any]:
         """The HF config fields MegatronSource reads (`hf_config=` accepts a dict or a transformers config)."""
-        model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3_moe",
+        model_type = {"llama": "llama", "qwen2": "qwen2", "mimo": "mimo", "qwen3": "qwen3", "qwen3-moe": "qwen3_moe",
                       "deepseek-v3": "deepseek_v3", "glm4": "glm4", "glm4-moe": "glm4_moe"}
         return {"model_type": model_type[canonical_arch(self.arch)], "vocab_size": self.vocab,
                 "tie_word_embeddings": self.tie, "dtype": self.dtype}
@@ -224,7 +231,7 @@ class TinyModel:
             num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
             num_query_groups=self.kv_heads, kv_channels=self.head_dim, ffn_hidden_size=self.ffn,
             normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-            add_bias_linear=False, add_qkv_bias=arch in ("qwen2", "glm4", "glm4-moe"),
+            add_bias_linear=False, add_qkv_bias=arch in ("qwen2", "mimo", "glm4", "glm4-moe"),
             qk_layernorm=arch in ("qwen3", "qwen3-moe", "deepseek-v3") or (arch == "glm4-moe" and self.qk_norm),
             use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
@@ -284,7 +291,7 @@ def build_model(tiny: TinyModel, *, divisible_by: int = 8, **config: Any) -> lis
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         spec: Any
         mtp_spec: Any = None
-        if arch in ("deepseek-v3", "glm4", "glm4-moe"):  # dense and MoE layers, MLA, MTP: the block spec
+        if arch in ("deepseek-v3", "glm4", "glm4-moe", "mimo"):  # dense and MoE layers, MLA, MTP: the block spec
             spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm",
                                               vp_stage=stage)
             for layer in spec.layer_specs:
@@ -379,8 +386,8 @@ def hf_config(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def _tiny_from_config(cfg: dict[str, Any]) -> TinyModel:
-    arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "llama", "qwen3_moe": "qwen3-moe",
-            "deepseek_v3": "deepseek-v3", "kimi_k2": "deepseek-v3", "glm4": "glm4",
+    arch = {"qwen3": "qwen3", "qwen2": "qwen2", "mimo": "mimo", "llama": "llama", "mistral": "llama",
+            "qwen3_moe": "qwen3-moe", "deepseek_v3": "deepseek-v3", "kimi_k2": "deepseek-v3", "glm4": "glm4",
             "glm4_moe": "glm4-moe"}.get(cfg["model_type"])
     if arch is None:
         raise ValueError(f"no megatron builder for model_type {cfg['model_type']!r}")
@@ -405,6 +412,8 @@ def _tiny_from_config(cfg: dict[str, Any]) -> TinyModel:
                    nope_dim=cfg["qk_nope_head_dim"], v_dim=cfg["v_head_dim"])
     if arch == "glm4-moe":
         moe.update(qk_norm=bool(cfg.get("use_qk_norm", False)))
+    if arch == "mimo":
+        moe = dict(mtp=cfg.get("num_nextn_predict_layers") or 0)
     heads = cfg["num_attention_heads"]
     return TinyModel(arch=arch, vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"],
                      heads=heads, kv_heads=cfg.get("num_key_value_heads", heads),

@@ -1,7 +1,7 @@
 """Tiny checkpoints made locally (no hub downloads): config, random bf16 weights and a word-level tokenizer.
 
-One per family the library converts: Qwen3, Qwen3-MoE, DeepSeek-V3 (MLA, shared experts, first layer dense,
-the router's expert bias), GLM-4 and GLM-4.5 MoE, each built by transformers from its own config class.
+One per family the library converts: Qwen3, Qwen2, Qwen3-MoE, DeepSeek-V3 (MLA, shared experts, first layer
+dense, the router's expert bias), GLM-4 and GLM-4.5 MoE, each built by transformers from its own config class.
 
 Cached by its config: a second call returns the same directory without rebuilding.
 """
@@ -63,10 +63,16 @@ TINY_GLM4_MOE = dict(
     tie_word_embeddings=False, rms_norm_eps=1e-6, num_nextn_predict_layers=0,
 )
 
+#: Qwen2 in small (q/k/v biases): the main model of MiMo, whose checkpoints add MTP layers of their own naming
+#: (`streamsync.testing.vllm.as_mimo`)
+TINY_QWEN2 = dict(
+    vocab_size=1000, hidden_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+    intermediate_size=512, max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
 #: model_type -> the tiny config of that family
-TINY: dict[str, dict[str, Any]] = {"qwen3": TINY_QWEN3, "qwen3_moe": TINY_QWEN3_MOE, "deepseek_v3": TINY_DEEPSEEK_V3,
-                                   "glm4": TINY_GLM4,
-                                   "glm4_moe": TINY_GLM4_MOE}
+TINY: dict[str, dict[str, Any]] = {"qwen3": TINY_QWEN3, "qwen2": TINY_QWEN2, "qwen3_moe": TINY_QWEN3_MOE,
+                                   "deepseek_v3": TINY_DEEPSEEK_V3, "glm4": TINY_GLM4, "glm4_moe": TINY_GLM4_MOE}
 
 WORDS = [
     "the",
@@ -145,8 +151,8 @@ def make_tiny_qwen3_moe(cache: str | os.PathLike | None = None, seed: int = 0, *
 
 
 def make_tiny(model_type: str, cache: str | os.PathLike | None = None, seed: int = 0, **overrides: object) -> Path:
-    """Build (or reuse) a tiny checkpoint of `model_type` (a key of `TINY`: qwen3, qwen3_moe, deepseek_v3, glm4,
-    glm4_moe), its config changed by `overrides`."""
+    """Build (or reuse) a tiny checkpoint of `model_type` (a key of `TINY`: qwen3, qwen2, qwen3_moe, deepseek_v3,
+    glm4, glm4_moe), its config changed by `overrides`."""
     if model_type not in TINY:
         raise ValueError(f"no tiny {model_type!r}: known are {sorted(TINY)}")
     return _make(cache, seed, model_type, {**TINY[model_type], **overrides})
@@ -155,7 +161,7 @@ def make_tiny(model_type: str, cache: str | os.PathLike | None = None, seed: int
 def _classes(model_type: str) -> tuple[Any, Any]:
     import transformers
 
-    names = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4",
+    names = {"qwen3": "Qwen3", "qwen2": "Qwen2", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3", "glm4": "Glm4",
              "glm4_moe": "Glm4Moe"}[model_type]
     return getattr(transformers, names + "Config"), getattr(transformers, names + "ForCausalLM")
 

@@ -39,8 +39,11 @@ def engine_splits() -> tuple[tuple[re.Pattern[str], EngineSplit], ...]:
             for template, split in zip(m.hf, m.engine_splits(), strict=True):
                 if seen.setdefault(template, split) != split:
                     raise ValueError(f"the tables split {template} two ways: {seen[template]} and {split}")
-    return tuple((re.compile(re.escape(t).replace(r"\{L\}", r"\d+").replace(r"\{E\}", r"\d+") + "$"), split)
-                 for t, split in seen.items())
+
+    def pattern(template: str) -> re.Pattern[str]:
+        return re.compile(re.sub(r"\\\{[LEM]\\\}", r"\\d+", re.escape(template)) + "$")
+
+    return tuple((pattern(t), split) for t, split in seen.items())
 
 
 def engine_split(name: str) -> EngineSplit:

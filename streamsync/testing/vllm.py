@@ -82,10 +82,41 @@ def generation_matches_reference(llm: Any, model_dir: str | os.PathLike, trainer
     return compare_generation(reference_logprobs(ref, prompt_ids, tokens), tokens, lps, LOGPROB_TOL)
 
 
+#: MiMo's config class as its checkpoints ship it (`trust_remote_code`): Qwen2's, with the MTP layer count
+_MIMO_CONFIG = """from transformers import Qwen2Config
+
+
+class MiMoConfig(Qwen2Config):
+    model_type = "mimo"
+
+    def __init__(self, *args, num_nextn_predict_layers=0, **kwargs):
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+        super().__init__(*args, **kwargs)
+"""
+
+
+def as_mimo(src: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """`src` (a Qwen2 checkpoint) as a MiMo checkpoint without MTP layers (`with_mtp_layer` adds one): MiMo's
+    main model is Qwen2's; its config names `MiMoForCausalLM` and the config class it ships, which vLLM loads
+    with `trust_remote_code=True`."""
+    import json
+
+    out = Path(out)
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=0,
+               auto_map={"AutoConfig": "configuration_mimo.MiMoConfig"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    (out / "configuration_mimo.py").write_text(_MIMO_CONFIG)
+    return out
+
+
 def with_mtp_layer(src: str | os.PathLike, out: str | os.PathLike, seed: int) -> Path:
-    """`src` (a DeepSeek-V3 checkpoint) with one MTP layer, as DeepSeek-V3 checkpoints hold it: its own tensors
-    (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`), a decoder layer, and copies of the embedding and output
-    layer, at index num_hidden_layers; `num_nextn_predict_layers` 1 in the config."""
+    """`src` (a DeepSeek-V3, GLM-4.5 or MiMo checkpoint) with one MTP layer, as such checkpoints hold it: its own
+    tensors and a decoder layer, at index num_hidden_layers (DeepSeek-V3 / GLM-4.5: `enorm`, `hnorm`, `eh_proj`,
+    `shared_head.norm`, and copies of the embedding and output layer) or as `model.mtp_layers.0` (MiMo:
+    `token_layernorm`, `hidden_layernorm`, `input_proj`, `final_layernorm`); `num_nextn_predict_layers` 1 in the
+    config."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -100,10 +131,13 @@ def with_mtp_layer(src: str | os.PathLike, out: str | os.PathLike, seed: int) ->
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     state = load_file(str(out / "model.safetensors"))
     n = cfg["num_hidden_layers"]
-    specs = [s for s in _tiny_from_config(cfg).hf_specs() if s[0].startswith(f"model.layers.{n}.")]
+    mimo = cfg["model_type"] == "mimo"
+    prefix = "model.mtp_layers.0." if mimo else f"model.layers.{n}."
+    specs = [s for s in _tiny_from_config(cfg).hf_specs() if s[0].startswith(prefix)]
     state.update(StateModule(specs, fill="random", seed=seed).state_dict())
-    state[f"model.layers.{n}.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
-    state[f"model.layers.{n}.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    if not mimo:
+        state[f"model.layers.{n}.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+        state[f"model.layers.{n}.shared_head.head.weight"] = state["lm_head.weight"].clone()
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
     return out
 

@@ -34,7 +34,7 @@ from ..receiver import kernels
 from ..receiver.loaders import FunctionLoader
 from ..receiver.state import WeightReceiver
 from . import compat
-from .checkpoint import engine_weights, mtp_layers, own_modules, shared_with_main
+from .checkpoint import engine_weights, mtp_layers, own_modules
 from .fastpath import CapturedLoads, FastPath, FastRound, relayout_reloaded_experts
 from .reload import RELOAD_LOGGER as RELOAD_LOGGER  # also named here, beside the backend that installs it
 from .reload import ExpectedReloadMisses as ExpectedReloadMisses
@@ -223,9 +223,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         def load(weights: Any) -> None:
             weights = weights if isinstance(weights, list) else list(weights)
             if self._mtp:  # an MTP layer's tensors: into the draft model, else the sender reports them not loaded
-                mtp = [(n, t) for n, t in weights if layer_index(n) in self._mtp]
+                mtp = [(n, t) for n, t in weights if n in self._mtp]
                 if mtp:
-                    weights = [(n, t) for n, t in weights if layer_index(n) not in self._mtp]
+                    weights = [(n, t) for n, t in weights if n not in self._mtp]
                     if self.draft is not None:
                         mtp = [(n, self._hf(n, t)) for n, t in mtp if n not in self._shared_copies]
                         if self.record_digests:
@@ -344,7 +344,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
     @property
     def _shared_copies(self) -> frozenset[str]:
-        return shared_with_main(self._mtp)
+        return self._mtp.shared
 
     def _load_draft(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """An MTP layer's tensors, into the MTP draft model through vLLM's layerwise reload (its own loader names

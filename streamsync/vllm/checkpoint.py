@@ -6,6 +6,7 @@ answers them to the sender."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ def engine_weights(model_config: Any, model: torch.nn.Module, draft: torch.nn.Mo
     """`checkpoint_weights` of the checkpoint a worker's model was loaded from, with the float32 tensors that model
     keeps under their checkpoint names. The MTP layers' tensors are left out, unless the worker runs an MTP draft
     model (`draft`): then those it loads are in, less the copies of the main model's tensors it shares
-    (`shared_with_main`)."""
+    (`MtpLayers.shared`)."""
     mc = model_config
     tied = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
     kept = {n: p.dtype for n, p in model.named_parameters() if p.dtype == torch.float32 != mc.dtype}
@@ -68,17 +69,49 @@ def engine_weights(model_config: Any, model: torch.nn.Module, draft: torch.nn.Mo
         return None
     mtp = mtp_layers(mc.hf_config)
     if draft is None:
-        return {n: v for n, v in found.items() if layer_index(n) not in mtp}
-    shared = shared_with_main(mtp)
-    return {n: v for n, v in found.items() if n not in shared}
+        return {n: v for n, v in found.items() if n not in mtp}
+    return {n: v for n, v in found.items() if n not in mtp.shared}
 
 
-def mtp_layers(hf_config: Any) -> range:
-    """The checkpoint's MTP layers (DeepSeek-V3, GLM-4.5: `model.layers.{num_hidden_layers + i}`), which vLLM's
-    main model skips as it loads: they belong to its MTP draft model."""
+@dataclass(frozen=True, slots=True)
+class MtpLayers:
+    """The checkpoint's MTP layers, which vLLM's main model skips as it loads: they belong to its MTP draft model.
+    DeepSeek-V3 and GLM-4.5 number them after the decoder layers (`model.layers.{num_hidden_layers + i}.`, the
+    `layers`); MiMo holds them apart (`model.mtp_layers.{i}.`: `prefix`). `name in mtp` says whether a checkpoint
+    tensor is an MTP layer's."""
+
+    layers: range = range(0)
+    prefix: str = ""
+
+    def __bool__(self) -> bool:
+        return len(self.layers) > 0
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str) or not self:
+            return False
+        return name.startswith(self.prefix) if self.prefix else layer_index(name) in self.layers
+
+    @property
+    def shared(self) -> frozenset[str]:
+        """The MTP layers' checkpoint tensors that vLLM's MTP draft models do not hold themselves: DeepSeek-V3's
+        copies of the embedding and the output layer, for which the draft computes with the main model's (vLLM's
+        proposer shares them whatever the checkpoint holds). MiMo's layers hold no such copies."""
+        if self.prefix:
+            return frozenset()
+        return frozenset(f"model.layers.{i}.{t}" for i in self.layers
+                         for t in ("embed_tokens.weight", "shared_head.head.weight"))
+
+
+#: HF architectures whose checkpoints hold their MTP layers apart, under this prefix
+_APART = {"MiMoForCausalLM": "model.mtp_layers."}
+
+
+def mtp_layers(hf_config: Any) -> MtpLayers:
+    """The checkpoint's MTP layers (`MtpLayers`), from its config's `num_nextn_predict_layers`."""
     n = getattr(hf_config, "num_hidden_layers", None) or 0
     extra = getattr(hf_config, "num_nextn_predict_layers", None) or 0
-    return range(n, n + extra) if n else range(0)
+    archs = getattr(hf_config, "architectures", None) or ()
+    return MtpLayers(range(n, n + extra) if n else range(0), _APART.get(archs[0], "") if archs else "")
 
 
 #: why a push does not load an MTP layer's tensors
@@ -108,13 +141,6 @@ def checkpoint_name(draft_name: str) -> str:
     layer as `mtp_block` (`model.layers.61.mtp_block.mlp.gate.e_score_correction_bias` is the checkpoint's
     `model.layers.61.mlp.gate.e_score_correction_bias`)."""
     return draft_name.replace(".mtp_block.", ".", 1)
-
-
-def shared_with_main(mtp: range) -> frozenset[str]:
-    """The MTP layers' checkpoint tensors that vLLM's MTP draft models do not hold themselves: their copies of the
-    embedding and the output layer, for which the draft computes with the main model's (vLLM's proposer shares
-    them whatever the checkpoint holds)."""
-    return frozenset(f"model.layers.{i}.{t}" for i in mtp for t in ("embed_tokens.weight", "shared_head.head.weight"))
 
 
 def own_modules(draft: torch.nn.Module, main: torch.nn.Module) -> list[torch.nn.Module]:

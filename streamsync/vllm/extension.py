@@ -20,11 +20,10 @@ from typing import Any
 import torch
 
 from ..checksum import device_digest, tensor_digest
-from ..plan.chunking import layer_index
 from ..plan.shards import Box
 from . import compat, register
 from .answers import answering
-from .checkpoint import MTP_DECLINED, MTP_SHARED, draft_model, engine_weights, mtp_layers, shared_with_main
+from .checkpoint import MTP_DECLINED, MTP_SHARED, draft_model, engine_weights, mtp_layers
 
 register()
 
@@ -134,14 +133,16 @@ class StreamSyncWorkerExtension:
                               self.model_runner.get_model(), self._streamsync_draft())  # type: ignore[attr-defined]
 
     def streamsync_declined_layers(self) -> dict[str, Any]:
-        """The decoder layers whose tensors this engine does not load (`mtp_layers`: [start, stop)) and why; where
-        it runs an MTP draft model, which loads them, the MTP layers are optional instead and only their copies of
-        the main model's embedding and output layer are declined (`checkpoint.shared_with_main`)."""
+        """The decoder layers whose tensors this engine does not load (`mtp_layers`: [start, stop), and the name
+        prefix of checkpoints that hold them apart) and why; where it runs an MTP draft model, which loads them, the
+        MTP layers are optional instead and only their copies of the main model's embedding and output layer are
+        declined (`MtpLayers.shared`)."""
         mtp = mtp_layers(self.model_runner.model_config.hf_config)  # type: ignore[attr-defined]
+        span = [mtp.layers.start, mtp.layers.stop]
         if self._streamsync_draft() is None:
-            return {"layers": [mtp.start, mtp.stop], "reason": MTP_DECLINED}
-        return {"layers": [0, 0], "reason": "", "names": sorted(shared_with_main(mtp)), "names_reason": MTP_SHARED,
-                "optional": [mtp.start, mtp.stop]}
+            return {"layers": span, "reason": MTP_DECLINED, "prefix": mtp.prefix}
+        return {"layers": [0, 0], "reason": "", "names": sorted(mtp.shared), "names_reason": MTP_SHARED,
+                "optional": span, "prefix": mtp.prefix}
 
     def _streamsync_draft(self) -> torch.nn.Module | None:
         """This worker's MTP draft model (`checkpoint.draft_model`), handed to its backend as well: the backend is
@@ -185,7 +186,7 @@ class StreamSyncWorkerExtension:
             mtp = mtp_layers(self.model_runner.model_config.hf_config)  # type: ignore[attr-defined]  # slices them
             wanted = self.streamsync_expected_weights() or {}
             out += [[n, Box.whole(tuple(shape)).to_json()] for n, (_, shape) in sorted(wanted.items())
-                    if layer_index(n) in mtp]
+                    if n in mtp]
         return out
 
     def streamsync_round_stats(self) -> dict[str, Any] | None:

@@ -55,7 +55,7 @@ class WorkerQueries:
         if stop <= start and not names and optional[1] <= optional[0]:
             return None
         return Declined(int(start), int(stop), str(got["reason"]), names, str(got.get("names_reason") or ""),
-                        (int(optional[0]), int(optional[1])))
+                        (int(optional[0]), int(optional[1])), str(got.get("prefix") or ""))
 
     async def draft_digests(self, device: bool = False) -> dict[str, str]:
         """Digests of the tensors of the engine's MTP draft model that are its own (not shared with the main model),

@@ -104,7 +104,7 @@ class MegatronSource(Source):
         names = (n for n, _ in first.named_parameters())
         self.arch = canonical_arch(arch) if arch else detect_arch(cfg, hf_config, names)
         check_config(self.arch, cfg)
-        self.converter = get_converter(self.arch, tied=self.tied)
+        self.converter = get_converter(self.arch, tied=self.tied, num_layers=cfg.num_layers)
         self.architectures = HF_ARCHITECTURES[self.arch]
         vocab = vocab_size or _hf_get(hf_config, "vocab_size") or first.vocab_size
         self.dims = Dims(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads,
