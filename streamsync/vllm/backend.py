@@ -81,6 +81,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         #: model (`attach_draft`), into which they then go
         self._mtp = mtp_layers(self.model_config.hf_config)
         self.draft: torch.nn.Module | None = None
+        self._draft_shapes: dict[str, tuple[int, ...]] | None = None  # the MTP tensors' HF shapes (`attach_draft`)
         self._draft_armed = False  # layerwise reload armed for the draft model's own modules this round
         self._expert_layers: set[int] = set()  # layers whose experts the round reloaded layerwise
         self._draft_layers: set[int] = set()  # the same, of the draft model
@@ -150,6 +151,11 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         layers are loaded into it, through vLLM's layerwise reload of its own modules (`_load_draft`)."""
         if draft is not self.draft and self._draft_armed:
             raise RuntimeError("streamsync: the MTP draft model changed during a weight update")
+        if draft is not self.draft:
+            # the MTP tensors' HF shapes, so blocked views of them are reshaped before the draft's loader
+            # (`_hf`); None where the checkpoint does not say (such a worker then takes no blocked view)
+            held = engine_weights(self.model_config, self.model, draft) if draft is not None else None
+            self._draft_shapes = None if held is None else {n: tuple(s) for n, (_, s) in held.items() if n in self._mtp}
         self.draft = draft
 
     def fused_layout(self) -> dict[str, list[Any]]:
@@ -284,7 +290,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         # Where this worker knows every tensor's HF shape, blocked views (Q of megatron's interleaved QKV, sent by
         # reference) come as they are: the fast path copies them straight into the engine's tensors, and only the
         # layerwise rest is reshaped (`_hf`). Otherwise the receiver reshapes them all.
-        self.rx.update(update_info.streamsync, _TakesBlocked(load) if self.fast.specs is not None else load)
+        blocked = self.fast.specs is not None and (self.draft is None or self._draft_shapes is not None)
+        self.rx.update(update_info.streamsync, _TakesBlocked(load) if blocked else load)
 
     def _parts(self, info: dict[str, Any], weights: list[tuple[str, torch.Tensor]]
                ) -> list[tuple[tuple | None, list[tuple[str, torch.Tensor]]]]:
@@ -338,6 +345,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
     def _hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """`t` in its HF shape: a blocked view reshaped (a copy where its strides allow no view)."""
         shape = self.fast.shape(name)
+        if shape is None and self._draft_shapes is not None:
+            shape = self._draft_shapes.get(name)
         if shape is None or tuple(t.shape) == shape:
             return t
         return t.reshape(shape)

@@ -124,10 +124,12 @@ MTP_SHARED = ("an MTP layer's copy of the embedding or output layer: the engine'
 
 def draft_model(runner: Any) -> torch.nn.Module | None:
     """The MTP draft model of a worker's model runner (vLLM's MTP speculative decoding: `DeepSeekMTP`,
-    `Glm4MoeMTP`, ...), or None: no speculative decoding, or a draft of another kind (EAGLE, a separate draft
+    `Glm4MoeMTP`, `MiMoMTP`, ...), or None: no speculative decoding, or a draft of another kind (EAGLE, a separate draft
     model), whose weights are not the trainer's MTP layers."""
     get = getattr(runner, "get_draft_model", None)
-    model = get() if callable(get) else getattr(getattr(runner, "drafter", None), "model", None)
+    # vLLM 0.32: get_draft_model(); 0.25.x: the V1 runner's drafter, the V2 runner's speculator
+    proposer = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+    model = get() if callable(get) else getattr(proposer, "model", None)
     unwrap = getattr(model, "unwrap", None)  # a CUDA-graph wrapper (vLLM's own `get_draft_model` unwraps it)
     if not isinstance(model, torch.nn.Module) and callable(unwrap):
         model = unwrap()
