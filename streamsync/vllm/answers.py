@@ -13,6 +13,7 @@ through vLLM's own `start_weight_update` / `update_weights` / `finish_weight_upd
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,13 +24,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def answering(fn: F) -> F:
-    """`fn`, answering `{WORKER_ERROR: ...}` where it raises an Exception."""
+    """`fn`, answering `{WORKER_ERROR: ...}` where it raises an Exception (its traceback goes to the worker's
+    log: the sender's error names the worker and the exception, the engine's log says where it was raised)."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except Exception as e:
+            logging.getLogger(__name__).exception("streamsync: %s failed in this worker", fn.__name__)
             return {WORKER_ERROR: f"{type(e).__name__}: {e}"}
 
     return call  # type: ignore[return-value]
