@@ -31,7 +31,13 @@ from safetensors.torch import load_file  # noqa: E402
 
 from streamsync.engines.vllm import VllmEngine, engine_kwargs  # noqa: E402
 from streamsync.models.tiny import TINY, make_tiny  # noqa: E402
-from streamsync.testing.vllm import reference_checkpoint, stop_llm, trainer_from, with_mtp_layer  # noqa: E402
+from streamsync.testing.vllm import (  # noqa: E402
+    as_mimo,
+    reference_checkpoint,
+    stop_llm,
+    trainer_from,
+    with_mtp_layer,
+)
 from streamsync.verify import check_prompts, compare_engines  # noqa: E402
 from streamsync.vllm.digests import expected_digests  # noqa: E402
 
@@ -140,32 +146,43 @@ async def test_three_colocated_pushes_leave_the_gpu_engine_as_loading_the_checkp
 
 
 MTP_DRAFT = {"method": "deepseek_mtp", "num_speculative_tokens": 1}
+#: (tiny model type the main model is, how the MTP checkpoint is made from it, the engine's extra arguments)
+MTP_FAMILIES: dict[str, tuple[str, Any, dict[str, Any]]] = {
+    "deepseek_v3": ("deepseek_v3", lambda src, out: src, {"speculative_config": MTP_DRAFT}),
+    # MiMo: Qwen2's main model, its MTP layers apart (`model.mtp_layers.0`), its config class shipped as code
+    "mimo": ("qwen2", as_mimo, {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
+                                "trust_remote_code": True}),
+}
 
 
 @gpu
-async def test_a_trainers_mtp_layer_lands_in_the_gpu_engines_mtp_draft_model(tmp_path):
-    """A megatron-core DeepSeek-V3 trainer with an MTP layer on the GPU pushes into an engine running MTP
-    speculative decoding: after two pushes the main and the draft model hold what an engine started on the last
-    checkpoint holds, bit for bit (device digests), and both generate the same greedy tokens."""
+@pytest.mark.parametrize("family", list(MTP_FAMILIES))
+async def test_a_trainers_mtp_layer_lands_in_the_gpu_engines_mtp_draft_model(family, tmp_path):
+    """A megatron-core trainer with an MTP layer (DeepSeek-V3's, numbered after the decoder layers; MiMo's, held
+    apart with its input halves swapped) on the GPU pushes into an engine running MTP speculative decoding: after
+    two pushes the main and the draft model hold what an engine started on the last checkpoint holds, bit for bit
+    (device digests), and both generate the same greedy tokens."""
     _gpu_env()
-    model_dir = make_tiny("deepseek_v3", tmp_path)
-    start = with_mtp_layer(model_dir, tmp_path / "start", seed=1)
-    refs = {step: with_mtp_layer(reference_checkpoint(model_dir, step, tmp_path / f"dense{step}"),
-                                 tmp_path / f"ref{step}", seed=10 + step) for step in (1, 3)}
-    with _llm(start, speculative_config=MTP_DRAFT) as pushed_llm:
+    model_type, convert, engine = MTP_FAMILIES[family]
+    model_dir = make_tiny(model_type, tmp_path)
+    start = with_mtp_layer(convert(model_dir, tmp_path / "converted"), tmp_path / "start", seed=1)
+    refs = {step: with_mtp_layer(convert(reference_checkpoint(model_dir, step, tmp_path / f"dense{step}"),
+                                         tmp_path / f"converted{step}"), tmp_path / f"ref{step}", seed=10 + step)
+            for step in (1, 3)}
+    with _llm(start, **engine) as pushed_llm:
         pushed = VllmEngine(pushed_llm, name="pushed")
         before = await pushed.draft_digests(device=True)
         assert before
         async with WeightSync([pushed], transport="auto", chunk_bytes=1 << 20) as sync:
             for step, ref in refs.items():
                 report = await sync.push(_trainer(model_dir, ref, step), version=step)
-                print(f"MTP push {step}: path {report.engine_paths['pushed']}, {report.seconds * 1e3:.1f} ms, "
-                      f"{report.engine_rounds[0].draft_tensors} draft tensors")
+                print(f"{family} MTP push {step}: path {report.engine_paths['pushed']}, "
+                      f"{report.seconds * 1e3:.1f} ms, {report.engine_rounds[0].draft_tensors} draft tensors")
                 assert report.not_loaded == {} and report.engine_rounds[0].draft_tensors > 0, report.engine_rounds
-        with _llm(refs[3], speculative_config=MTP_DRAFT) as loaded_llm:
+        with _llm(refs[3], **engine) as loaded_llm:
             loaded = VllmEngine(loaded_llm, name="loaded")
             assert await pushed.weight_digests(device=True) == await loaded.weight_digests(device=True)
             got = await pushed.draft_digests(device=True)
             assert got != before
             _same("the MTP draft", got, await loaded.draft_digests(device=True))
-            await _same_tokens("deepseek_v3", pushed, loaded)
+            await _same_tokens(model_type, pushed, loaded)
