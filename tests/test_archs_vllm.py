@@ -258,7 +258,7 @@ async def test_a_mimo_trainers_mtp_layer_lands_in_the_draft_model_and_is_reporte
     reverse of Megatron's eh_proj). A megatron-core MiMo trainer pushed into an engine running MTP speculative
     decoding leaves main and draft model as an engine started on the same checkpoint holds them, bit for bit, with
     the same greedy tokens; pushed into an engine without a draft, every MTP tensor is reported not loaded and the
-    main model still lands."""
+    main model still lands, as a Qwen2 trainer's (MiMo's main model) does."""
     qwen2 = make_tiny("qwen2", tmp_path)
     start = with_mtp_layer(as_mimo(qwen2, tmp_path / "mimo"), tmp_path / "start", seed=1)
     ref = with_mtp_layer(as_mimo(_reference(qwen2, 1, tmp_path / "dense"), tmp_path / "mimo1"), tmp_path / "ref",
@@ -299,3 +299,11 @@ async def test_a_mimo_trainers_mtp_layer_lands_in_the_draft_model_and_is_reporte
         assert mtp and all(name.startswith("model.mtp_layers.0.") for name in mtp)
         assert {"model.mtp_layers.0.input_proj.weight", "model.mtp_layers.0.token_layernorm.weight"} <= set(mtp)
         assert await plain.weight_digests() == want_main
+        # a Qwen2 trainer (MiMo's main model, no MTP layer) into the same engine: nothing to decline
+        sync = WeightSync([plain], chunk_bytes=1 << 20)
+        try:
+            report = await sync.push(megatron_from_hf(_reference(qwen2, 2, tmp_path / "dense2")), version=2)
+        finally:
+            await sync.close()
+        assert report.not_loaded == {}
+        assert await plain.weight_digests() != want_main

@@ -348,6 +348,8 @@ def test_a_trainer_of_another_family_is_refused_and_one_of_the_same_family_is_no
     assert same_family(["MistralForCausalLM"], ["LlamaForCausalLM"])
     assert same_family(["KimiK2ForCausalLM"], ["DeepseekV3ForCausalLM"])
     assert not same_family(["Glm4ForCausalLM"], ["Glm4MoeForCausalLM"])
+    assert same_family(["Qwen2ForCausalLM"], ["MiMoForCausalLM"])  # MiMo's main model is Qwen2's
+    assert not same_family(["MiMoForCausalLM"], ["Qwen3ForCausalLM"])
     check_family((), {"e": ("Qwen3ForCausalLM",)})  # a trainer that cannot say is not refused
     check_family(("Qwen3ForCausalLM",), {"e": ()})  # nor an engine that cannot
     with pytest.raises(ValidationError, match=r"engine 'e'.*Glm4MoeForCausalLM.*Qwen3MoeForCausalLM"):

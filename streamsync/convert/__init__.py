@@ -40,7 +40,7 @@ _ALIASES = {
 #: HF `architectures` each family serves as (what an engine's model class must be)
 HF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "MistralForCausalLM"), "qwen2": ("Qwen2ForCausalLM",),
-    "mimo": ("MiMoForCausalLM",),
+    "mimo": ("MiMoForCausalLM", "Qwen2ForCausalLM"),  # MiMo's main model is Qwen2's: either trainer pushes it
     "qwen3": ("Qwen3ForCausalLM",), "qwen3-moe": ("Qwen3MoeForCausalLM",),
     "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM"),
     "glm4": ("Glm4ForCausalLM",), "glm4-moe": ("Glm4MoeForCausalLM",),
