@@ -34,8 +34,9 @@ from ..receiver import kernels
 from ..receiver.loaders import FunctionLoader
 from ..receiver.state import WeightReceiver
 from . import compat
-from .checkpoint import engine_weights, mtp_layers, own_modules
-from .fastpath import CapturedLoads, FastPath, FastRound, relayout_reloaded_experts
+from .checkpoint import engine_weights, mtp_layers
+from .draft import Draft
+from .fastpath import CapturedLoads, FastPath, FastRound, chunk_parts, relayout_reloaded_experts
 from .reload import RELOAD_LOGGER as RELOAD_LOGGER  # also named here, beside the backend that installs it
 from .reload import ExpectedReloadMisses as ExpectedReloadMisses
 from .reload import (
@@ -79,12 +80,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.rx = WeightReceiver(device)
         #: the checkpoint's MTP layers (`checkpoint.mtp_layers`): not loaded, unless the worker runs an MTP draft
         #: model (`attach_draft`), into which they then go
-        self._mtp = mtp_layers(self.model_config.hf_config)
-        self.draft: torch.nn.Module | None = None
-        self._draft_shapes: dict[str, tuple[int, ...]] | None = None  # the MTP tensors' HF shapes (`attach_draft`)
-        self._draft_armed = False  # layerwise reload armed for the draft model's own modules this round
+        self.draft = Draft(mtp_layers(self.model_config.hf_config))
         self._expert_layers: set[int] = set()  # layers whose experts the round reloaded layerwise
-        self._draft_layers: set[int] = set()  # the same, of the draft model
         self.record_digests = False
         self.received_digests: dict[str, str] = {}
         #: copy received tensors straight into the engine's tensors where they can go (`fastpath`); False:
@@ -102,8 +99,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self._traced_ahead = False  # `prime` traced the plan again since the last round
         self._shared: tuple[object, list[tuple[str, torch.nn.Module]]] | None = None
         # path (and the fast tensors graphs replayed) -> [tensors, bytes]
-        self._counts: dict[str, list[int]] = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0],
-                                              "draft": [0, 0]}
+        self._counts: dict[str, list[int]] = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0]}
         #: the worker keeps the weight version (vLLM keeps none, or WORKER_VERSIONS_ENV asks for it)
         self.keeps_version = not compat.native_weight_version()
         self.weight_version = "default"  # vLLM's own initial version string
@@ -147,16 +143,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         return engine_weights(self.model_config, self.model)  # the main model's: the fast path's
 
     def attach_draft(self, draft: torch.nn.Module | None) -> None:
-        """The worker's MTP draft model (`checkpoint.draft_model`; the worker extension finds it): a push's MTP
-        layers are loaded into it, through vLLM's layerwise reload of its own modules (`_load_draft`)."""
-        if draft is not self.draft and self._draft_armed:
-            raise RuntimeError("streamsync: the MTP draft model changed during a weight update")
-        if draft is not self.draft:
-            # the MTP tensors' HF shapes, so blocked views of them are reshaped before the draft's loader
-            # (`_hf`); None where the checkpoint does not say (such a worker then takes no blocked view)
-            held = engine_weights(self.model_config, self.model, draft) if draft is not None else None
-            self._draft_shapes = None if held is None else {n: tuple(s) for n, (_, s) in held.items() if n in self._mtp}
-        self.draft = draft
+        """The worker's MTP draft model (`draft.draft_model`; the worker extension finds it): a push's MTP layers
+        are loaded into it, through vLLM's layerwise reload of its own modules (`Draft.load`)."""
+        self.draft.attach(draft, self.model_config, self.model)
 
     def fused_layout(self) -> dict[str, list[Any]]:
         """The fused tensors this worker takes (`Fused.fused_layout`): none without the fast path."""
@@ -177,9 +166,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.rx.start()
         self.received_digests = {}
         self._round_version = None
-        self._counts = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0], "draft": [0, 0]}
+        self._counts = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0]}
         self._expert_layers = set()  # layers whose experts this round reloaded layerwise
-        self._draft_layers = set()  # the same, of the draft model
+        self.draft.begin_round()
         self._replayed0 = self.graphs.replayed
         self.log.begin()
         with self.log.phase("map"):
@@ -228,22 +217,20 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
         def load(weights: Any) -> None:
             weights = weights if isinstance(weights, list) else list(weights)
-            if self._mtp:  # an MTP layer's tensors: into the draft model, else the sender reports them not loaded
-                mtp = [(n, t) for n, t in weights if n in self._mtp]
-                if mtp:
-                    weights = [(n, t) for n, t in weights if n not in self._mtp]
-                    if self.draft is not None:
-                        mtp = [(n, self._hf(n, t)) for n, t in mtp if n not in self._shared_copies]
-                        if self.record_digests:
-                            self.received_digests.update((n, tensor_digest(t)) for n, t in mtp)
-                        with self.log.phase("load", chunk):
-                            self._load_draft([(n, t.clone() if keep(n) else t) for n, t in mtp])
+            weights, mtp = self.draft.split(weights)  # an MTP layer's tensors: into the draft model, if any
+            if mtp:
+                mtp = [(n, self._hf(n, t)) for n, t in mtp]
+                if self.record_digests:
+                    self.received_digests.update((n, tensor_digest(t)) for n, t in mtp)
+                self._count("layerwise", [t for _, t in mtp])
+                with self.log.phase("load", chunk):
+                    self.draft.load([(n, t.clone() if keep(n) else t) for n, t in mtp], self.model, self.vllm_config)
             if self.record_digests:
                 self.received_digests.update((n, tensor_digest(self._hf(n, t))) for n, t in weights)
             rnd = self._round
             on_gpu = rnd is not None and self.device.type == "cuda"
             slow: list[tuple[str, torch.Tensor]] = []
-            for key, part in (self._parts(info, weights) if on_gpu else [(None, weights)]):
+            for key, part in (chunk_parts(info, self.rx.joined_split, weights) if on_gpu else [(None, weights)]):
                 slow += load_part(rnd, key, part)
             if slow:
                 with self.log.phase("load", chunk):
@@ -290,34 +277,13 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         # Where this worker knows every tensor's HF shape, blocked views (Q of megatron's interleaved QKV, sent by
         # reference) come as they are: the fast path copies them straight into the engine's tensors, and only the
         # layerwise rest is reshaped (`_hf`). Otherwise the receiver reshapes them all.
-        blocked = self.fast.specs is not None and (self.draft is None or self._draft_shapes is not None)
+        blocked = self.fast.specs is not None and (self.draft.model is None or self.draft.shapes is not None)
         self.rx.update(update_info.streamsync, _TakesBlocked(load) if blocked else load)
-
-    def _parts(self, info: dict[str, Any], weights: list[tuple[str, torch.Tensor]]
-               ) -> list[tuple[tuple | None, list[tuple[str, torch.Tensor]]]]:
-        """The chunk's tensors in the parts its captured loads are kept by, each with its key: the packed part by
-        its layout and the buffer it arrived in, the referenced part by its reference set (the trainer storages
-        it names), so a graph captured for the references at connect (`prime`) serves whichever buffer the
-        packed part comes in. A chunk loaded otherwise (a delta, split tensors) is one part, keyed by all three."""
-        handle = info.get("handle")
-        if not isinstance(handle, dict):
-            return [(None, weights)]
-        layout, token, rid = info.get("layout_key"), handle.get("token"), handle.get("refs_id")
-        split = self.rx.joined_split
-        if split is None or sum(split) != len(weights) or (split[1] and not isinstance(rid, str)):
-            return [((layout, token, rid), weights)]
-        n = split[0]
-        parts: list[tuple[tuple | None, list[tuple[str, torch.Tensor]]]] = []
-        if n:
-            parts.append((("packed", layout, token), weights[:n] if n < len(weights) else weights))
-        if n < len(weights):
-            parts.append((("refs", rid), weights[n:] if n else weights))
-        return parts
 
     def prime(self, info: dict[str, Any]) -> bool:
         """A chunk's references ahead of its first push (`Primable.prime`): the receiver maps their storages and
         keeps their views (`WeightReceiver.prime`); where every one of them goes straight into the engine's own
-        tensors on a GPU, their copies are captured as the graph the chunk's pushes replay (`_parts`), so a first
+        tensors on a GPU, their copies are captured as the graph the chunk's pushes replay (`chunk_parts`), so a first
         push runs like a later one. Loads nothing. False where this worker does not take them (a round is open:
         the push then carries the references)."""
         if self._reloading:
@@ -344,39 +310,10 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
 
     def _hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """`t` in its HF shape: a blocked view reshaped (a copy where its strides allow no view)."""
-        shape = self.fast.shape(name)
-        if shape is None and self._draft_shapes is not None:
-            shape = self._draft_shapes.get(name)
+        shape = self.fast.shape(name) or self.draft.shape(name)
         if shape is None or tuple(t.shape) == shape:
             return t
         return t.reshape(shape)
-
-    @property
-    def _shared_copies(self) -> frozenset[str]:
-        return self._mtp.shared
-
-    def _load_draft(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """An MTP layer's tensors, into the MTP draft model through vLLM's layerwise reload (its own loader names
-        them, and processes each module once complete: packed CPU linears, MLA's absorbed matrices). Only the
-        draft's own modules are armed: it computes with the main model's embedding and output layer."""
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        draft = self.draft
-        assert draft is not None
-        if not weights:
-            return
-        if not self._draft_armed:
-            with compat.vllm_config_set(self.vllm_config):
-                armed = own_modules(draft, self.model)
-                hold_kv_b(draft, armed)
-                for mod in armed:
-                    initialize_layerwise_reload(mod)
-            self._draft_armed = True
-        self._draft_layers.update(i for n, _ in weights if ".experts." in n and (i := layer_index(n)) is not None)
-        self._count("layerwise", [t for _, t in weights])
-        self._counts["draft"][0] += len(weights)
-        with compat.mtp_check_disabled():
-            draft.load_weights(weights)  # type: ignore[operator]  # nn.Module attribute
 
     def _load_layerwise(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self._expert_layers.update(i for n, _ in weights if ".experts." in n and (i := layer_index(n)) is not None)
@@ -409,10 +346,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                 finalize_layerwise_reload(self.model, self.model_config)
                 relayout_reloaded_experts(self.model, self._expert_layers)
             self._armed = False
-            if self._draft_armed and self.draft is not None:  # after the main model's, which owns what they share
-                finalize_layerwise_reload(self.draft, self.model_config)
-                relayout_reloaded_experts(self.draft, self._draft_layers)
-            self._draft_armed = False
+            self.draft.finish(self.model_config)  # after the main model's, which owns what they share
             for mod in plan.derive if plan is not None else ():
                 if not released_kv_b(mod):  # (AMX MLA) a kv_b_proj this round did not fill: derived as it was
                     mod.process_weights_after_loading(self.model_config.dtype)  # type: ignore[operator]
@@ -434,7 +368,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             rebuilt_modules=rnd.rebuilt + len(rnd.plan.derive) if rnd is not None else 0,
             direct_modules=rnd.direct if rnd is not None else 0,
             traced=self._traced, fast_path=self.fast_path, replayed_chunks=self.graphs.replayed - self._replayed0,
-            replayed_tensors=self._counts["replayed"][0], draft_tensors=self._counts["draft"][0])
+            replayed_tensors=self._counts["replayed"][0], draft_tensors=self.draft.tensors)
 
     def _count(self, path: str, tensors: list[torch.Tensor]) -> None:
         c = self._counts[path]

@@ -122,41 +122,8 @@ MTP_SHARED = ("an MTP layer's copy of the embedding or output layer: the engine'
               "main model's (vLLM shares them), which the push's main-model tensors update")
 
 
-def draft_model(runner: Any) -> torch.nn.Module | None:
-    """The MTP draft model of a worker's model runner (vLLM's MTP speculative decoding: `DeepSeekMTP`,
-    `Glm4MoeMTP`, `MiMoMTP`, ...), or None: no speculative decoding, or a draft of another kind (EAGLE, a separate draft
-    model), whose weights are not the trainer's MTP layers."""
-    get = getattr(runner, "get_draft_model", None)
-    # vLLM 0.32: get_draft_model(); 0.25.x: the V1 runner's drafter, the V2 runner's speculator
-    proposer = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
-    model = get() if callable(get) else getattr(proposer, "model", None)
-    unwrap = getattr(model, "unwrap", None)  # a CUDA-graph wrapper (vLLM's own `get_draft_model` unwraps it)
-    if not isinstance(model, torch.nn.Module) and callable(unwrap):
-        model = unwrap()
-    if not isinstance(model, torch.nn.Module) or not type(model).__name__.endswith("MTP"):
-        return None
-    return model
-
-
 def checkpoint_name(draft_name: str) -> str:
     """A draft model's parameter name as the checkpoint names it: vLLM's MTP models hold an MTP layer's decoder
     layer as `mtp_block` (`model.layers.61.mtp_block.mlp.gate.e_score_correction_bias` is the checkpoint's
     `model.layers.61.mlp.gate.e_score_correction_bias`)."""
     return draft_name.replace(".mtp_block.", ".", 1)
-
-
-def own_modules(draft: torch.nn.Module, main: torch.nn.Module) -> list[torch.nn.Module]:
-    """The largest submodules of `draft` that hold no tensor of `main` (the modules an MTP draft model shares with
-    its main model, its embedding and output layer, left out): what a round arms for reload in the draft."""
-    shared = {id(t) for t in (*main.parameters(), *main.buffers())}
-    out: list[torch.nn.Module] = []
-
-    def walk(mod: torch.nn.Module) -> None:
-        if not any(id(t) in shared for t in (*mod.parameters(), *mod.buffers())):
-            out.append(mod)
-            return
-        for child in mod.children():
-            walk(child)
-
-    walk(draft)
-    return out

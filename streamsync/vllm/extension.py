@@ -23,7 +23,8 @@ from ..checksum import device_digest, tensor_digest
 from ..plan.shards import Box
 from . import compat, register
 from .answers import answering
-from .checkpoint import MTP_DECLINED, MTP_SHARED, draft_model, engine_weights, mtp_layers
+from .checkpoint import MTP_DECLINED, MTP_SHARED, engine_weights, mtp_layers
+from .draft import draft_model
 
 register()
 
@@ -145,7 +146,7 @@ class StreamSyncWorkerExtension:
                 "optional": span, "prefix": mtp.prefix}
 
     def _streamsync_draft(self) -> torch.nn.Module | None:
-        """This worker's MTP draft model (`checkpoint.draft_model`), handed to its backend as well: the backend is
+        """This worker's MTP draft model (`draft.draft_model`), handed to its backend as well: the backend is
         built with the main model only, and every client asks this worker what it expects before its first push."""
         draft = draft_model(self.model_runner)  # type: ignore[attr-defined]
         engine = _backend(self)

@@ -52,13 +52,13 @@ import torch
 from ...log import get_logger
 from ...pack import dtype_from_name
 from ...plan.shards import Box
-from .captured import CapturedLoads
+from .captured import CapturedLoads, chunk_parts
 from .plan import Plan, build_plan
 from .round import FastRound
 from .trace import Mode, Target, Traced, Write, _contiguous_strides, module_mode, relayout_reloaded_experts, trace_loads
 
 __all__ = ["CapturedLoads", "FastPath", "FastRound", "Mode", "Plan", "Target", "Traced", "Write", "build_plan",
-           "module_mode", "relayout_reloaded_experts", "specs_from", "trace_loads"]
+           "chunk_parts", "module_mode", "relayout_reloaded_experts", "specs_from", "trace_loads"]
 
 
 def _read_box(shape: tuple[int, ...], writes: Sequence[Write]) -> Box | None:

@@ -1,9 +1,11 @@
-"""Chunks loaded by replaying a CUDA graph of their copies (`CapturedLoads`)."""
+"""Chunks loaded by replaying a CUDA graph of their copies (`CapturedLoads`), kept by the parts of a chunk
+(`chunk_parts`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -11,6 +13,30 @@ from ...log import get_logger
 from .plan import Plan, _Op
 from .round import FastRound
 from .trace import _TB
+
+Weights = list[tuple[str, torch.Tensor]]
+
+
+def chunk_parts(info: dict[str, Any], split: tuple[int, int] | None, weights: Weights
+                ) -> list[tuple[tuple | None, Weights]]:
+    """A chunk's tensors in the parts its captured loads are kept by, each with its key: the packed part by its
+    layout and the buffer it arrived in, the referenced part by its reference set (the trainer storages it
+    names), so a graph captured for the references at connect serves whichever buffer the packed part comes in.
+    `split`: (packed, referenced) tensor counts of the chunk as the receiver joined it. A chunk loaded otherwise
+    (a delta, split tensors) is one part, keyed by all three."""
+    handle = info.get("handle")
+    if not isinstance(handle, dict):
+        return [(None, weights)]
+    layout, token, rid = info.get("layout_key"), handle.get("token"), handle.get("refs_id")
+    if split is None or sum(split) != len(weights) or (split[1] and not isinstance(rid, str)):
+        return [((layout, token, rid), weights)]
+    n = split[0]
+    parts: list[tuple[tuple | None, Weights]] = []
+    if n:
+        parts.append((("packed", layout, token), weights[:n] if n < len(weights) else weights))
+    if n < len(weights):
+        parts.append((("refs", rid), weights[n:] if n else weights))
+    return parts
 
 
 @dataclass(slots=True)
