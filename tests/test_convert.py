@@ -324,7 +324,7 @@ def test_a_megatron_option_the_table_does_not_map_is_refused_by_name(arch: str, 
                                                 mtp_num_layers=1))
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["qwen2", "deepseek_v3", "glm4", "glm4_moe"])
 def test_the_tiny_specs_are_what_transformers_saves_for_that_family(model_type: str, tmp_path) -> None:
     """The test models' HF names, shapes and dtypes are those of the family's own transformers class, as
     `save_pretrained` writes them (per-expert tensors, the expert bias in float32): an independent reference."""
@@ -370,7 +370,7 @@ def test_every_tensor_the_planner_names_is_one_a_converter_maps(preset: str) -> 
         assert conv.find_hf(name) is not None, (preset, name)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["qwen2", "deepseek_v3", "glm4", "glm4_moe"])
 def test_the_planners_tensors_are_those_of_the_checkpoint(model_type: str, tmp_path) -> None:
     """The planner's shapes of a family (names, dtypes, shapes) are what its transformers class saves."""
     from streamsync.models.megatron import _tiny_from_config, hf_config
@@ -380,3 +380,22 @@ def test_the_planners_tensors_are_those_of_the_checkpoint(model_type: str, tmp_p
     cfg = hf_config(make_tiny(model_type, tmp_path))
     assert sorted(Shape(cfg).specs()) == sorted(
         (n, d, tuple(s)) for n, d, s in _tiny_from_config(cfg).hf_specs())
+
+
+def test_the_planner_plans_mimo_as_the_main_model_its_engine_loads(tmp_path) -> None:
+    """A MiMo config.json plans Qwen2's layers: the checkpoint's tensors less its MTP layers (`model.mtp_layers`),
+    which vLLM's main model does not load; every one of them is a tensor the mimo converter maps."""
+    from safetensors import safe_open
+
+    from streamsync.models.megatron import hf_config
+    from streamsync.models.tiny import make_tiny
+    from streamsync.plan.shapes import Shape
+    from streamsync.testing.vllm import as_mimo, with_mtp_layer
+
+    mimo = with_mtp_layer(as_mimo(make_tiny("qwen2", tmp_path), tmp_path / "mimo"), tmp_path / "mtp", seed=1)
+    with safe_open(str(mimo / "model.safetensors"), "pt") as f:
+        held = {n for n in f.keys() if not n.startswith("model.mtp_layers.")}  # noqa: SIM118
+    cfg = hf_config(mimo)
+    assert {n for n, _, _ in Shape(cfg).specs()} == held
+    conv = get_converter("mimo", num_layers=cfg["num_hidden_layers"])
+    assert all(conv.find_hf(n) is not None for n in held)

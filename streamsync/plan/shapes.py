@@ -12,7 +12,8 @@ tensors). Nothing here allocates a tensor, so a 1T-parameter shape is planned in
   and the weights are counted as bf16 (the published DeepSeek-V3 and Kimi-K2 checkpoints are block-FP8);
 * glm-4.5-air (`model_type` glm4_moe: GQA with q/k/v biases, the first layer dense, routed + shared experts).
 
-`glm4` configs (GLM-4 dense: q/k/v biases, sandwich norms, a fused gate_up_proj) plan from their config.json.
+`glm4` configs (GLM-4 dense: q/k/v biases, sandwich norms, a fused gate_up_proj) and `mimo` ones (MiMo: Qwen2's
+layers; its MTP layers left out, as DeepSeek-V3's) plan from their config.json.
 Every shape planned here is one `streamsync.convert` maps (tests/test_convert.py holds them to it).
 """
 
@@ -67,7 +68,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "use_qk_norm": False, "vocab_size": 151552, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
 }
 
-_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4", "glm4_moe")
+_TYPES = ("llama", "qwen2", "mimo", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2", "glm4", "glm4_moe")
 
 
 def load_shape(what: str) -> dict[str, Any]:
@@ -110,7 +111,7 @@ class Shape:
         self.first_dense = self._int("first_k_dense_replace", 0)
         dense_only = cfg.get("mlp_only_layers") or []
         self.dense_layers = {int(i) for i in dense_only} | set(range(min(self.first_dense, self.layers)))
-        self.qkv_bias = self.type == "qwen2" or (self.type in ("glm4", "glm4_moe")
+        self.qkv_bias = self.type in ("qwen2", "mimo") or (self.type in ("glm4", "glm4_moe")
                                                  and bool(cfg.get("attention_bias", self.type == "glm4")))
         self.qk_norm = self.type in ("qwen3", "qwen3_moe") or (self.type == "glm4_moe"
                                                                and bool(cfg.get("use_qk_norm", False)))
