@@ -177,3 +177,29 @@ def test_each_quantization_table_names_what_the_installed_vllm_has():
     for method in quantizations.ONLINE:
         assert isinstance(getattr(online, method.linear, None), type), method.linear
         assert isinstance(getattr(online, method.moe, None), type), method.moe
+
+
+def test_the_mtp_draft_is_found_under_each_model_runner_vllm_has():
+    """vLLM 0.32's `get_draft_model()`, 0.25's V1 runner (`drafter.model`) and its V2 runner (`speculator.model`,
+    which MiMo runs under on the GPU): the draft is found under each; a draft that is no MTP model, or none, is
+    not. (The runners are stand-ins: the 0.25 GPU runners do not run on this machine; the GPU tests find real
+    drafts under both.)"""
+    from types import SimpleNamespace
+
+    import torch
+
+    from streamsync.vllm.draft import draft_model
+
+    class MiMoMTP(torch.nn.Module):
+        pass
+
+    class EagleLlamaForCausalLM(torch.nn.Module):
+        pass
+
+    mtp = MiMoMTP()
+    assert draft_model(SimpleNamespace(get_draft_model=lambda: mtp)) is mtp
+    assert draft_model(SimpleNamespace(drafter=SimpleNamespace(model=mtp))) is mtp
+    assert draft_model(SimpleNamespace(speculator=SimpleNamespace(model=mtp))) is mtp
+    assert draft_model(SimpleNamespace(drafter=None, speculator=SimpleNamespace(model=mtp))) is mtp
+    assert draft_model(SimpleNamespace(speculator=SimpleNamespace(model=EagleLlamaForCausalLM()))) is None
+    assert draft_model(SimpleNamespace(drafter=None, speculator=None)) is None
