@@ -73,8 +73,8 @@ def detect_arch(config: object = None, hf_config: object = None, names: Iterable
     """The architecture of a model, from its HF config's `model_type` where given, else from the megatron
     TransformerConfig: multi-latent attention -> deepseek-v3, MoE experts with shared experts and qkv bias ->
     glm4-moe, other MoE -> qwen3-moe, q/k layernorm -> qwen3, qkv bias with MTP layers -> mimo, qkv bias -> qwen2,
-    else llama. GLM-4 dense looks
-    like qwen2 to megatron's config; its layers' sandwich norms among the parameter `names` tell it apart."""
+    else llama. GLM-4 dense looks like qwen2 to megatron's config; its layers' sandwich norms among the parameter
+    `names` tell it apart."""
     model_type = getattr(hf_config, "model_type", None) or (
         hf_config.get("model_type") if isinstance(hf_config, dict) else None)
     if model_type:
@@ -160,17 +160,16 @@ class Converter:
     def _names(self, m: Mapping, groups: dict[str, str]) -> tuple[str, tuple[str, ...], int | None, int | None]:
         layer = int(groups["L"]) if "L" in groups else None
         expert = int(groups["E"]) if "E" in groups else None
-        mtp = int(groups["M"]) if "M" in groups else None
-        if "{M}" in m.megatron + "".join(m.hf):
+        mtp = None
+        if "{M}" in m.megatron + "".join(m.hf):  # an MTP layer numbered apart: {M} = L - num_layers (MiMo's)
             if self.num_layers is None:
                 raise ValidationError(f"{self.arch}: {m.megatron!r} numbers its MTP layers after the decoder "
                                       "layers: get_converter(..., num_layers=) needs the model's num_layers")
-            if layer is None and mtp is not None:
-                layer = mtp + self.num_layers
-            mtp = None if layer is None else layer - self.num_layers
-            if mtp is None or mtp < 0:
-                raise ValidationError(f"{self.arch}: MTP layer {layer} is not after the model's {self.num_layers} "
-                                      "decoder layers")
+            layer = layer if layer is not None else int(groups["M"]) + self.num_layers
+            mtp = layer - self.num_layers
+            if mtp < 0:
+                raise ValidationError(f"{self.arch}: MTP layer {layer} is not after the model's "
+                                      f"{self.num_layers} decoder layers")
         fmt = {"L": layer, "E": expert, "M": mtp}
         return m.megatron.format(**fmt), tuple(h.format(**fmt) for h in m.hf), layer, expert
 
