@@ -18,8 +18,8 @@ from .errors import PushError, PushTimeout, ValidationError
 from .log import get_logger
 from .pipeline.stages import first_push_error
 from .pipeline.threads import responsive_threads
+from .plan import finite
 from .plan.chunk import ChunkPlan
-from .plan.finite import nonfinite
 from .report import EngineRound, MiB, PushReport
 from .rounds import EngineGroup, Rounds
 from .sources import Source
@@ -41,19 +41,41 @@ class Attempt:
     window: int
     time_limit: float | None
     delta: DeltaPush | None = None
+    finite: FiniteCheck | None = None  # the finite check still running, answered before the engines' round opens
 
     def again(self, delta: DeltaPush) -> Attempt:
         """The same version again under a new push id (a full push after a refused delta)."""
-        return replace(self, push_id=uuid.uuid4().hex[:8], delta=delta)
+        return replace(self, push_id=uuid.uuid4().hex[:8], delta=delta, finite=None)
 
 
-async def check_finite(source: Source) -> None:
-    """Refuse weights holding NaN or inf before any engine byte changes (`Checks.check_finite`)."""
-    bad = await anyio.to_thread.run_sync(nonfinite, list(source.local_tensors()))
-    if bad:
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        raise ValidationError(f"refusing to push non-finite weights (NaN or inf) in {bad[:5]}{more}; "
-                              "no engine was touched (check_finite=False skips this check)")
+class FiniteCheck:
+    """The non-finite check of a push's weights (`Checks.check_finite`), queued on the device (`plan.finite`):
+    `start` returns once its kernels are queued, `verdict` waits for the answer and refuses weights holding NaN
+    or inf. A push asks for the verdict before the first engine call (the round's start or the first chunk's
+    update), so the device reads the weights while the host plans, gathers and packs, and no engine byte changes
+    before the answer."""
+
+    def __init__(self, pending: finite.Pending) -> None:
+        self.pending = pending
+
+    @classmethod
+    async def start(cls, source: Source, answer_now: bool = False) -> FiniteCheck | None:
+        """The check of `source`'s weights, queued; with `answer_now`, answered (None, or a refusal raised)."""
+        # in a thread: a first push works out its tile tables there (thousands of tensors for an MoE)
+        check = cls(await anyio.to_thread.run_sync(finite.launch, list(source.local_tensors())))
+        if not answer_now:
+            return check
+        await check.verdict()
+        return None
+
+    async def verdict(self) -> None:
+        if not self.pending.done():
+            await anyio.to_thread.run_sync(self.pending.wait)
+        bad = self.pending.names()
+        if bad:
+            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+            raise ValidationError(f"refusing to push non-finite weights (NaN or inf) in {bad[:5]}{more}; "
+                                  "no engine was touched (check_finite=False skips this check)")
 
 
 async def run_attempt(sync: WeightSync, a: Attempt) -> PushReport:
@@ -96,7 +118,7 @@ async def run_attempt(sync: WeightSync, a: Attempt) -> PushReport:
                 # Gathers and packs need no engine: they start while the engines open the round.
                 push.started = anyio.Event()
                 group.fold(plans[-1].index if plans else None, sync.checks.reset_prefix_cache, rounds)
-                await _run_started(push, group, rounds)
+                await _run_started(push, group, rounds, a.finite)
                 await group.finish(version, rounds)
                 cache_reset, engine_rounds = await _after_round(sync, group, rounds, trace)
             else:
@@ -146,12 +168,15 @@ async def _after_round(sync: WeightSync, group: EngineGroup, rounds: Rounds,
     return cache_reset, engine_rounds
 
 
-async def _run_started(push: pipeline.Push, group: EngineGroup, rounds: Rounds) -> None:
-    """start_update on every engine, concurrently with the pipeline; the first send waits for it."""
+async def _run_started(push: pipeline.Push, group: EngineGroup, rounds: Rounds, check: FiniteCheck | None) -> None:
+    """start_update on every engine, concurrently with the pipeline, once the finite check answered; the first
+    send waits for it."""
     assert push.started is not None
     started = push.started
 
     async def start() -> None:
+        if check is not None:
+            await check.verdict()
         await group.start(rounds)
         started.set()
 

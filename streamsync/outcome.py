@@ -143,8 +143,11 @@ class Outcome:
         """A push failed or was cancelled: end every round it opened and record what the engines hold."""
         log = get_logger()
         with anyio.CancelScope(shield=True):
+            cancelled = not isinstance(err, Exception)  # else a PushError, or the finite check's refusal
             if isinstance(err, PushError):
                 log.error("push failed", stage=err.stage, chunk=err.chunk, receiver=err.receiver, error=str(err))
+            elif not cancelled:
+                log.error("push refused", error=str(err))
             else:
                 log.warning("push cancelled", running=push.running(), error=type(err).__name__)
             # Engines that owe the failed chunk's acknowledgement did not answer within the timeout: asking them
@@ -157,11 +160,13 @@ class Outcome:
                                       aborted=[e.name for e in to_abort], ended=ended, sent=push.sent_any)
             if self.sync.mixed:
                 log.warning("engines hold mixed weights until the next successful push", mixed=sorted(self.sync.mixed))
-            if not isinstance(err, PushError):
+            if cancelled:
                 log.warning("push cancelled; its round was ended on every engine that answered",
                             open_rounds=sorted(self.sync.open_rounds))
             if isinstance(err, PushError):  # drawn by the viewer: the failing stage, chunk, engine and message
                 trace.fail(err.stage, err.chunk, err.receiver, err.message)
+            elif not cancelled:
+                trace.fail("check", None, None, str(err))
             else:
                 trace.fail(push.running_stage(), push.running_chunk(), None, f"cancelled ({push.running()})")
             self.write_trace(trace)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import anyio
 
-from .attempt import Attempt, check_finite, run_attempt
+from .attempt import Attempt, FiniteCheck, run_attempt
 from .delta import AutoDelta, Shadow, refused
 from .delta.policy import DeltaPolicy
 from .delta.push import DeltaPush
@@ -94,9 +94,8 @@ class WeightSync:
         self.planner = Planner()
         self._messages = Messages([None] * len(self.engines))
         self._lock = anyio.Lock()
-        #: engines found paused at connect (by a trainer that died inside `paused()`) or kept paused by `paused()`
-        #: after a failed push: resumed by the next successful push, so they never hang their requests silently
-        #: the engines' state that is not their weights: paused or not, KV left by unchecked weights
+        #: the engines' state that is not their weights: paused (found so at connect, or kept so by `paused()` after
+        #: a failed push, until a push makes them whole), KV left by unchecked weights
         self.upkeep = Upkeep(self)
         #: how a push ends: the report of one that succeeded; the rounds ended and the marks of one that failed
         self.outcome = Outcome(self)
@@ -241,8 +240,7 @@ class WeightSync:
 
     @property
     def delta_on(self) -> bool:
-        """Whether this sync pushes deltas (`delta=True`, or "auto" with a transport where they pay), once
-        connected."""
+        """Whether this sync pushes deltas (`delta=True`, or "auto" where they pay), once connected."""
         return self._delta_on
 
     @property
@@ -326,6 +324,7 @@ class WeightSync:
             assert self.transport is not None
             every_rank = self.transport.every_rank
             bad_input: Exception | None = None
+            check: FiniteCheck | None = None
             try:
                 source, plans = self.plan(model)
                 if self.engines and not source.is_sender:
@@ -333,7 +332,9 @@ class WeightSync:
                         f"rank {_rank()} was given engines {[e.name for e in self.engines]} but does not send: "
                         "only global rank 0 sends a Megatron model; pass engines=[] on the other ranks")
                 if self.checks.check_finite:
-                    await check_finite(source)
+                    # answered as the engines' round opens where this rank alone pushes and no delta's shadow moves
+                    check = await FiniteCheck.start(source, every_rank or self._delta_on or not (
+                        self.engines and source.gathers_here))
             except Exception as e:
                 if not every_rank:
                     raise
@@ -343,14 +344,13 @@ class WeightSync:
             if every_rank or is_fsdp1(model) or not source.gathers_here:  # every trainer rank is in this push
                 v = await one_version(v, self.timeout)
             policy = DeltaPolicy(self)
-            first = Attempt(source, plans, push_id, v, window, time_limit, await policy.mode(source, plans))
+            first = Attempt(source, plans, push_id, v, window, time_limit, await policy.mode(source, plans), check)
             delta = first.delta
 
             async def attempt(d: DeltaPush) -> PushReport:  # the same version again, in full
                 return await run_attempt(self, first.again(d))
 
-            # Ranks without engines log warnings and errors only (STREAMSYNC_LOG_ALL_RANKS=1: all): N ranks
-            # repeating the sender's progress lines bury it.
+            # Ranks without engines log warnings and errors only (STREAMSYNC_LOG_ALL_RANKS=1: all): N ranks bury one
             loud = source.is_sender and (bool(self.engines) or not every_rank)
             with bound(push=push_id, version=v), quiet(not loud and os.environ.get("STREAMSYNC_LOG_ALL_RANKS") != "1"):
                 failed: Exception | None = None

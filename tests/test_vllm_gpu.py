@@ -20,7 +20,7 @@ import anyio
 import pytest
 import torch
 
-from streamsync import StreamSyncError, WeightSync
+from streamsync import StreamSyncError, ValidationError, WeightSync
 from streamsync.checksum import device_digest
 from streamsync.testing.gpu import gpu, perturb
 
@@ -146,6 +146,19 @@ async def test_colocated_cuda_ipc_pushes_are_bit_exact_three_times(kind, tie, gp
             assert counts.get("refs.exports", 0) == 0 and counts["refs.referenced"] > 0, counts
             assert r.replayed_tensors >= counts["refs.referenced"] and r.replayed_chunks >= report.chunks, (step, r)
         await _assert_bit_exact(engine, await _hf_export(trainer, model_dir), tied=TIES[tie])
+    # A NaN is refused while the engine's copies are captured and the check runs beside the push's host work
+    # (answered before the round opens): no engine byte changes, no version moves, nothing is mixed.
+    params = [p for m in (trainer if isinstance(trainer, list) else [trainer]) for p in m.parameters()]
+    before, version = await engine.weight_digests(device=True), await engine.get_version()
+    with torch.no_grad():
+        keep = params[-1].view(-1)[0].clone()
+        params[-1].view(-1)[0] = float("nan")
+    with pytest.raises(ValidationError, match="non-finite"):
+        await sync.push(trainer)
+    assert await engine.weight_digests(device=True) == before and await engine.get_version() == version
+    assert not sync.mixed and not sync.open_rounds
+    with torch.no_grad():
+        params[-1].view(-1)[0] = keep
     await sync.close()
     # and layerwise reload (fast_path=False) still lands exactly
     slow = VllmEngine(gpu_llms[tie], name=f"vllm-{tie}", fast_path=False)

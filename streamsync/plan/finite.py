@@ -1,8 +1,10 @@
 """The non-finite check: which floating tensors hold NaN or inf, in one read of their bytes and one host sync.
 
 A push refuses weights with NaN or inf before any engine byte changes, so the check is a full pass over the
-model on the trainer's device ahead of sending; on a GPU it costs as much as the read half of the push itself.
-Two ways, the fastest that applies:
+model on the trainer's device; on a GPU it reads every byte once, half the traffic of the push's copy. It is
+queued on a side stream (`launch`) and answered later (`Pending.names`): a push starts it first and asks for the
+answer only before the first engine call that can change a byte, so the device reads while the host plans,
+gathers and packs. Two ways, the fastest that applies:
 
 * CUDA tensors of bf16, fp16 or fp32: one Triton kernel per dtype reads every tensor as integer words and flags
   a word whose exponent bits are all ones (inf and NaN, nothing else), 16 bytes per access over a table of
@@ -122,16 +124,23 @@ class _Tiles:
             first_tile += n
         self.device = device
 
-    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[int]:
-        """Indices of `tensors` (the ones this table was made from, at the same addresses) holding inf or NaN."""
+    def launch(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Queue the kernels over `tensors` (the ones this table was made from, at the same addresses) on the
+        current stream; `collect` answers."""
         kernel = _kernel()
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             for grid, b, word, first, n, mask, vec, aligned in self.launches:
                 kernel[(grid,)](tensors[b].view(word), self.off[first:], self.count[first:],
                                 self.flags[first:first + n], n, grid, MASK=mask, VEC=vec,
                                 TILE_WORDS=TILE * vec // ALIGN, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)
-        bad = self.owner[self.flags.nonzero().flatten()].tolist()  # the one host sync
-        return sorted(set(bad))
+
+    def collect(self) -> list[int]:
+        """Indices of the tensors of the last `launch` holding inf or NaN (the one host sync)."""
+        return sorted(set(self.owner[self.flags.nonzero().flatten()].tolist()))
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        self.launch(tensors)
+        return self.collect()
 
 
 def _eligible(t: torch.Tensor) -> bool:
@@ -190,7 +199,8 @@ def warm_finite_check(tensors: Sequence[tuple[str, Any]]) -> None:
         _kernel_works(device)
 
 
-def _by_norms(tensors: Sequence[torch.Tensor]) -> list[int]:
+def _norms(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
+    """Queue the max-norms of `tensors`: (the order of the answer's positions, its not-finite mask)."""
     groups: dict[tuple[Any, Any], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
@@ -209,8 +219,12 @@ def _by_norms(tensors: Sequence[torch.Tensor]) -> list[int]:
         # whatever the tensor count (per-tensor casts and moves cost more than the norms on an MoE)
         parts.append(torch.stack(list(out)).float().to(device))
         order += idx
-    bad = (~torch.cat(parts).isfinite()).nonzero().flatten().tolist()
-    return [order[i] for i in bad]
+    return order, ~torch.cat(parts).isfinite()
+
+
+def _by_norms(tensors: Sequence[torch.Tensor]) -> list[int]:
+    order, bad = _norms(tensors)
+    return [order[i] for i in bad.nonzero().flatten().tolist()]
 
 
 class _Prepared:
@@ -231,12 +245,19 @@ class _Prepared:
         self.rest = [i for i in floating if i not in taken]
         self.tiles = _Tiles([tensors[i] for i in fast]) if fast else None
 
-    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+    def launch(self, tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor] | None:
+        """Queue the check of `tensors` on the current streams; `collect` answers from what this returns."""
+        if self.tiles is not None:
+            self.tiles.launch([tensors[i] for i in self.fast])
+        return _norms([tensors[i] for i in self.rest]) if self.rest else None
+
+    def collect(self, norms: tuple[list[int], torch.Tensor] | None) -> list[int]:
         bad: set[int] = set()
         if self.tiles is not None:
-            bad.update(self.fast[k] for k in self.tiles([tensors[i] for i in self.fast]))
-        if self.rest:
-            bad.update(self.rest[k] for k in _by_norms([tensors[i] for i in self.rest]))
+            bad.update(self.fast[k] for k in self.tiles.collect())
+        if norms is not None:
+            order, mask = norms
+            bad.update(self.rest[order[i]] for i in mask.nonzero().flatten().tolist())
         return sorted(bad)
 
 
@@ -250,17 +271,69 @@ def _key(tensors: Sequence[torch.Tensor], kernel: bool | None) -> tuple[object, 
 _cache: list[tuple[tuple[object, ...], _Prepared]] = []
 
 
+class Pending:
+    """A check queued on side streams of the tensors' devices (after what their current streams queued
+    before it), so the caller's other host work and device copies go ahead meanwhile. `done()` asks without
+    waiting; `names()` waits and answers. It holds the tensors until then."""
+
+    def __init__(self, tensors: Sequence[tuple[str, Any]], kernel: bool | None) -> None:
+        self._named = tensors
+        self._answer: list[int] | None = [] if not tensors else None
+        self._events: list[torch.cuda.Event] = []
+        if not tensors:
+            return
+        ts = [t for _, t in tensors]
+        key = _key(ts, kernel)
+        prep = next((p for k, p in _cache if k == key), None)
+        if prep is None:
+            prep = _Prepared(ts, kernel)
+            if len(_cache) >= 4:
+                _cache.pop(0)
+            _cache.append((key, prep))
+        self._prep = prep
+        devices = {t.device for t in ts if t.is_cuda}
+        with contextlib.ExitStack() as streams:
+            for d in devices:
+                side = _side(d)
+                side.wait_stream(torch.cuda.current_stream(d))  # the check reads what was written before it
+                streams.enter_context(torch.cuda.stream(side))
+            self._norms = prep.launch(ts)
+            for d in devices:
+                ev = torch.cuda.Event()
+                ev.record(_side(d))
+                self._events.append(ev)
+
+    def done(self) -> bool:
+        return self._answer is not None or all(e.query() for e in self._events)
+
+    def wait(self) -> None:
+        for e in self._events:
+            e.synchronize()
+
+    def names(self) -> list[str]:
+        """Names of the floating tensors holding NaN or inf, in the order given."""
+        if self._answer is None:
+            self.wait()
+            self._answer = self._prep.collect(self._norms)
+            self._norms = None
+        return [self._named[i][0] for i in self._answer]
+
+
+_sides: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side(device: torch.device) -> torch.cuda.Stream:
+    if device not in _sides:
+        _sides[device] = torch.cuda.Stream(device)
+    return _sides[device]
+
+
+def launch(tensors: Sequence[tuple[str, Any]], kernel: bool | None = None) -> Pending:
+    """Queue the check of `tensors` and return at once (`Pending`); `nonfinite` is this, answered."""
+    return Pending(list(tensors), kernel)
+
+
 def nonfinite(tensors: Sequence[tuple[str, Any]], kernel: bool | None = None) -> list[str]:
     """Names of the floating tensors holding NaN or inf, in the order given. `kernel`: force (True) or refuse
     (False) the Triton kernel for the tensors it can take; None takes it where it applies."""
-    ts = [t for _, t in tensors]
-    if not ts:
-        return []
-    key = _key(ts, kernel)
-    prepared = next((p for k, p in _cache if k == key), None)
-    if prepared is None:
-        prepared = _Prepared(ts, kernel)
-        if len(_cache) >= 4:
-            _cache.pop(0)
-        _cache.append((key, prepared))
-    return [tensors[i][0] for i in prepared(ts)]
+    return launch(tensors, kernel).names()
