@@ -61,8 +61,10 @@ class FiniteCheck:
     @classmethod
     async def start(cls, source: Source, answer_now: bool = False) -> FiniteCheck | None:
         """The check of `source`'s weights, queued; with `answer_now`, answered (None, or a refusal raised)."""
-        # in a thread: a first push works out its tile tables there (thousands of tensors for an MoE)
-        check = cls(await anyio.to_thread.run_sync(finite.launch, list(source.local_tensors())))
+        # a set seen before only queues its kernels; a new one is worked out in a thread (an MoE's thousands)
+        tensors = source.local_tensors()
+        check = cls(finite.launch(tensors) if finite.known(tensors) else
+                    await anyio.to_thread.run_sync(finite.launch, tensors))
         if not answer_now:
             return check
         await check.verdict()

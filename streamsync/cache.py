@@ -1,5 +1,5 @@
 """`BoundedCache`: the one cache helper. A mapping that keeps at most `maxsize` entries, dropping the least
-recently used first.
+recently used first. `StableList`: a list whose identity stands for its contents, for caches keyed by it.
 
 Why bounded everywhere: the caches streamsync keeps across pushes (parsed layouts, views, captured graphs,
 reference sets) are keyed by what a push looked like (layout keys, addresses). A trainer whose chunking or
@@ -15,6 +15,14 @@ from typing import TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
+T = TypeVar("T")
+
+
+class StableList(list[T]):
+    """A list its maker makes anew whenever what it holds changes, and never edits: a later user may take the
+    same object (held by a weak reference, which keeps nothing alive) for the same contents."""
+
+    __slots__ = ("__weakref__",)
 
 
 class BoundedCache(MutableMapping[K, V]):

@@ -596,6 +596,32 @@ def test_the_finite_check_names_every_bad_tensor_across_dtypes_in_order():
     assert nonfinite(named[8:250]) == [] and nonfinite([]) == []
 
 
+def test_the_finite_check_knows_a_sources_list_again_reads_its_values_each_time_and_keeps_no_tensor(monkeypatch):
+    # A source's tensors come as a StableList, made anew whenever one moves: the check knows it again by its
+    # identity (no per-tensor key), still reads every value, and its cache keeps none of the tensors alive.
+    import gc
+    import weakref
+
+    from streamsync.cache import StableList
+    from streamsync.plan import finite
+
+    ts = [torch.ones(n, dtype=torch.bfloat16) for n in (5, 70, 3)]
+    named = StableList((f"w{i}", t) for i, t in enumerate(ts))
+    assert finite.nonfinite(named) == [] and not finite.known(named)  # CPU tensors: checked as queued, in a thread
+    keyed: list[int] = []
+    key = finite._key
+    monkeypatch.setattr(finite, "_key", lambda ts, kernel: keyed.append(len(ts)) or key(ts, kernel))
+    ts[1][69] = float("nan")
+    assert finite.nonfinite(named) == ["w1"] and keyed == []  # known by identity, every value read again
+    assert finite.nonfinite(list(named)) == ["w1"] and keyed == [3]  # a plain list is keyed tensor by tensor
+    moved = StableList([named[0], ("w1", torch.ones(70, dtype=torch.bfloat16)), named[2]])
+    assert finite.nonfinite(moved) == [] and keyed == [3, 3]  # a new list (a tensor moved): keyed again
+    gone = weakref.ref(ts[1])
+    del named, moved, ts
+    gc.collect()
+    assert gone() is None
+
+
 async def test_an_engine_with_the_round_only_takes_pushes_and_is_refused_what_it_cannot_do(receiver, mixed_model):
     """Abilities are types (`engines.abilities`): an engine that has the round and nothing else takes a push bit for
     bit (no plan check, no cache to reset, no round stats to ask), and `paused()` refuses it naming it and the

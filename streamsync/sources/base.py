@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..cache import StableList
 from ..plan.chunk import ChunkPlan
 from ..plan.shards import Shards
 
@@ -39,11 +40,12 @@ class AddressCache:
 class DetachedCache:
     """A source's own tensors detached, as one list made again only when one of them moved, changed size,
     dtype or contiguity (a pass of four attribute reads over thousands of parameters each push, instead of a
-    new tensor object each: `detach` is most of an MoE trainer's host time before a push)."""
+    new tensor object each: `detach` is most of an MoE trainer's host time before a push). The list is a
+    `StableList`: the finite check knows it again by its identity."""
 
     def __init__(self) -> None:
         self._key: tuple[list[Any], ...] | None = None
-        self._value: list[tuple[str, torch.Tensor]] = []
+        self._value: StableList[tuple[str, torch.Tensor]] = StableList()
 
     def get(self, names: Sequence[str], tensors: Sequence[torch.Tensor],
             detach: Callable[[str, torch.Tensor], torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -51,7 +53,7 @@ class DetachedCache:
         key = (list(names), list(map(T.data_ptr, tensors)), list(map(T.numel, tensors)),
                [t.dtype for t in tensors], list(map(T.is_contiguous, tensors)))
         if key != self._key:
-            self._key, self._value = key, [(n, detach(n, t)) for n, t in zip(names, tensors, strict=True)]
+            self._key, self._value = key, StableList((n, detach(n, t)) for n, t in zip(names, tensors, strict=True))
         return self._value
 
 
