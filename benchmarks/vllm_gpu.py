@@ -105,25 +105,39 @@ async def _bit_exact(engine: Any, model: torch.nn.Module, kind: str, shape: dict
     hf = ((await export_hf_async(inner, dtype=torch.bfloat16) or {}) if kind.startswith("megatron")
           else dict(model.state_dict()))
     tied = False  # every case here is untied (vLLM would compare a tied head with the embedding)
-    digest = device_digest
-    if bc._DEV.type == "cuda" and shape is not None and shape.get("experts"):
+
+    def from_host(t: torch.Tensor) -> str:
+        return device_digest(t.to(bc._DEV))
+
+    def to_host() -> None:
         # The trainer, its HF export and the engine share one GPU: on an 80 GB card stacking the experts'
-        # reference there runs out of memory. Keep the export on the host and digest each (stacked) tensor on
-        # the GPU; device_digest is an exact integer sum, so where it runs does not change it.
+        # reference there (or, after an earlier case, holding a dense export) runs out of memory. Keep the export
+        # on the host and digest each (stacked) tensor on the GPU; device_digest is an exact integer sum, so
+        # where it runs does not change it.
         for n in list(hf):
             hf[n] = hf[n].to("cpu")
         torch.cuda.empty_cache()
 
-        def digest(t: torch.Tensor) -> str:
-            return device_digest(t.to(bc._DEV))
+    on_host = bc._DEV.type == "cuda" and shape is not None and bool(shape.get("experts"))
+    if on_host:
+        to_host()
     got = await engine.weight_digests(device=True)
+    packed = await engine.packed_modules()
     try:
-        want = expected_digests(hf, await engine.packed_modules(), tied=tied, digest=digest, engine_names=got)
-    except torch.OutOfMemoryError:
-        bc.log("  bit-exactness not checked: no room on this GPU for the stacked experts' reference")
-        return None
+        for last in (on_host or bc._DEV.type != "cuda", True):
+            try:
+                want = expected_digests(hf, packed, tied=tied, digest=from_host if on_host else device_digest,
+                                        engine_names=got)
+                break
+            except torch.OutOfMemoryError:
+                if last:
+                    bc.log("  bit-exactness not checked: no room on this GPU for the reference, even from the host")
+                    return None
+                bc.log("  the reference does not fit on the GPU beside the trainer and the engine: from the host")
+                on_host = True
+                to_host()
     finally:
-        del hf
+        hf.clear()
     missing = sorted(set(want) - set(got))
     differ = sorted(n for n in want if n in got and got[n] != want[n])
     if missing or differ:
