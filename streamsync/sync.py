@@ -204,8 +204,8 @@ class WeightSync:
         the transport's per-push state are a push's own."""
         async with self._lock:
             source, plans = self.plan(model)
-            if self.checks.check_finite:  # the finite check's kernel built and checked now, not in the first push
-                await anyio.to_thread.run_sync(warm_finite_check, list(source.local_tensors()))
+            if self.checks.check_finite:  # the finite check's kernel and tile table made now, not in the first push
+                await anyio.to_thread.run_sync(warm_finite_check, source.local_tensors())
             if self.engines and source.is_sender and source.gathers_here:
                 assert self.transport is not None
                 await self.planner.prepare(source, plans, self.transport, self.engines, self.timeout, self._checked,

@@ -622,6 +622,22 @@ def test_the_finite_check_knows_a_sources_list_again_reads_its_values_each_time_
     assert gone() is None
 
 
+async def test_connect_with_the_model_works_out_the_finite_check_so_the_first_push_does_not(qwen_receiver,
+                                                                                             qwen_model, monkeypatch):
+    from streamsync.plan import finite
+
+    engine = qwen_receiver.engine()
+    sync = WeightSync([engine], chunk_bytes=CHUNK)
+    await sync.connect(qwen_model)
+    keyed: list[int] = []
+    key = finite._key
+    monkeypatch.setattr(finite, "_key", lambda ts, kernel: keyed.append(len(ts)) or key(ts, kernel))
+    await sync.push(qwen_model)
+    assert keyed == []  # the source's tensors known again by their list's identity
+    assert await engine.checksums() == digests(list(qwen_model.state_dict().items()))
+    await sync.close()
+
+
 async def test_an_engine_with_the_round_only_takes_pushes_and_is_refused_what_it_cannot_do(receiver, mixed_model):
     """Abilities are types (`engines.abilities`): an engine that has the round and nothing else takes a push bit for
     bit (no plan check, no cache to reset, no round stats to ask), and `paused()` refuses it naming it and the

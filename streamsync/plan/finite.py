@@ -197,12 +197,15 @@ def self_check(device: torch.device) -> bool:
 
 
 def warm_finite_check(tensors: Sequence[tuple[str, Any]]) -> None:
-    """Build (or load from Triton's disk cache) and check the kernel for the devices `tensors` are on, ahead of
-    the first push (`WeightSync.connect(model)`): a build takes about a second per dtype."""
-    if not triton_imports():
-        return
-    for device in {t.device for _, t in tensors if t.device.type == "cuda"}:
-        _kernel_works(device)
+    """Ahead of the first push (`WeightSync.connect(model)`): build (or load from Triton's disk cache) and check
+    the kernel for the devices `tensors` are on (about a second per dtype), and work out how `tensors` are
+    checked (the tile table: tens of milliseconds for thousands of tensors), by checking them once. Pass the
+    source's own list (`Source.local_tensors`): a push knows it again by its identity."""
+    if triton_imports():
+        for device in {t.device for _, t in tensors if t.device.type == "cuda"}:
+            _kernel_works(device)
+    if tensors:
+        launch(tensors).names()
 
 
 def _norms(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
