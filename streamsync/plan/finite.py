@@ -231,11 +231,6 @@ def _norms(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor]:
     return order, ~torch.cat(parts).isfinite()
 
 
-def _by_norms(tensors: Sequence[torch.Tensor]) -> list[int]:
-    order, bad = _norms(tensors)
-    return [order[i] for i in bad.nonzero().flatten().tolist()]
-
-
 class _Prepared:
     """How one set of tensors is checked, worked out once: which are floating and hold elements, which the
     kernel takes (on one device) and its tile table, which the norms take. Kept while every tensor keeps its
@@ -333,14 +328,22 @@ def _side(device: torch.device) -> torch.cuda.Stream:
     return _sides[device]
 
 
-def _prepared(tensors: Sequence[tuple[str, Any]], kernel: bool | None) -> _Prepared:
-    """The kept `_Prepared` of `tensors`, or a new one. A `StableList` (`Source.local_tensors`) is known again
-    by its identity, without asking each tensor (1.5 ms for an MoE's 4,719)."""
-    stable = isinstance(tensors, StableList)
-    if stable:
+def _seen(tensors: Sequence[tuple[str, Any]], kernel: bool | None) -> _Prepared | None:
+    """The kept `_Prepared` of `tensors` where it is a `StableList` checked before (known by identity)."""
+    if isinstance(tensors, StableList):
         for _, kept, ref, prep in _cache:
             if ref is not None and ref() is tensors and kept == kernel:
                 return prep
+    return None
+
+
+def _prepared(tensors: Sequence[tuple[str, Any]], kernel: bool | None) -> _Prepared:
+    """The kept `_Prepared` of `tensors`, or a new one. A `StableList` (`Source.local_tensors`) is known again
+    by its identity, without asking each tensor (1.5 ms for an MoE's 4,719)."""
+    seen = _seen(tensors, kernel)
+    if seen is not None:
+        return seen
+    stable = isinstance(tensors, StableList)
     ts = [t for _, t in tensors]
     key = _key(ts, kernel)
     ref = weakref.ref(tensors) if stable else None
@@ -360,8 +363,8 @@ def known(tensors: Sequence[tuple[str, Any]], kernel: bool | None = None) -> boo
     """Whether `tensors` is a `StableList` whose check was worked out before: `launch` then only queues a few
     kernels (a quarter of a millisecond for an MoE's 4,719 tensors), cheap enough for an event loop's thread,
     and none of them is checked on the host (where the norms run as they are queued)."""
-    return isinstance(tensors, StableList) and any(
-        ref is not None and ref() is tensors and kept == kernel and not prep.on_host for _, kept, ref, prep in _cache)
+    seen = _seen(tensors, kernel)
+    return seen is not None and not seen.on_host
 
 
 def launch(tensors: Sequence[tuple[str, Any]], kernel: bool | None = None) -> Pending:
