@@ -59,6 +59,12 @@ TRAINER = textwrap.dedent('''
 ''')
 
 
+def sigint_as_at_a_terminal() -> None:
+    """The trainer's SIGINT back to the default (Popen's `preexec_fn`): a suite run as a background job of a
+    non-interactive shell hands its children SIGINT ignored, and Python then raises no KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def _state(url: str):
     engine = VllmHttpEngine(url, name="check", timeout=60)
     try:
@@ -72,7 +78,8 @@ def _start_trainer(api: str, mode: str, url: str, model_dir: object, tmp_path: o
     script.write_text(TRAINER)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMSYNC_LOG": "warning"}
     return subprocess.Popen([sys.executable, str(script), api, mode, url, str(model_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=sigint_as_at_a_terminal)
 
 
 async def _until_a_chunk_landed(proc: subprocess.Popen) -> None:

@@ -40,10 +40,17 @@ TRAINER = textwrap.dedent("""
 """)
 
 
+def sigint_as_at_a_terminal() -> None:
+    """The trainer's SIGINT back to the default (Popen's `preexec_fn`): a suite run as a background job of a
+    non-interactive shell hands its children SIGINT ignored, and Python then raises no KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _kill_mid_push(tmp_path, url: str, model_dir: str, sig: int) -> None:
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
-    proc = subprocess.Popen([sys.executable, str(script), url, model_dir], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), url, model_dir], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_at_a_terminal)
     try:
         deadline = time.monotonic() + 180
         assert proc.stdout is not None
