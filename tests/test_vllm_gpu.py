@@ -411,19 +411,25 @@ def _prompts(vocab: int, n: int) -> Any:
     return gen()
 
 
-@pytest.mark.parametrize("tie", list(TIES))
-@pytest.mark.parametrize("arch", ["dense", "moe"])
+# Block-wise fp8 on the dense model only: vLLM 0.25.1 does not start the tiny MoE under "fp8_per_block" (its
+# block-scaled GEMM falls back, for the router's 8-wide output, to a Triton kernel that asserts on the scales' shape).
+@pytest.mark.parametrize(("arch", "method", "tie"), [(a, "fp8", t) for a in ("dense", "moe") for t in TIES]
+                         + [("dense", "fp8_per_block", "untied")])
 @gpu
-async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_weights(arch, tie, gpu_model_dirs,
-                                                                                       gpu_moe_dirs, tmp_path):
-    """`quantization="fp8"` (vLLM quantizes bf16 weights as it loads them), dense and MoE (fp8 stacked experts):
-    two pushes from a bf16 HF module, a third from a bf16 megatron-core model, then every engine tensor (fp8
-    weights and their scales included) equal to those of an fp8 engine that loaded the pushed weights from disk,
-    and the same greedy tokens."""
+async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_weights(arch, method, tie,
+                                                                                       gpu_model_dirs, gpu_moe_dirs,
+                                                                                       tmp_path, monkeypatch):
+    """`quantization="fp8"` (vLLM quantizes bf16 weights as it loads them, one scale per tensor) and
+    "fp8_per_block" (128x128 blocks, DeepSeek-V3's layout), dense and MoE (fp8 stacked experts): two pushes from a
+    bf16 HF module, a third from a bf16 megatron-core model, then every engine tensor (fp8 weights and their
+    scales included) equal to those of an engine of the same method that loaded the pushed weights from disk, and
+    the same greedy tokens."""
     model_dir = (gpu_model_dirs if arch == "dense" else gpu_moe_dirs)[tie]
-    label = f"{arch}-{tie}"
+    label = f"{arch}-{method}-{tie}"
     _gpu_env()
-    fp8 = dict(ENGINE, quantization="fp8")
+    if method == "fp8_per_block":  # DeepGEMM builds its kernels from headers the GPU test bundle does not carry
+        monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "0")
+    fp8 = dict(ENGINE, quantization=method)
     llm = vllm.LLM(model=model_dir, **fp8, **engine_kwargs())
     loaded_llm = None
     sync = None
@@ -460,10 +466,12 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
         assert check.ok, check
         # every quantized module rebuilt by the fast path through vLLM's own processing: no layerwise reload
         assert all(p == {engine.name: "fast"} and all(n > 0 for n in rebuilt) for p, rebuilt in paths), paths
-        # once its first push compared its own quantization with vLLM's processing, every quantized module is
-        # quantized by streamsync's kernels (the dense layers' `Direct`; the experts from the first push on)
+        # per tensor: once its first push compared its own quantization with vLLM's processing, every quantized
+        # module is quantized by streamsync's kernels (the dense layers' `Direct`; the experts from the first push
+        # on); per block: by vLLM's own processing, every push
         print(f"fp8 {label}: modules quantized by streamsync per push {direct}")
-        assert all(n > 0 for d in direct[1:] for n in d), (direct, paths)
+        if method == "fp8":
+            assert all(n > 0 for d in direct[1:] for n in d), (direct, paths)
     finally:
         if sync is not None:
             await sync.close()

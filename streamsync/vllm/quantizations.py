@@ -27,7 +27,12 @@ class OnlineMethod:
 FP8_PER_TENSOR = OnlineMethod(("fp8", "fp8_per_tensor"), linear="Fp8PerTensorOnlineLinearMethod",
                               moe="Fp8PerTensorOnlineMoEMethod")
 
-ONLINE = (FP8_PER_TENSOR,)
+#: vLLM's online block-wise fp8: 128x128 blocks of a weight, one scale each (`weight_scale_inv`), the layout of
+#: DeepSeek-V3's fp8 checkpoints; experts' sizes are padded up to whole blocks
+FP8_PER_BLOCK = OnlineMethod(("fp8_per_block",), linear="Fp8PerBlockOnlineLinearMethod",
+                             moe="Fp8PerBlockOnlineMoEMethod")
+
+ONLINE = (FP8_PER_TENSOR, FP8_PER_BLOCK)
 #: every name a push accepts
 NAMES = tuple(n for m in ONLINE for n in m.names)
 #: the layer method classes whose modules the fast path rebuilds through vLLM's processing
