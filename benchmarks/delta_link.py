@@ -124,6 +124,7 @@ async def _row(link: str, llm: Any, trainer: torch.nn.Module, args: argparse.Nam
         times, wire, reports = [], [], []
         swept: list[dict[str, Any]] = []
         try:
+            await sync.connect()  # outside the timed pushes: a first push would time the link's group setup too
             for i in range(1 + args.repeat + (len(sweep) if mode == "delta" else 0)):
                 density = args.density if i <= args.repeat else sweep[i - args.repeat - 1]
                 seed += 1
