@@ -411,8 +411,8 @@ def _prompts(vocab: int, n: int) -> Any:
     return gen()
 
 
-# Block-wise fp8 on the dense model only: vLLM 0.25.1 does not start the tiny MoE under "fp8_per_block" (its
-# block-scaled GEMM falls back, for the router's 8-wide output, to a Triton kernel that asserts on the scales' shape).
+# Block-wise fp8 on the dense model only: vLLM 0.25.1 does not start the tiny MoE under "fp8_per_block" (a linear
+# layer inside its MoE layer falls back to a Triton scaled GEMM that asserts on the block scales' shape).
 @pytest.mark.parametrize(("arch", "method", "tie"), [(a, "fp8", t) for a in ("dense", "moe") for t in TIES]
                          + [("dense", "fp8_per_block", "untied")])
 @gpu
