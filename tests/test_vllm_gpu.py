@@ -206,6 +206,45 @@ async def test_sharded_delta_pushes_over_gloo_land_bit_exact_in_a_gpu_engine(gpu
 
 
 @gpu
+async def test_deltas_into_a_gpu_engine_are_decoded_in_place_and_it_generates_as_one_loaded_from_disk(
+        gpu_llms, gpu_model_dirs, tmp_path):
+    """A delta sync from a trainer on the engine's GPU (CUDA IPC): the engine holds every tensor of this bf16 model
+    whole and as sent (TP 1, unquantized: the fast path's copies), so its worker keeps no copy of the model as the
+    delta base; each delta is decoded straight into the engine's tensors on the GPU. Three pushes bit-exact by
+    device digests, then the engine generates what an engine loaded from those weights on disk generates."""
+    model_dir = gpu_model_dirs["untied"]
+    llm = gpu_llms["untied"]
+    engine = VllmEngine(llm, name="vllm-delta-in-place")
+    trainer = _hf_trainer(model_dir)
+    prompts = check_prompts(int(_config(model_dir)["vocab_size"]), count=3)
+    sync = WeightSync([engine], chunk_bytes=1 << 20, delta=True, timeout=120)
+    try:
+        modes = []
+        for step in range(3):
+            if step:
+                _small_step(trainer, 60 + step)
+            report = await sync.push(trainer)
+            modes.append(report.delta.mode)
+            assert report.engine_rounds[0].layerwise_tensors == 0
+            await _assert_bit_exact(engine, dict(trainer.state_dict()), tied=False)
+        assert modes == ["full", "delta", "delta"]
+        copy = llm.collective_rpc("streamsync_delta_copy")[0]
+        model_bytes = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
+        print(f"delta base in the worker: {copy}; the model: {model_bytes} bytes; the last delta push: "
+              f"{report.seconds * 1e3:.1f} ms")
+        assert copy["bytes"] == 0 and copy["in_place_bytes"] == model_bytes, copy
+    finally:
+        await sync.close()
+    ckpt = save_checkpoint(trainer.state_dict(), like=model_dir, out=tmp_path / "delta", dtype=torch.bfloat16)
+    loaded = vllm.LLM(model=str(ckpt), **ENGINE, **engine_kwargs())
+    try:
+        check = await compare_engines(engine, VllmEngine(loaded, name="loaded"), prompts, as_served=True)
+        assert check.ok, check
+    finally:
+        stop_llm(loaded)
+
+
+@gpu
 async def test_a_colocated_rank_sends_its_pieces_to_the_worker_on_its_gpu_by_cuda_ipc(gpu_llms, gpu_model_dirs,
                                                                                       tmp_path):
     """p2p with the trainer's buffers on the GPU (`P2pTransport("gloo", device="cuda")`) into a vLLM engine on the

@@ -18,6 +18,14 @@ without the field (its sender pushes no deltas) drops the copy and its memory.
 The loader gets whole HF tensors either way, as from a full push: the copy's own tensors (valid until the
 next round changes them).
 
+In place. Where the loader holds a tensor exactly as it is sent (`Loader.direct`: the same dtype and row-major
+bytes in one contiguous tensor of its own, which only loads of that name change; a vLLM worker's unquantized
+tensors on the fast path where the engine holds them whole, a plain module's parameters), the loader's tensor is
+the base: a full push keeps no copy of it, only its `wsum64`; a delta is decoded straight into it, after its
+`wsum64` was found unchanged (a reload from disk, or a wake from sleep that dropped the weights, refuses the
+delta before any byte of the chunk is written), and checked against the sender's digest after. Such tensors
+are not handed to the loader again: they are where it would copy them.
+
 Where the copy lives. A receiver on a GPU (a vLLM worker) keeps it on that GPU where the GPU has room for it and
 2 GiB (or 5 % of the GPU) more when a full push starts ("engine_base": "auto", the default), so a delta is decoded
 and checked there and the loader copies device to device; otherwise, and always with "engine_base": "host" (which
@@ -30,17 +38,20 @@ come in each sending rank's header (`delta.codec.parse_header`), not in the mess
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ..delta.codec import PIECES, DeltaRefused, Row, check_digest, decode_into
+from ..delta.codec import PIECES, DeltaRefused, Row, check_digest, decode_into, digest
 from ..errors import ValidationError
 from ..pack import dtype_from_name
 from ..plan.shards import Box
 
 Entry = tuple[str, torch.dtype, tuple[int, ...], tuple[int, int] | None, str, int, str]
+#: the loader's own tensor that holds a name exactly as sent, or None (`Loader.direct`)
+Direct = Callable[[str], "torch.Tensor | None"]
 
 
 def parse_delta(update_info: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -96,10 +107,20 @@ class BaseCopy:
         #: a sharded push's boxes by (HF name, box)
         self.boxes: dict[tuple[str, Box], torch.Tensor] = {}
         self._kept: set[tuple[str, Box]] = set()  # boxes a full sharded push wrote this round
+        #: names whose base is the loader's own tensor (in place): the `wsum64` digest of what it holds, its bytes
+        self.own: dict[str, tuple[str, int]] = {}
+        #: (name, tensor) decoded in place by this chunk: loaded already, not handed to the loader
+        self.placed: list[tuple[str, torch.Tensor]] = []
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the copy (tensors kept in place take none)."""
         return sum(t.numel() * t.element_size() for t in (*self.tensors.values(), *self.boxes.values()))
+
+    @property
+    def in_place_bytes(self) -> int:
+        """Bytes of the tensors whose base is the loader's own (no copy)."""
+        return sum(n for _, n in self.own.values())
 
     @property
     def where(self) -> str:
@@ -120,6 +141,7 @@ class BaseCopy:
             self.on = on
 
     def begin_round(self) -> None:
+        self.placed = []
         self._round, self._chunks, self._seen = None, None, set()
         self._touched = self._plain = False
         self._rows = {}
@@ -154,6 +176,7 @@ class BaseCopy:
 
     def note(self, update_info: Mapping[str, Any], delta: dict[str, Any] | None) -> None:
         """A chunk of this round arrived (before it is applied); a delta chunk must name the base held here."""
+        self.placed = []
         if delta is None:
             self._plain = True
             return
@@ -176,10 +199,19 @@ class BaseCopy:
         if type(chunk) is int:
             self._seen.add(chunk)
 
-    def tee(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """`weights` (whole tensors of a full push), each copied into the base on its way to the loader."""
+    def tee(self, weights: Iterable[tuple[str, torch.Tensor]], direct: Direct | None = None
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`weights` (whole tensors of a full push), each copied into the base on its way to the loader, or,
+        where the loader holds it in place (`direct`), its digest kept."""
         self._touched = True
         for name, t in weights:
+            d = direct(name) if direct is not None else None
+            if d is not None and _holds(d, t.dtype, tuple(t.shape)):
+                self.tensors.pop(name, None)
+                self.own[name] = (digest(t, "wsum64"), t.numel() * t.element_size())  # what the loader holds then
+                yield name, t
+                continue
+            self.own.pop(name, None)
             have = self.tensors.get(name)
             if have is None or have.dtype != t.dtype or have.shape != t.shape:
                 have = self.tensors[name] = torch.empty(t.shape, dtype=t.dtype, device=self.on)
@@ -187,11 +219,13 @@ class BaseCopy:
             yield name, t
 
     def apply(self, views: Iterable[tuple[str, torch.Tensor]], delta: dict[str, Any], *,
-              verify: bool = True) -> list[tuple[str, torch.Tensor]]:
-        """Apply a delta chunk onto the copy; the whole tensors it completes, for the loader. Every entry and
-        piece is checked before anything is written; each tensor's digest after it was patched."""
+              verify: bool = True, direct: Direct | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Apply a delta chunk onto the copy, or in place where the loader's own tensor is the base (`direct`);
+        the whole tensors it completes in the copy, for the loader (those made in place are in `placed`). Every
+        entry and piece is checked, and every base in place found unchanged, before anything is written; each
+        tensor's digest after it was patched."""
         it = iter(views)
-        plan: list[tuple[Entry, dict[str, torch.Tensor], torch.Tensor]] = []
+        plan: list[tuple[Entry, dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]] = []
         for raw in delta["entries"]:
             e = _entry(raw)
             name, dtype, shape, part, enc = e[:5]
@@ -201,36 +235,58 @@ class BaseCopy:
                 if got is None or got[0] != f"{name}#{piece}":
                     raise ValidationError(f"delta entry {name!r}: piece {piece!r} missing from the chunk")
                 pieces[piece] = got[1].reshape(-1)
-            base = self.tensors.get(name)
             full = shape if part is None else (part[1], *shape[1:])
+            base = self.tensors.get(name)
+            own = self._in_place(name, dtype, full, direct) if base is None else None
+            base = own if own is not None else base
             if base is None or base.dtype != dtype or tuple(base.shape) != full:
                 raise DeltaRefused(f"tensor {name!r}: no base of {dtype}{full} held here")
-            rows = base if part is None else base[part[0]:part[0] + shape[0]]
             if part is not None and (not shape or part[0] + shape[0] > part[1]):
                 raise ValidationError(f"delta entry {name!r}: part {list(part)} outside the tensor")
-            plan.append((e, pieces, rows))
+            rows = base if part is None else base[part[0]:part[0] + shape[0]]
+            plan.append((e, pieces, rows, own))
         if next(it, None) is not None:
             raise ValidationError("delta chunk carries pieces no entry names")
         out: list[tuple[str, torch.Tensor]] = []
         self._touched = True
-        for (name, _, shape, part, enc, changed, dig), pieces, rows in plan:
+        for (name, _, shape, part, enc, changed, dig), pieces, rows, own in plan:
             decode_into(rows.view(-1), enc, changed, pieces)
             if verify and dig:
                 check_digest(rows.view(shape), dig, name)
-            if part is None:
-                out.append((name, self.tensors[name]))
+            done = part is None
+            if not done:
+                rows_done = self._rows[name] = self._rows.get(name, 0) + shape[0]
+                done = rows_done == part[1]  # type: ignore[index]
+            if own is None:
+                if done:
+                    out.append((name, self.tensors[name]))
                 continue
-            done = self._rows.get(name, 0) + shape[0]
-            self._rows[name] = done
-            if done == part[1]:
-                out.append((name, self.tensors[name]))
+            if enc != "same":  # the digest of what it holds now: the sender's, where it checked the whole tensor
+                now = dig if part is None and dig.startswith("wsum64:") else digest(own, "wsum64")
+                self.own[name] = (now, own.numel() * own.element_size())
+            if done:
+                self.placed.append((name, own))
         return out
+
+    def _in_place(self, name: str, dtype: torch.dtype, full: tuple[int, ...], direct: Direct | None
+                  ) -> torch.Tensor | None:
+        """The loader's own tensor of `name` in its HF shape, where it is the base (`own`); refused
+        (DeltaRefused) where it no longer holds what it was last loaded with."""
+        want = self.own.get(name, ("", 0))[0]
+        d = direct(name) if direct is not None and want else None
+        if d is None or not _holds(d, dtype, full):
+            return None
+        d = d.view(full)
+        if self._rows.get(name, 0) == 0 and digest(d, "wsum64") != want:  # its first part (or whole) this round
+            raise DeltaRefused(f"tensor {name!r}: the engine's own copy is not what it was last loaded with (a "
+                               "reload or a wake from sleep changed it), so the delta has no base there")
+        return d
 
     def end_round(self, finished: bool) -> None:
         """The round ended (`finished`: not an abort). The copy holds the round's push only if every chunk of it
         arrived; a round that changed the copy otherwise leaves no base; one without deltas drops the copy."""
         if self._plain:
-            self.tensors, self.boxes, self.held = {}, {}, None
+            self.tensors, self.boxes, self.held, self.own = {}, {}, None, {}
         elif finished and self._round is not None and self._chunks is not None and len(self._seen) == self._chunks:
             self.held = self._round
             if self._kept:  # a full sharded push: boxes of an older plan are no longer sent
@@ -238,3 +294,8 @@ class BaseCopy:
         elif self._touched:
             self.held = None
         self.begin_round()
+
+
+def _holds(d: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether the loader's tensor `d` can hold a tensor of `dtype` and `shape` as its own row-major bytes."""
+    return d.dtype == dtype and d.is_contiguous() and d.numel() == math.prod(shape)

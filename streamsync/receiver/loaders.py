@@ -53,15 +53,28 @@ class Loader(ABC):
         """HF name -> (dtype name, shape) of what it loads, where it can say."""
         return None
 
+    def direct(self, name: str) -> torch.Tensor | None:
+        """The loader's own tensor that holds `name` exactly as it is loaded: the same dtype and row-major
+        bytes, one contiguous tensor that its kernels read as it is and that nothing but loads of `name` write.
+        A delta is then decoded into it in place (`receiver.base_copy`; what a chunk placed so is in the
+        receiver's `base.placed`). None: `name` is only ever loaded."""
+        return None
+
 
 class FunctionLoader(Loader):
-    """A callable of the vLLM model protocol (`model.load_weights`)."""
+    """A callable of the vLLM model protocol (`model.load_weights`); `direct` as the worker that passes it says
+    (`Loader.direct`)."""
 
-    def __init__(self, fn: Callable[[Weights], Any]) -> None:
+    def __init__(self, fn: Callable[[Weights], Any], direct: Callable[[str], torch.Tensor | None] | None = None
+                 ) -> None:
         self.fn = fn
+        self._direct = direct
 
     def load(self, weights: Weights) -> object:
         return self.fn(weights)
+
+    def direct(self, name: str) -> torch.Tensor | None:
+        return self._direct(name) if self._direct is not None else None
 
 
 class ModuleLoader(Loader):
@@ -78,6 +91,9 @@ class ModuleLoader(Loader):
 
     def expected(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in self.targets.items()}
+
+    def direct(self, name: str) -> torch.Tensor | None:
+        return self.targets.get(name)
 
     def load(self, weights: Weights) -> list[str]:
         loaded = []

@@ -111,7 +111,8 @@ class ReceiverServer:
                     "update_split_ms": {k: round(t * 1e3, 3) for k, t in self._split().items()}}
         elif op == "delta_base":  # the push a delta must be computed against, and the copy's size
             held = self.rx.base.held
-            return {"held": list(held) if held else None, "bytes": self.rx.base.nbytes, "where": self.rx.base.where}
+            return {"held": list(held) if held else None, "bytes": self.rx.base.nbytes, "where": self.rx.base.where,
+                    "in_place_bytes": self.rx.base.in_place_bytes}
         elif op == "fused_layout":  # the engine's own layout a sender may convert into (pack.fuse_layout)
             return self.module.fused_layout() if isinstance(self.module, LoadingModule) else None
         elif op == "layout":  # the boxes of HF tensors it holds, for sharded sending (None: whole tensors)

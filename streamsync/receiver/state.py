@@ -9,9 +9,10 @@ Tensors larger than the sender's chunk budget arrive as row parts in consecutive
 each part into a staging tensor and hands the loader the whole tensor once its last row arrived (so every
 receiver, vLLM's included, loads whole tensors, bit for bit what the sender holds).
 
-Delta pushes (docs/delta.md): chunks marked `delta` are applied onto `base`, the receiver's host copy of what it
+Delta pushes (docs/delta.md): chunks marked `delta` are applied onto `base`, the receiver's copy of what it
 last loaded (`BaseCopy`), and the loader gets the whole tensors they make, so deltas load through the same
-loader as full pushes.
+loader as full pushes; where the loader holds a tensor as sent (`Loader.direct`), its own tensor is the base and
+the delta is decoded into it in place.
 """
 
 from __future__ import annotations
@@ -206,9 +207,9 @@ class WeightReceiver:
         views, metas, parts = self._join(layout, views, refs, loader)
         self.joined_split = (len(layout.metas), len(refs)) if delta is None and not parts else None
         if delta is not None and "base" in delta:
-            loader.load(self.base.apply(views, delta))
+            loader.load(self.base.apply(views, delta, direct=loader.direct))
         elif delta is not None:  # a full push of a delta sender: keep what is loaded
-            loader.load(self.base.tee(self._assemble(views, metas) if parts else views))
+            loader.load(self.base.tee(self._assemble(views, metas) if parts else views, loader.direct))
         elif parts:
             loader.load(self._assemble(views, metas))
         else:

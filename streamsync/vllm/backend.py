@@ -278,7 +278,17 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         # reference) come as they are: the fast path copies them straight into the engine's tensors, and only the
         # layerwise rest is reshaped (`_hf`). Otherwise the receiver reshapes them all.
         blocked = self.fast.specs is not None and (self.draft.model is None or self.draft.shapes is not None)
-        self.rx.update(update_info.streamsync, _TakesBlocked(load) if blocked else load)
+        self.rx.update(update_info.streamsync, (_TakesBlocked if blocked else FunctionLoader)(load, self._direct))
+        placed = self.rx.base.placed  # tensors a delta was decoded into in place: on the fast path, not loaded
+        if placed:
+            self._count("fast", [t for _, t in placed])
+            if self.record_digests:
+                self.received_digests.update((n, tensor_digest(t)) for n, t in placed)
+
+    def _direct(self, name: str) -> torch.Tensor | None:
+        """The live tensor that holds `name` whole and as it is (`Loader.direct`, `FastRound.in_place`)."""
+        shape = self.fast.shape(name)
+        return self._round.in_place(name, shape) if self._round is not None and shape is not None else None
 
     def prime(self, info: dict[str, Any]) -> bool:
         """A chunk's references ahead of its first push (`Primable.prime`): the receiver maps their storages and

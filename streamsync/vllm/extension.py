@@ -282,13 +282,14 @@ class StreamSyncWorkerExtension:
         return list(held) if held is not None else None
 
     def streamsync_delta_copy(self) -> dict[str, object]:
-        """This worker's copy of what it last loaded, the base of delta pushes: the push it holds, its bytes and
-        where it lives ("host" or the worker's GPU)."""
+        """This worker's copy of what it last loaded, the base of delta pushes: the push it holds, its bytes, where
+        it lives ("host" or the worker's GPU), and the bytes whose base is the engine's own tensor (no copy)."""
         rx = getattr(getattr(self, "weight_transfer_engine", None), "rx", None)
         if rx is None:
-            return {"held": None, "bytes": 0, "where": None}
+            return {"held": None, "bytes": 0, "where": None, "in_place_bytes": 0}
         held = rx.base.held
-        return {"held": list(held) if held is not None else None, "bytes": rx.base.nbytes, "where": rx.base.where}
+        return {"held": list(held) if held is not None else None, "bytes": rx.base.nbytes, "where": rx.base.where,
+                "in_place_bytes": rx.base.in_place_bytes}
 
     def streamsync_round(self) -> dict[str, object]:
         """The backend's round: open, its owner (claimed by its first chunk) and seconds since it was last

@@ -3,6 +3,7 @@ complete, DERIVE layers derived again at the end."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,18 @@ class FastRound:
             else:
                 fast.append((hit, t))
         return fast, slow
+
+    def in_place(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The live tensor that holds `name` (of HF `shape`) whole and as it is, which a delta may be decoded into
+        in place (`Loader.direct`): its one copy goes into a module whose kernels read what is loaded (COPY),
+        contiguous, every element. A TP-sharded, rebuilt, quantized or layerwise tensor has none."""
+        copies = [op for op in self.plan.ops.get(name, ()) if op.write.src_offset is not None and op.write.numel]
+        if len(copies) != 1:
+            return None
+        op = copies[0]
+        if op.dst is None or not op.whole or op.write.numel != math.prod(shape) or not op.dst.is_contiguous():
+            return None
+        return op.dst
 
     @torch.no_grad()
     def load(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]],
