@@ -301,3 +301,14 @@ def test_a_delta_is_decoded_in_place_into_tensors_the_loader_holds_as_sent_row_p
     with pytest.raises(DeltaRefused, match=r"'b'.*own copy"):
         base.apply(views, {"entries": entries}, direct=own.get)
     assert all(_same_bits(own[n], before[n]) for n in own)  # nothing of the chunk was written
+
+
+def test_tied_tensors_are_never_held_in_place_since_a_delta_into_one_would_change_the_other():
+    from streamsync.receiver.loaders import ModuleLoader
+
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False),
+                                 "norm": torch.nn.LayerNorm(4)})
+    model["head"].weight = model["embed"].weight
+    loader = ModuleLoader(model)
+    assert loader.direct("embed.weight") is None and loader.direct("head.weight") is None
+    assert loader.direct("norm.weight").data_ptr() == model["norm"].weight.data_ptr()

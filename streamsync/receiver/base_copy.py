@@ -296,6 +296,22 @@ class BaseCopy:
         self.begin_round()
 
 
+def aliased(tensors: Mapping[str, torch.Tensor]) -> set[str]:
+    """Names whose tensor shares bytes with another's (tied weights): a delta decoded into one would change the
+    other behind its digest, so neither is held in place."""
+    spans = sorted((t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size(),
+                    t.numel() * t.element_size(), t.device, name) for name, t in tensors.items() if t.numel())
+    out: set[str] = set()
+    end: int = -1
+    last, dev = "", None
+    for start, n, device, name in spans:
+        if device == dev and start < end:
+            out.update((name, last))
+        if device != dev or start + n > end:
+            end, last, dev = start + n, name, device
+    return out
+
+
 def _holds(d: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """Whether the loader's tensor `d` can hold a tensor of `dtype` and `shape` as its own row-major bytes."""
     return d.dtype == dtype and d.is_contiguous() and d.numel() == math.prod(shape)

@@ -22,6 +22,7 @@ from ..errors import ValidationError
 from ..pack import dtype_name, fits
 from ..plan.shards import Box
 from . import kernels
+from .base_copy import aliased
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 
@@ -88,12 +89,15 @@ class ModuleLoader(Loader):
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.targets = {n: t.detach() for n, t in module.state_dict(keep_vars=True).items()}
+        self._aliased: set[str] | None = None
 
     def expected(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in self.targets.items()}
 
     def direct(self, name: str) -> torch.Tensor | None:
-        return self.targets.get(name)
+        if self._aliased is None:
+            self._aliased = aliased(self.targets)
+        return None if name in self._aliased else self.targets.get(name)
 
     def load(self, weights: Weights) -> list[str]:
         loaded = []

@@ -56,6 +56,8 @@ class Plan:
     untraced: dict[str, str]
     written: frozenset[str]  # modules some name writes
     derive: tuple[torch.nn.Module, ...] = ()  # DERIVE modules: processed again at every round's end
+    #: name -> the live tensor a delta may be decoded into (`FastRound.in_place`), made on first ask
+    in_place: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     _check: _KeyCheck | None = field(default=None, repr=False, compare=False)
 
     def current(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ...receiver.base_copy import aliased
 from ..quantizations import FP8_PER_TENSOR
 from .plan import Plan, _Op
 from .trace import _TB, Slots, Weights, _expert_layout, _place, _tensors
@@ -51,6 +52,18 @@ class Direct:
             live.copy_(src)
 
 
+def _in_place_views(plan: Plan) -> dict[str, torch.Tensor]:
+    """Per name, the live view its one whole copy writes, where a delta may be decoded into it (`in_place`)."""
+    views: dict[str, torch.Tensor] = {}
+    for name, ops in plan.ops.items():
+        copies = [op for op in ops if op.write.src_offset is not None and op.write.numel]
+        if len(copies) == 1 and copies[0].dst is not None and copies[0].whole and copies[0].dst.is_contiguous():
+            views[name] = copies[0].dst
+    fused = {n: v for n, v in views.items() if n in plan.fusions}
+    shared = aliased({n: v for n, v in views.items() if n not in fused}) | aliased(fused)
+    return {n: v for n, v in views.items() if n not in shared}
+
+
 @dataclass
 class FastRound:
     """One round's state on the fast path: REBUILD modules being filled, and what went which way."""
@@ -81,14 +94,13 @@ class FastRound:
     def in_place(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The live tensor that holds `name` (of HF `shape`) whole and as it is, which a delta may be decoded into
         in place (`Loader.direct`): its one copy goes into a module whose kernels read what is loaded (COPY),
-        contiguous, every element. A TP-sharded, rebuilt, quantized or layerwise tensor has none."""
-        copies = [op for op in self.plan.ops.get(name, ()) if op.write.src_offset is not None and op.write.numel]
-        if len(copies) != 1:
-            return None
-        op = copies[0]
-        if op.dst is None or not op.whole or op.write.numel != math.prod(shape) or not op.dst.is_contiguous():
-            return None
-        return op.dst
+        contiguous, every element, sharing no byte with another name's (a fused name's members aside: a sender
+        sends one or the other). A TP-sharded, rebuilt, quantized or layerwise tensor has none."""
+        views = self.plan.in_place
+        if views is None:
+            views = self.plan.in_place = _in_place_views(self.plan)
+        d = views.get(name)
+        return d if d is not None and d.numel() == math.prod(shape) else None
 
     @torch.no_grad()
     def load(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]],
