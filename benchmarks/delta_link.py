@@ -235,12 +235,21 @@ def table(result: dict[str, Any]) -> str:
         f, d = r["full"], r["delta"]
         lines.append([r["link"], f"{f['ms']:.0f}", f"{d['ms']:.0f}", f"{r['delta_over_full']:.2f}x",
                       f"{d['wire_bytes'] / GiB:.3f} / {f['wire_bytes'] / GiB:.2f} GiB", r["auto_picks"],
-                      f"{d['shadow_where']} / {(d['engine_base'] or {}).get('where')}",
+                      f"{d['shadow_where']} / {_engine_base(d['engine_base'])}",
                       f"{f['bit_exact']} / {d['bit_exact']}", _density(r.get("break_even_density"))])
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     return (f"{result['label']} ({result['model_bytes'] / 1e9:.2f} GB) on {result['device']}, "
             f"{result['density']:.0%} of elements changed per step\n"
             + "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines))
+
+
+def _engine_base(b: dict[str, Any] | None) -> str:
+    """Where the engine keeps its delta base: a copy (and where), its own tensors (in place), or both."""
+    if not b:
+        return "-"
+    own, copy = b.get("in_place_bytes") or 0, b.get("bytes") or 0
+    return " + ".join([f"{copy / GiB:.2f} GiB copy on {b.get('where')}"] * bool(copy)
+                      + [f"{own / GiB:.2f} GiB in place"] * bool(own)) or "none"
 
 
 def _density(v: float | str | None) -> str:
