@@ -244,6 +244,53 @@ async def test_deltas_into_a_gpu_engine_are_decoded_in_place_and_it_generates_as
         stop_llm(loaded)
 
 
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+@gpu
+async def test_deltas_into_a_moe_engine_in_bf16_or_fp8_hold_what_vllm_makes_of_the_same_weights(quant, gpu_moe_dirs,
+                                                                                                tmp_path):
+    """A delta sync into a MoE engine (vLLM's FusedMoE, stacked experts), unquantized or quantizing to fp8 as it
+    loads: what the engine holds as sent is decoded into in place, the rest (fp8 weights: vLLM quantizes them)
+    onto the worker's copy and loaded as a full push loads it. After a full push and two deltas every engine tensor
+    (fp8 weights and scales included) equals that of an engine of the same kind that loaded the weights from disk,
+    and both generate the same greedy tokens."""
+    model_dir = gpu_moe_dirs["untied"]
+    _gpu_env()
+    kind = dict(ENGINE, quantization=quant) if quant != "bf16" else dict(ENGINE)
+    llm = vllm.LLM(model=model_dir, **kind, **engine_kwargs())
+    loaded_llm = None
+    sync = None
+    try:
+        engine = VllmEngine(llm, name=f"delta-moe-{quant}")
+        trainer = _hf_trainer(model_dir)
+        sync = WeightSync([engine], chunk_bytes=1 << 20, delta=True, timeout=120)
+        modes = []
+        for step in range(3):
+            if step:
+                _small_step(trainer, 80 + step)
+            report = await sync.push(trainer)
+            modes.append(report.delta.mode)
+            assert await engine.get_version() == report.version
+        assert modes == ["full", "delta", "delta"]
+        copy = llm.collective_rpc("streamsync_delta_copy")[0]
+        print(f"delta moe {quant}: the worker's base {copy}; paths {report.engine_paths}")
+        assert copy["in_place_bytes"] > 0 and (copy["bytes"] > 0 or quant == "bf16"), copy  # fp8: quantized ones
+        ckpt = save_checkpoint(trainer.state_dict(), like=model_dir, out=tmp_path / f"delta-{quant}",
+                               dtype=torch.bfloat16)
+        loaded_llm = vllm.LLM(model=str(ckpt), **kind, **engine_kwargs())
+        loaded = VllmEngine(loaded_llm, name=f"delta-moe-{quant}-loaded")
+        got, want = await engine.weight_digests(device=True), await loaded.weight_digests(device=True)
+        assert set(got) == set(want) and got == want, sorted(k for k in want if got.get(k) != want[k])[:5]
+        check = await compare_engines(engine, loaded, check_prompts(int(_config(model_dir)["vocab_size"]), count=3),
+                                      as_served=True)
+        assert check.ok, check
+    finally:
+        if sync is not None:
+            await sync.close()
+        for x in (llm, loaded_llm):
+            if x is not None:
+                stop_llm(x)
+
+
 @gpu
 async def test_a_colocated_rank_sends_its_pieces_to_the_worker_on_its_gpu_by_cuda_ipc(gpu_llms, gpu_model_dirs,
                                                                                       tmp_path):
