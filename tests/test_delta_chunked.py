@@ -286,7 +286,8 @@ def test_a_delta_is_decoded_in_place_into_tensors_the_loader_holds_as_sent_row_p
             assert {n for n, _ in base.placed} == ({s.name for s in plan.specs} - {"c", "g"} if k == 0 else {"g"})
         base.end_round(finished=True)
         for s, t in zip(plan.specs, new, strict=True):
-            assert _same_bits(own.get(s.name, base.tensors.get(s.name)), t), (version, s.name)
+            got = own[s.name] if s.name in own else base.tensors[s.name].to(device)  # the copy: on the host
+            assert _same_bits(got, t), (version, s.name)
         held = new
     assert base.held == (3, "p3")
 
