@@ -82,6 +82,8 @@ class EngineRound:
     replayed_tensors: the tensors those graphs copied (fast-path tensors not copied one by one)
     draft_tensors:  tensors loaded into the engine's MTP draft model (an MTP layer's, through vLLM's layerwise
                     reload of the draft; counted in layerwise_tensors too)
+    in_place_tensors: tensors a delta was decoded into straight in the engine's own tensors (counted in
+                    fast_tensors too; `receiver.base_copy`)
     """
 
     engine: str
@@ -102,6 +104,7 @@ class EngineRound:
     replayed_tensors: int = 0
     direct_modules: int = 0
     draft_tensors: int = 0
+    in_place_tensors: int = 0
 
     @classmethod
     def from_wire(cls, engine: str, d: Mapping[str, Any]) -> EngineRound:
@@ -130,7 +133,7 @@ class EngineRound:
                    num("layerwise_bytes"), num("rebuilt_modules"), bool(d.get("traced")), ms,
                    extra if isinstance(extra, int) and not isinstance(extra, bool) else None,
                    str(d.get("memory") or ""), tuple(phases), num("replayed_chunks"), num("replayed_tensors"),
-                   num("direct_modules"), num("draft_tensors"))
+                   num("direct_modules"), num("draft_tensors"), num("in_place_tensors"))
 
     def to_dict(self) -> dict[str, Any]:
         # shallow (every field but `phase_ms` is immutable): `asdict` deep-copies the phases only to drop them

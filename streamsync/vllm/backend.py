@@ -99,7 +99,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self._traced_ahead = False  # `prime` traced the plan again since the last round
         self._shared: tuple[object, list[tuple[str, torch.nn.Module]]] | None = None
         # path (and the fast tensors graphs replayed) -> [tensors, bytes]
-        self._counts: dict[str, list[int]] = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0]}
+        self._counts: dict[str, list[int]] = {k: [0, 0] for k in ("fast", "layerwise", "replayed", "in_place")}
         #: the worker keeps the weight version (vLLM keeps none, or WORKER_VERSIONS_ENV asks for it)
         self.keeps_version = not compat.native_weight_version()
         self.weight_version = "default"  # vLLM's own initial version string
@@ -166,7 +166,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.rx.start()
         self.received_digests = {}
         self._round_version = None
-        self._counts = {"fast": [0, 0], "layerwise": [0, 0], "replayed": [0, 0]}
+        self._counts = {k: [0, 0] for k in ("fast", "layerwise", "replayed", "in_place")}
         self._expert_layers = set()  # layers whose experts this round reloaded layerwise
         self.draft.begin_round()
         self._replayed0 = self.graphs.replayed
@@ -282,6 +282,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         placed = self.rx.base.placed  # tensors a delta was decoded into in place: on the fast path, not loaded
         if placed:
             self._count("fast", [t for _, t in placed])
+            self._count("in_place", [t for _, t in placed])
             if self.record_digests:
                 self.received_digests.update((n, tensor_digest(t)) for n, t in placed)
 
@@ -378,7 +379,8 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             rebuilt_modules=rnd.rebuilt + len(rnd.plan.derive) if rnd is not None else 0,
             direct_modules=rnd.direct if rnd is not None else 0,
             traced=self._traced, fast_path=self.fast_path, replayed_chunks=self.graphs.replayed - self._replayed0,
-            replayed_tensors=self._counts["replayed"][0], draft_tensors=self.draft.tensors)
+            replayed_tensors=self._counts["replayed"][0], draft_tensors=self.draft.tensors,
+            in_place_tensors=self._counts["in_place"][0])
 
     def _count(self, path: str, tensors: list[torch.Tensor]) -> None:
         c = self._counts[path]
