@@ -143,6 +143,7 @@ async def test_auto_on_a_link_goes_full_while_its_last_delta_was_slower_and_trie
             modes.append(d.mode)
             if d.mode == "full":
                 assert d.why_full == d.auto and "the last delta took" in d.auto and "tried again after" in d.auto
+                assert "changed" in d.auto and "GB/s" in d.auto and "encoding and decoding" in d.auto
             assert await _exact(engine, trainer)
         assert modes == ["full"] * PROBE_EVERY + ["delta"]
         assert "trying a delta again" in d.auto
