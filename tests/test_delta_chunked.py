@@ -313,3 +313,25 @@ def test_tied_tensors_are_never_held_in_place_since_a_delta_into_one_would_chang
     loader = ModuleLoader(model)
     assert loader.direct("embed.weight") is None and loader.direct("head.weight") is None
     assert loader.direct("norm.weight").data_ptr() == model["norm"].weight.data_ptr()
+
+
+def test_a_tensor_sent_as_a_blocked_view_is_held_in_place_and_takes_its_next_delta():
+    """A full push may hand the loader a blocked view (Q as rows of megatron's interleaved QKV: its HF tensor's
+    row-major order in another shape, not contiguous); the in-place fingerprint is of the elements in that order,
+    so the next delta finds the loader's tensor unchanged."""
+    from streamsync.receiver.base_copy import BaseCopy
+
+    qkv = torch.randn(2, 5, 4).to(torch.bfloat16)
+    q = qkv[:, :3, :]  # the two groups' 3 Q rows: 6 rows of the HF tensor
+    own = {"q": torch.empty(6, 4, dtype=torch.bfloat16)}
+    base = BaseCopy("cpu")
+    base.note({"version": 1, "push_id": "p1", "chunk": 0}, {"chunks": 1, "keep": True})
+    for n, t in base.tee([("q", q)], own.get):
+        own[n].copy_(t.reshape(6, 4))
+    base.end_round(finished=True)
+    new = own["q"].clone()
+    new[2, 1] = 7.0
+    entry = ["q", "bfloat16", [6, 4], None, "full", 24, digest(new)]
+    base.note({"version": 2, "push_id": "p2", "chunk": 0}, {"chunks": 1, "base": [1, "p1"], "entries": [entry]})
+    assert base.apply([("q#val", new.reshape(-1))], {"entries": [entry]}, direct=own.get) == []
+    assert _same_bits(own["q"], new) and [n for n, _ in base.placed] == ["q"]

@@ -211,13 +211,16 @@ try:
 except ImportError:  # pragma: no cover - hashlib's blake2b instead
     _blake3 = None
 
+#: the digest computed on the host by default
+HOST_DIGEST = "blake3" if _blake3 is not None else "blake2b"
+
 
 def digest(t: torch.Tensor, algo: str | None = None) -> str:
     """"algo:hex" of a tensor's dtype, shape and bytes (host copy for a device tensor). blake3 where it is
     installed, else hashlib's blake2b; a receiver checks with the algorithm the digest names. "wsum64"
     (`delta.wsum`, what a chunked shadow digests with) is computed where the tensor lives and covers its bytes
     only: the receiver checks dtype and shape itself."""
-    algo = algo or ("blake3" if _blake3 is not None else "blake2b")
+    algo = algo or HOST_DIGEST
     h: Any
     if algo == "wsum64":
         return f"wsum64:{wsum64(t):016x}"

@@ -21,10 +21,10 @@ next round changes them).
 In place. Where the loader holds a tensor exactly as it is sent (`Loader.direct`: the same dtype and row-major
 bytes in one contiguous tensor of its own, which only loads of that name change; a vLLM worker's unquantized
 tensors on the fast path where the engine holds them whole, a plain module's parameters), the loader's tensor is
-the base: a full push keeps no copy of it, only its `wsum64`; a delta is decoded straight into it, after its
-`wsum64` was found unchanged (a reload from disk, or a wake from sleep that dropped the weights, refuses the
-delta before any byte of the chunk is written), and checked against the sender's digest after. Such tensors
-are not handed to the loader again: they are where it would copy them.
+the base: a full push keeps no copy of it, only its digest (`wsum64` on a GPU, blake3 on the host); a delta is
+decoded straight into it, after that digest was found unchanged (a reload from disk, or a wake from sleep that
+dropped the weights, refuses the delta before any byte of the chunk is written), and checked against the sender's
+digest after. Such tensors are not handed to the loader again: they are where it would copy them.
 
 Where the copy lives. A receiver on a GPU (a vLLM worker) keeps it on that GPU where the GPU has room for it and
 2 GiB (or 5 % of the GPU) more when a full push starts ("engine_base": "auto", the default), so a delta is decoded
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..delta.codec import PIECES, DeltaRefused, Row, check_digest, decode_into, digest
+from ..delta.codec import HOST_DIGEST, PIECES, DeltaRefused, Row, check_digest, decode_into, digest
 from ..errors import ValidationError
 from ..pack import dtype_from_name
 from ..plan.shards import Box
@@ -107,7 +107,8 @@ class BaseCopy:
         #: a sharded push's boxes by (HF name, box)
         self.boxes: dict[tuple[str, Box], torch.Tensor] = {}
         self._kept: set[tuple[str, Box]] = set()  # boxes a full sharded push wrote this round
-        #: names whose base is the loader's own tensor (in place): the `wsum64` digest of what it holds, its bytes
+        #: names whose base is the loader's own tensor (in place): the digest of what it holds (`_fingerprint`), its
+        #: bytes
         self.own: dict[str, tuple[str, int]] = {}
         #: (name, tensor) decoded in place by this chunk: loaded already, not handed to the loader
         self.placed: list[tuple[str, torch.Tensor]] = []
@@ -208,7 +209,7 @@ class BaseCopy:
             d = direct(name) if direct is not None else None
             if d is not None and _holds(d, t.dtype, tuple(t.shape)):
                 self.tensors.pop(name, None)
-                self.own[name] = (digest(t, "wsum64"), t.numel() * t.element_size())  # what the loader holds then
+                self.own[name] = (_fingerprint(t), t.numel() * t.element_size())  # what the loader holds then
                 yield name, t
                 continue
             self.own.pop(name, None)
@@ -261,8 +262,9 @@ class BaseCopy:
                 if done:
                     out.append((name, self.tensors[name]))
                 continue
-            if enc != "same":  # the digest of what it holds now: the sender's, where it checked the whole tensor
-                now = dig if part is None and dig.startswith("wsum64:") else digest(own, "wsum64")
+            if enc != "same":  # its fingerprint now: the sender's wsum64 where that checked the whole of it
+                reuse = part is None and dig.startswith("wsum64:") and _algo(own) == "wsum64"
+                now = dig if reuse else _fingerprint(own)
                 self.own[name] = (now, own.numel() * own.element_size())
             if done:
                 self.placed.append((name, own))
@@ -277,7 +279,7 @@ class BaseCopy:
         if d is None or not _holds(d, dtype, full):
             return None
         d = d.view(full)
-        if self._rows.get(name, 0) == 0 and digest(d, "wsum64") != want:  # its first part (or whole) this round
+        if self._rows.get(name, 0) == 0 and digest(d.view(-1), want.split(":", 1)[0]) != want:  # first part/whole
             raise DeltaRefused(f"tensor {name!r}: the engine's own copy is not what it was last loaded with (a "
                                "reload or a wake from sleep changed it), so the delta has no base there")
         return d
@@ -310,6 +312,17 @@ def aliased(tensors: Mapping[str, torch.Tensor]) -> set[str]:
         if device != dev or start + n > end:
             end, last, dev = start + n, name, device
     return out
+
+
+def _algo(t: torch.Tensor) -> str:
+    """The digest an in-place tensor is fingerprinted with: `wsum64` where it lives on a device (read there, one
+    kernel), the host's hash on the host (blake3 reads 5-6 GB/s there, torch's wsum64 about 0.4)."""
+    return "wsum64" if t.device.type != "cpu" else HOST_DIGEST
+
+
+def _fingerprint(t: torch.Tensor) -> str:
+    """Of its elements in row-major order, whatever its shape (a blocked view and its HF tensor agree)."""
+    return digest(t.reshape(-1), _algo(t))
 
 
 def _holds(d: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
