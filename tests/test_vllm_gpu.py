@@ -219,15 +219,11 @@ async def test_deltas_into_a_gpu_engine_are_decoded_in_place_and_it_generates_as
     prompts = check_prompts(int(_config(model_dir)["vocab_size"]), count=3)
     sync = WeightSync([engine], chunk_bytes=1 << 20, delta=True, timeout=120)
     try:
-        modes = []
-        for step in range(3):
-            if step:
-                _small_step(trainer, 60 + step)
-            report = await sync.push(trainer)
-            modes.append(report.delta.mode)
-            assert report.engine_rounds[0].layerwise_tensors == 0
-            await _assert_bit_exact(engine, dict(trainer.state_dict()), tied=False)
-        assert modes == ["full", "delta", "delta"]
+        reports = await _full_then_two_deltas(sync, trainer, 60)
+        assert all(r.engine_rounds[0].layerwise_tensors == 0 for r in reports)
+        assert reports[-1].engine_rounds[0].in_place_tensors == len(trainer.state_dict())
+        await _assert_bit_exact(engine, dict(trainer.state_dict()), tied=False)
+        report = reports[-1]
         copy = llm.collective_rpc("streamsync_delta_copy")[0]
         model_bytes = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
         print(f"delta base in the worker: {copy}; the model: {model_bytes} bytes; the last delta push: "
@@ -235,13 +231,7 @@ async def test_deltas_into_a_gpu_engine_are_decoded_in_place_and_it_generates_as
         assert copy["bytes"] == 0 and copy["in_place_bytes"] == model_bytes, copy
     finally:
         await sync.close()
-    ckpt = save_checkpoint(trainer.state_dict(), like=model_dir, out=tmp_path / "delta", dtype=torch.bfloat16)
-    loaded = vllm.LLM(model=str(ckpt), **ENGINE, **engine_kwargs())
-    try:
-        check = await compare_engines(engine, VllmEngine(loaded, name="loaded"), prompts, as_served=True)
-        assert check.ok, check
-    finally:
-        stop_llm(loaded)
+    await _as_loaded_from_disk(engine, trainer.state_dict(), model_dir, tmp_path / "delta", prompts)
 
 
 @pytest.mark.parametrize("quant", ["bf16", "fp8"])
@@ -257,38 +247,51 @@ async def test_deltas_into_a_moe_engine_in_bf16_or_fp8_hold_what_vllm_makes_of_t
     _gpu_env()
     kind = dict(ENGINE, quantization=quant) if quant != "bf16" else dict(ENGINE)
     llm = vllm.LLM(model=model_dir, **kind, **engine_kwargs())
-    loaded_llm = None
     sync = None
     try:
         engine = VllmEngine(llm, name=f"delta-moe-{quant}")
         trainer = _hf_trainer(model_dir)
         sync = WeightSync([engine], chunk_bytes=1 << 20, delta=True, timeout=120)
-        modes = []
-        for step in range(3):
-            if step:
-                _small_step(trainer, 80 + step)
-            report = await sync.push(trainer)
-            modes.append(report.delta.mode)
-            assert await engine.get_version() == report.version
-        assert modes == ["full", "delta", "delta"]
+        report = (await _full_then_two_deltas(sync, trainer, 80))[-1]
+        assert await engine.get_version() == report.version
         copy = llm.collective_rpc("streamsync_delta_copy")[0]
         print(f"delta moe {quant}: the worker's base {copy}; paths {report.engine_paths}")
         assert copy["in_place_bytes"] > 0 and (copy["bytes"] > 0 or quant == "bf16"), copy  # fp8: quantized ones
-        ckpt = save_checkpoint(trainer.state_dict(), like=model_dir, out=tmp_path / f"delta-{quant}",
-                               dtype=torch.bfloat16)
-        loaded_llm = vllm.LLM(model=str(ckpt), **kind, **engine_kwargs())
-        loaded = VllmEngine(loaded_llm, name=f"delta-moe-{quant}-loaded")
-        got, want = await engine.weight_digests(device=True), await loaded.weight_digests(device=True)
-        assert set(got) == set(want) and got == want, sorted(k for k in want if got.get(k) != want[k])[:5]
-        check = await compare_engines(engine, loaded, check_prompts(int(_config(model_dir)["vocab_size"]), count=3),
-                                      as_served=True)
-        assert check.ok, check
+        prompts = check_prompts(int(_config(model_dir)["vocab_size"]), count=3)
+        await _as_loaded_from_disk(engine, trainer.state_dict(), model_dir, tmp_path / f"delta-{quant}", prompts,
+                                   kind, tensors=True)
     finally:
         if sync is not None:
             await sync.close()
-        for x in (llm, loaded_llm):
-            if x is not None:
-                stop_llm(x)
+        stop_llm(llm)
+
+
+async def _full_then_two_deltas(sync: WeightSync, trainer: torch.nn.Module, seed: int) -> list[Any]:
+    """A delta sync's three pushes: the first in full, then two of about 1 % changed each, as deltas."""
+    reports = []
+    for step in range(3):
+        if step:
+            _small_step(trainer, seed + step)
+        reports.append(await sync.push(trainer))
+    assert [r.delta.mode for r in reports] == ["full", "delta", "delta"]
+    return reports
+
+
+async def _as_loaded_from_disk(engine: VllmEngine, state: dict[str, torch.Tensor], model_dir: str, out: Any,
+                               prompts: Any, kind: dict[str, Any] = ENGINE, tensors: bool = False) -> None:
+    """`engine` generates what an engine of the same `kind` that loaded `state` from disk (a checkpoint like
+    `model_dir`'s, written to `out`) generates; with `tensors`, it also holds the same tensors, bit for bit."""
+    ckpt = save_checkpoint(state, like=model_dir, out=out, dtype=torch.bfloat16)
+    llm = vllm.LLM(model=str(ckpt), **kind, **engine_kwargs())
+    try:
+        loaded = VllmEngine(llm, name=f"{engine.name}-loaded")
+        if tensors:
+            got, want = await engine.weight_digests(device=True), await loaded.weight_digests(device=True)
+            assert set(got) == set(want) and got == want, sorted(k for k in want if got.get(k) != want[k])[:5]
+        check = await compare_engines(engine, loaded, prompts, as_served=True)
+        assert check.ok, check
+    finally:
+        stop_llm(llm)
 
 
 @gpu
@@ -327,13 +330,7 @@ async def test_a_colocated_rank_sends_its_pieces_to_the_worker_on_its_gpu_by_cud
                 assert moved < counts["sent_bytes"] * 1.01, counts
                 await _assert_bit_exact(engine, dict(trainer.state_dict()), tied=False)
             if device == "cuda":
-                ckpt = save_checkpoint(trainer.state_dict(), like=model_dir, out=tmp_path / "ipc", dtype=torch.bfloat16)
-                llm = vllm.LLM(model=str(ckpt), **ENGINE, **engine_kwargs())
-                try:
-                    check = await compare_engines(engine, VllmEngine(llm, name="loaded"), prompts, as_served=True)
-                    assert check.ok, check
-                finally:
-                    stop_llm(llm)
+                await _as_loaded_from_disk(engine, trainer.state_dict(), model_dir, tmp_path / "ipc", prompts)
         finally:
             await sync.close()
     print(f"p2p into a colocated engine: by CUDA IPC {[round(t * 1e3, 1) for t in times['cuda']]} ms, "
