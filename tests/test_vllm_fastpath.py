@@ -14,7 +14,8 @@ vllm = pytest.importorskip("vllm")
 
 from streamsync import WeightSync  # noqa: E402
 from streamsync.engines.vllm import VllmEngine  # noqa: E402
-from streamsync.testing.vllm import greedy, trainer_from  # noqa: E402
+from streamsync.testing.vllm import LOGPROB_TOL, greedy, trainer_from  # noqa: E402
+from streamsync.verify import compare_generation, load_reference, long_prompt, reference_logprobs  # noqa: E402
 from streamsync.vllm.digests import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -281,8 +282,15 @@ async def test_a_delta_goes_in_place_into_tensors_the_engine_holds_as_sent_and_a
     trainer.step()
     report = await sync.push(trainer.model, version=34)
     assert report.delta.mode == "delta"
-    await _exact_to(engine, trainer.served())
+    served = trainer.served()
+    await _exact_to(engine, served)
     await sync.close()
+    # it generates what a transformers reference holding the same weights generates (a prompt over a KV block)
+    prompt = long_prompt(int(trainer.vocab))
+    tokens, lps = greedy(inproc_llm, prompt)
+    check = compare_generation(reference_logprobs(load_reference(tied_model_dir, served), prompt, tokens), tokens,
+                               lps, LOGPROB_TOL)
+    assert check.ok, f"steps {check.mismatches} differ; max logprob diff {check.max_logprob_diff:.4f}"
 
 
 async def _exact_to(engine, served) -> None:
