@@ -83,7 +83,7 @@ async def pushes(shape: dict[str, Any], args: argparse.Namespace, work: Path) ->
     from streamsync.checksum import device_digest
     from streamsync.engines.vllm import VllmEngine, engine_kwargs
     from streamsync.testing.vllm import shaped_checkpoint, stop_llm
-    from streamsync.vllm.digests import expected_digests
+    from streamsync.vllm.trainer.digests import expected_digests
 
     device = "cpu" if args.smoke else "cuda"
     tr = AdamTrainer(config=_config(shape), lr=args.push_lr, batch=2, seq=64, device=device)

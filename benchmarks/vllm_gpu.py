@@ -96,7 +96,7 @@ async def _bit_exact(engine: Any, model: torch.nn.Module, kind: str, shape: dict
     GPU tests hold those against an engine that loaded the same weights from disk. None on CPU, whose MoE and MLA
     kernels repack what they load."""
     from streamsync.models.megatron import export_hf_async
-    from streamsync.vllm.digests import expected_digests
+    from streamsync.vllm.trainer.digests import expected_digests
 
     if bc._DEV.type != "cuda" and shape is not None and (shape.get("experts") or shape.get("kv_lora")):
         return None

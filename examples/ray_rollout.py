@@ -25,7 +25,7 @@ from streamsync.models.synthetic import perturb_
 from streamsync.models.tiny import TINY_QWEN3, make_tiny_qwen3
 from streamsync.testing.vllm import ENGINE_ARGS, trainer_from
 from streamsync.verify import load_reference, long_prompt, verify_outputs
-from streamsync.vllm.extension import expected_digests
+from streamsync.vllm.trainer.digests import expected_digests
 
 
 class Rollout(StreamsyncEngineMixin):

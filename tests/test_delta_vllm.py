@@ -15,7 +15,7 @@ from streamsync.engines.vllm import VllmEngine  # noqa: E402
 from streamsync.testing.training import AdamTrainer  # noqa: E402
 from streamsync.testing.vllm import LOGPROB_TOL, greedy  # noqa: E402
 from streamsync.verify import compare_generation, load_reference, long_prompt, reference_logprobs  # noqa: E402
-from streamsync.vllm.digests import expected_digests  # noqa: E402
+from streamsync.vllm.trainer.digests import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, VllmHttpEngine,
 from streamsync.models.tiny import TINY_QWEN3  # noqa: E402
 from streamsync.testing.vllm import ENGINE_ARGS, cpu_env, trainer_from  # noqa: E402
 from streamsync.verify import load_reference, long_prompt, verify_outputs  # noqa: E402
-from streamsync.vllm.digests import expected_digests  # noqa: E402
+from streamsync.vllm.trainer.digests import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

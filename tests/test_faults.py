@@ -340,7 +340,7 @@ async def test_an_engine_client_shared_by_two_syncs_serves_whichever_pushes(rx, 
 
 async def test_connect_to_an_unreachable_engine_is_an_engine_error_naming_it(qwen_receiver):
     from streamsync.engines.vllm import VllmHttpEngine
-    from streamsync.engines.vllm_server import free_port
+    from streamsync.engines.vllm.launch import free_port
 
     http = VllmHttpEngine(f"http://127.0.0.1:{free_port()}", name="nobody", timeout=5)
     sync = WeightSync([qwen_receiver.engine(), http])
@@ -417,7 +417,7 @@ async def test_a_push_into_vllm_serve_cancelled_mid_round_leaves_it_paused_and_t
 async def test_a_cancelled_push_into_an_in_process_llm_ends_its_round(vllm_mod, llm, model_dir):
     from streamsync.engines.vllm import VllmEngine
     from streamsync.testing.vllm import greedy, trainer_from
-    from streamsync.vllm.digests import expected_digests
+    from streamsync.vllm.trainer.digests import expected_digests
 
     engine = tapped(VllmEngine)(llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=200_000, max_inflight=1)
@@ -467,7 +467,7 @@ async def test_a_vllm_round_abandoned_by_a_crashed_sync_is_taken_over_after_the_
 @pytest.fixture(scope="module")
 def doomed_server(vllm_mod, model_dir, tmp_path_factory):
     """A `vllm serve` of this module's own: the tests below kill its processes."""
-    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.engines.vllm.launch import VllmServer
     from streamsync.testing.vllm import cpu_env
 
     cpu_env()

@@ -1,4 +1,4 @@
-"""`streamsync.vllm.quant`: vLLM's online fp8 of fused-MoE experts in batched tensor ops, element for element the
+"""`streamsync.vllm.worker.quant`: vLLM's online fp8 of fused-MoE experts in batched tensor ops, element for element the
 per-expert arithmetic of vLLM's `scaled_fp8_quant` (the GPU test checks the engine against vLLM's own kernel)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamsync.vllm.quant import GROUP, quantize_experts
+from streamsync.vllm.worker.quant import GROUP, quantize_experts
 
 F8 = torch.float8_e4m3fn
 

@@ -193,10 +193,10 @@ def _run_fresh(code: str, interpret: bool = True) -> str:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_fp8_expert_kernel_quantizes_as_torchs_reference_arithmetic():
-    """`vllm.quant.quantize_experts` on CUDA (its Triton kernel) against its torch passes (the arithmetic checked
+    """`vllm.worker.quant.quantize_experts` on CUDA (its Triton kernel) against its torch passes (the arithmetic checked
     against vLLM's `scaled_fp8_quant`): an all-zero expert, values on e4m3's rounding ties, ordinary weights."""
     pytest.importorskip("triton")
-    from streamsync.vllm import quant
+    from streamsync.vllm.worker import quant
 
     torch.manual_seed(0)
     w = (torch.randn(6, 256, 1000, device="cuda") * 0.02).bfloat16()

@@ -238,7 +238,7 @@ async def test_one_copy_into_a_vllm_cpu_engine_is_bit_exact_and_generates(llm, m
     pytest.importorskip("vllm")
     from streamsync.engines.vllm import VllmEngine
     from streamsync.testing.vllm import generation_matches_reference, greedy, trainer_from
-    from streamsync.vllm.digests import expected_digests
+    from streamsync.vllm.trainer.digests import expected_digests
 
     engine = VllmEngine(llm, name="llm")
     # longer than a KV-cache block: the engine's attention over cached blocks computes with the new weights too
@@ -291,7 +291,7 @@ async def test_megatrons_interleaved_qkv_by_reference_goes_straight_into_a_vllm_
     from streamsync.engines.vllm import VllmEngine
     from streamsync.models.megatron import export_hf_async, hf_config, megatron_from_hf
     from streamsync.testing.gpu import perturb
-    from streamsync.vllm.digests import expected_digests
+    from streamsync.vllm.trainer.digests import expected_digests
 
     owns_group = not dist.is_initialized()  # megatron_from_hf makes a world of one in this process
     trainer = megatron_from_hf(model_dir)
@@ -328,7 +328,7 @@ async def test_connect_with_the_model_sends_its_references_ahead_and_loads_nothi
     pytest.importorskip("vllm")
     from streamsync.engines.vllm import VllmEngine
     from streamsync.testing.vllm import generation_matches_reference, greedy, trainer_from
-    from streamsync.vllm.digests import expected_digests
+    from streamsync.vllm.trainer.digests import expected_digests
 
     engine = VllmEngine(llm, name="llm")
     trainer = trainer_from(model_dir, step=11)
@@ -376,7 +376,7 @@ async def test_references_go_ahead_neither_with_deltas_nor_past_an_engine_that_c
     from streamsync.engines.vllm import VllmEngine
     from streamsync.errors import EngineError
     from streamsync.testing.vllm import trainer_from
-    from streamsync.vllm.digests import expected_digests
+    from streamsync.vllm.trainer.digests import expected_digests
 
     trainer = trainer_from(model_dir, step=12)
     transport = ShmTransport(one_copy=True)

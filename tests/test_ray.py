@@ -28,7 +28,7 @@ from streamsync.transports.collective import CollectiveTransport  # noqa: E402
 from streamsync.transports.mixed import MixedTransport  # noqa: E402
 from streamsync.transports.shm import ShmTransport  # noqa: E402
 from streamsync.verify import load_reference, long_prompt, verify_outputs  # noqa: E402
-from streamsync.vllm.digests import expected_digests  # noqa: E402
+from streamsync.vllm.trainer.digests import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -279,7 +279,7 @@ ROUTES = [("POST", "/init_weight_transfer_engine"), ("POST", "/start_weight_upda
 @pytest.fixture(scope="module")
 def keyed_server(model_dir, tmp_path_factory):
     pytest.importorskip("vllm")
-    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.engines.vllm.launch import VllmServer
     from streamsync.testing.vllm import cpu_env
 
     cpu_env()
@@ -362,7 +362,7 @@ def test_the_middleware_takes_the_keys_vllm_was_started_with():
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from streamsync.vllm.auth import RequireApiKey
+    from streamsync.vllm.server.auth import RequireApiKey
 
     async def ok(request):
         return PlainTextResponse("ok")

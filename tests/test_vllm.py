@@ -20,7 +20,7 @@ from streamsync.testing.faults import inject  # noqa: E402
 from streamsync.testing.vllm import generation_matches_reference, greedy, trainer_from  # noqa: E402
 from streamsync.verify import check_prompts, compare_engines, save_checkpoint  # noqa: E402
 from streamsync.vllm import compat  # noqa: E402
-from streamsync.vllm.digests import expected_digests  # noqa: E402
+from streamsync.vllm.trainer.digests import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -166,7 +166,7 @@ async def test_http_client_against_vllm_serve(server, model_dir):
 
 
 async def test_http_errors_name_the_engine():
-    from streamsync.engines.vllm_server import free_port
+    from streamsync.engines.vllm.launch import free_port
 
     engine = VllmHttpEngine(f"http://127.0.0.1:{free_port()}", name="nobody", timeout=5)
     with pytest.raises(Exception, match=r"nobody.*cannot reach"):
@@ -176,7 +176,7 @@ async def test_http_errors_name_the_engine():
 
 async def test_connecting_to_a_wrong_url_says_only_that_nothing_answers(mixed_model):
     """No hint about the engine's worker extension where nothing answered at all."""
-    from streamsync.engines.vllm_server import free_port
+    from streamsync.engines.vllm.launch import free_port
     from streamsync.errors import EngineUnreachable
 
     engine = VllmHttpEngine(f"http://127.0.0.1:{free_port()}", name="nobody", timeout=5)
@@ -246,8 +246,8 @@ async def test_http_pause_push_resume(server, model_dir):
 async def test_a_request_to_a_paused_server_waits_a_bounded_time_and_one_to_a_mixed_engine_is_refused(
         server, model_dir):
     """vLLM queues a request to a paused engine until it resumes; `streamsync serve` bounds that
-    (`streamsync.vllm.paused`). A request that arrives while the engine is paused is answered once it resumes; one
-    that would wait longer than its bound (the X-Streamsync-Paused-Timeout header here,
+    (`streamsync.vllm.server.paused`). A request that arrives while the engine is paused is answered once it
+    resumes; one that would wait longer than its bound (the X-Streamsync-Paused-Timeout header here,
     STREAMSYNC_PAUSED_REQUEST_TIMEOUT on the server) is answered 503 naming the pause; one to an engine a failed
     push left mixed is refused at once, saying so. The next push makes the engine whole, resumes it, and it
     serves."""
@@ -351,7 +351,7 @@ async def test_tensors_larger_than_a_chunk_are_split_by_rows_and_reassembled_bit
 
 async def test_a_push_into_vllm_serve_logs_no_harmless_failed_to_load_warnings(tied_server, tied_model_dir):
     """A tied model: every layer's rotary embedding and the tied head warned on every push before the worker's
-    filter (streamsync.vllm.reload.ExpectedReloadMisses). The server logs vLLM's info lines: the worker's show
+    filter (streamsync.vllm.worker.reload.ExpectedReloadMisses). The server logs vLLM's info lines: the worker's show
     that its output reaches the log."""
     engine = VllmHttpEngine(tied_server.url, name="serve-tied")
     sync = WeightSync([engine], chunk_bytes=1 << 20)
@@ -374,7 +374,7 @@ async def test_a_push_into_vllm_serve_logs_no_harmless_failed_to_load_warnings(t
 def test_the_reload_warning_filter_drops_exactly_the_harmless_misses(tied, layer, kept):
     import logging
 
-    from streamsync.vllm.reload import RELOAD_LOGGER, ExpectedReloadMisses
+    from streamsync.vllm.worker.reload import RELOAD_LOGGER, ExpectedReloadMisses
 
     logger = logging.getLogger(RELOAD_LOGGER)
     seen: list[str] = []
@@ -415,7 +415,7 @@ async def test_a_vllm_outside_the_supported_range_is_refused_at_connect(llm, mon
 def loaded_server(model_dir, tmp_path_factory):
     """`vllm serve` started from `trainer_from(step=20)`'s HF state saved to disk, its workers keeping the weight
     version themselves as on vLLM 0.25 (compat.WORKER_VERSIONS_ENV, read by the backend in the worker)."""
-    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.engines.vllm.launch import VllmServer
     from streamsync.testing.vllm import cpu_env
 
     cpu_env()
@@ -478,7 +478,7 @@ async def test_where_vllm_keeps_no_weight_version_the_workers_keep_it(loaded_ser
 
 
 async def test_where_the_workers_keep_the_version_the_finish_carries_the_prefix_cache_reset(loaded_server, model_dir):
-    """One call into the engine ends the round and resets the prefix cache (`streamsync.vllm.core_rpc`, in the
+    """One call into the engine ends the round and resets the prefix cache (`streamsync.vllm.core.rpc`, in the
     server's engine core): the sender never calls its own reset, the push reports the engine core's answer and
     the trace draws the reset the engine core timed; without the reset check the finish leaves the cache alone."""
     engine = VllmHttpEngine(loaded_server.url, name="loaded")
@@ -531,7 +531,7 @@ def _pool_after(ops_reset) -> tuple[list, list, bool]:
 def test_the_prefix_cache_reset_visits_only_hashed_blocks_and_ends_where_vllms_ends():
     from vllm.v1.core.block_pool import BlockPool
 
-    from streamsync.vllm import prefix_cache
+    from streamsync.vllm.core import prefix_cache
 
     assert prefix_cache.install() and prefix_cache.install()  # idempotent: wrapped once
     fast = BlockPool.reset_prefix_cache
@@ -578,7 +578,7 @@ async def test_after_a_push_a_repeated_prompt_finds_nothing_in_the_prefix_cache(
     engine._call = counted  # type: ignore[method-assign]
     report = await sync.push(trainer_from(model_dir, step=11), version=version)
     # one call into the engine per chunk and none else: the first opens the round, the last ends it, sets vLLM's
-    # version and resets the prefix cache (streamsync.vllm.core_rpc in the engine core)
+    # version and resets the prefix cache (streamsync.vllm.core.rpc in the engine core)
     n = report.chunks
     assert n > 2 and calls == ["streamsync_update", *["update_weights"] * (n - 2), "streamsync_update"], calls
     assert report.cache_reset == {"llm": True} and "cache_reset" in report.engine_rounds[0].phase_ms

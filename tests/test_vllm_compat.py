@@ -90,7 +90,7 @@ def test_the_backend_defines_every_abstract_method_vllm_0_25_declares():
     """0.25's WeightTransferEngine also declares the static `trainer_send_weights` abstract: without it the
     worker dies at load ("Can't instantiate abstract class"). Defined, it pushes through streamsync and names
     what trainer_args must be."""
-    from streamsync.vllm.backend import StreamSyncWeightTransferEngine
+    from streamsync.vllm.worker.backend import StreamSyncWeightTransferEngine
 
     assert not StreamSyncWeightTransferEngine.__abstractmethods__
     declared_by_0_25 = {"finish_weight_update", "init_transfer_engine", "receive_weights", "shutdown",
@@ -189,7 +189,7 @@ def test_the_mtp_draft_is_found_under_each_model_runner_vllm_has():
 
     import torch
 
-    from streamsync.vllm.draft import draft_model
+    from streamsync.vllm.worker.draft import draft_model
 
     class MiMoMTP(torch.nn.Module):
         pass

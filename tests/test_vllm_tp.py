@@ -149,7 +149,7 @@ def test_a_megatron_tp2_trainer_sends_each_rank_its_shards_into_a_tp2_vllm_serve
     slices it holds straight to the workers that read them (`transport="p2p"`), three pushes; after each, both
     workers hold what vLLM's own load of the trainer's HF export leaves, and generate the same greedy tokens."""
     pytest.importorskip("megatron.core")
-    from streamsync.engines.vllm_server import VllmServer
+    from streamsync.engines.vllm.launch import VllmServer
     from streamsync.models.tiny import make_tiny_qwen3
     from streamsync.testing.megatron import launch
     from streamsync.testing.sharded import run_megatron_into_vllm

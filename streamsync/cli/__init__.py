@@ -75,7 +75,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "serve":
         import os
 
-        from ..engines.vllm_server import cpu_serve_defaults, serve_command, serve_env, vllm_is_cpu_only
+        from ..engines.vllm.launch import cpu_serve_defaults, serve_command, serve_env, vllm_is_cpu_only
         from ..vllm import SERVE_PID_ENV
 
         added = cpu_serve_defaults(args.vllm_args) if vllm_is_cpu_only() else []

@@ -60,7 +60,7 @@ async def run_demo(spec: Spec, work: Path) -> list[PushReport]:
         reference_logprobs,
         save_checkpoint,
     )
-    from ..vllm.digests import expected_digests
+    from ..vllm.trainer.digests import expected_digests
     from .build import make_sync
 
     mcfg, scfg, ecfg = spec.model, spec.sync, spec.engines[0]

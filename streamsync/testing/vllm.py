@@ -154,7 +154,7 @@ def shaped_checkpoint(out: str | os.PathLike, *, arch: str = "qwen3", vocab: int
     `names`: also a `model.safetensors` whose header lists every HF tensor (bf16) and whose data is a hole
     (a sparse file: nothing written, nothing read by the dummy loader), so the engine's worker knows at start
     what a checkpoint of these shapes holds, as one started on real weights does
-    (`vllm.checkpoint.checkpoint_weights`)."""
+    (`vllm.worker.checkpoint.checkpoint_weights`)."""
     import json
     from pathlib import Path
 

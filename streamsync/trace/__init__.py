@@ -27,7 +27,7 @@ from typing import Any
 
 STAGES = ("gather", "convert", "pack", "send", "release")
 #: what an engine did in its own process, drawn on its own lane ("engine <name>"): its workers' phases
-#: (`streamsync.vllm.stats`) and the prefix-cache reset (timed by the sender: the scheduler does it)
+#: (`streamsync.vllm.worker.stats`) and the prefix-cache reset (timed by the sender: the scheduler does it)
 ENGINE_STAGES = ("engine.map", "engine.arm", "engine.load", "engine.process", "engine.finish", "engine.cache_reset",
                  "engine.call")
 

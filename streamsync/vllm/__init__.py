@@ -1,17 +1,25 @@
-"""streamsync inside vLLM: the `streamsync` weight-transfer backend and a worker extension.
+"""streamsync inside vLLM, arranged by the process each part runs in: `worker/` (the `streamsync`
+weight-transfer backend, the fast path, the read-back extension), `core/` (the engine core), `server/` (`vllm
+serve`'s API server) and `trainer/` (vLLM's trainer-side API). Modules here are read in every process: the plugin
+below, the supported vLLM range (compat.py), the quantization tables (quantizations.py), worker calls that answer
+an error (answers.py) and refused calls logged in one line (refusals.py). streamsync's own engine clients, which
+drive a round from the trainer, are `streamsync.engines.vllm`.
 
 `register()` is the `vllm.general_plugins` entry point: vLLM calls it in every process (frontend, engine
 core, each worker), so `weight_transfer_config={"backend": "streamsync"}` resolves everywhere. It only
 records a lazy import path; nothing of streamsync's backend is imported until a worker builds it. In the
 engine core it also shortens vLLM's prefix-cache reset, which a push ends with, to the blocks that hold a
-hash (`streamsync.vllm.prefix_cache`), and lets a round's finish carry that reset (`streamsync.vllm.core_rpc`).
+hash (`streamsync.vllm.core.prefix_cache`), and lets a round's finish carry that reset (`streamsync.vllm.core.rpc`).
 In every process it logs a refused weight-transfer call as one line (`streamsync.vllm.refusals`).
 """
 
 from __future__ import annotations
 
 BACKEND = "streamsync"
-WORKER_EXTENSION = "streamsync.vllm.extension.StreamSyncWorkerExtension"
+#: vLLM's `worker_extension_cls` / `--worker-extension-cls` for streamsync's read-back calls
+WORKER_EXTENSION = "streamsync.vllm.worker.extension.StreamSyncWorkerExtension"
+#: `vllm serve --middleware` for the API key on every route and bounded waits for a paused engine
+MIDDLEWARE = "streamsync.vllm.server.middleware.Serve"
 
 
 #: set by `streamsync serve` to its own pid: every vLLM process under it dies with its parent (`_die_with_parent`)
@@ -21,7 +29,9 @@ SERVE_PID_ENV = "STREAMSYNC_SERVE_PID"
 def register() -> None:
     _die_with_parent()
     _request_amx()
-    from . import core_rpc, prefix_cache, refusals
+    from . import refusals
+    from .core import prefix_cache
+    from .core import rpc as core_rpc
 
     refusals.install()
     prefix_cache.install()
@@ -31,21 +41,22 @@ def register() -> None:
     except ImportError:  # a vLLM without weight transfer: nothing to register
         return
     if BACKEND not in WeightTransferEngineFactory._registry:  # registering twice raises in vLLM
-        WeightTransferEngineFactory.register_engine(BACKEND, "streamsync.vllm.backend",
+        WeightTransferEngineFactory.register_engine(BACKEND, "streamsync.vllm.worker.backend",
                                                     "StreamSyncWeightTransferEngine")
     register_trainer()
 
 
 def register_trainer() -> bool:
     """Add "streamsync" to vLLM's trainer-side registry (`WeightTransferTrainerFactory`, vLLM 0.32+; a lazy
-    import path, `streamsync.vllm.trainer`), so code that picks vLLM's trainer engine by name switches by the
+    import path, `streamsync.vllm.trainer.native`), so code that picks vLLM's trainer engine by name switches by the
     name; False where the installed vLLM has no such registry (0.25.x: `trainer_send_weights` instead)."""
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     except ImportError:
         return False
     if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, "streamsync.vllm.trainer", "StreamSyncTrainerEngine")
+        WeightTransferTrainerFactory.register_engine(BACKEND, "streamsync.vllm.trainer.native",
+                                                     "StreamSyncTrainerEngine")
     return True
 
 

@@ -1,7 +1,7 @@
 """vLLM engine clients: in-process `vllm.LLM` / `vllm.AsyncLLM`, and `vllm serve` over HTTP.
 
 All three speak the four phases with streamsync's plain-dict payloads wrapped as {"streamsync": ...},
-which the `streamsync` backend (streamsync.vllm.backend) unwraps in every worker. Versions are vLLM's
+which the `streamsync` backend (streamsync.vllm.worker.backend) unwraps in every worker. Versions are vLLM's
 strings; streamsync's integer versions travel as their decimal string, and an engine a failed push left
 holding part of version N's weights reports "mixed:N" (`state().mixed`; `get_version()` is then None).
 

@@ -15,7 +15,7 @@ class VllmHttpEngine(VllmClient):
     """`vllm serve` started with VLLM_SERVER_DEV_MODE=1 and `--weight-transfer-config '{"backend":"streamsync"}'`.
 
     `api_key`: sent as `Authorization: Bearer <key>` on every request (a server started with `--api-key` and
-    `--middleware streamsync.vllm.auth.RequireApiKey` refuses the weight-transfer routes without it)."""
+    `--middleware streamsync.vllm.server.auth.RequireApiKey` refuses the weight-transfer routes without it)."""
 
     open_with_first_update = end_with_last_update = True
 

@@ -32,7 +32,7 @@ class WorkerQueries:
 
     async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
         """Compares the worker's parameters (vLLM's fused names) with `hf` fused the same way."""
-        from ...vllm.digests import expected_digests
+        from ...vllm.trainer.digests import expected_digests
 
         return await self.weight_digests() == expected_digests(hf, await self.packed_modules(), tied=tied)
 
@@ -106,7 +106,7 @@ class WorkerQueries:
     async def rpc(self, method: str, *args: Any, **kwargs: str) -> list[Any]:
         """`collective_rpc(method, args, kwargs)` on every worker of the engine: one result per worker (keyword
         arguments as strings: what vLLM's HTTP route passes). A worker that answered with an error in place of
-        raising (`vllm.extension.answering`) fails the call here, naming it."""
+        raising (`vllm.answers.answering`) fails the call here, naming it."""
         got = await self._rpc(method, *args, **kwargs)
         for i, x in enumerate(got if isinstance(got, list) else ()):
             if isinstance(x, dict) and WORKER_ERROR in x:

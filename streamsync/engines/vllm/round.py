@@ -14,8 +14,9 @@ from ...errors import EngineError, EngineUnreachable
 from ...log import get_logger
 from ...message import UpdateMessage, wire
 from ...owners import describe, superseded
-from ...vllm import compat, core_rpc
+from ...vllm import BACKEND, WORKER_EXTENSION, compat
 from ...vllm.compat import VllmInfo
+from ...vllm.core import rpc as core_rpc
 from ..abilities import (
     CachesPrefixes,
     Checkpointed,
@@ -56,8 +57,7 @@ def _tokens_and_logprobs(completion: Any) -> tuple[list[int], list[float]]:
 
 def engine_kwargs(**extra: Any) -> dict[str, Any]:
     """Keyword arguments that make a vLLM engine receive through streamsync."""
-    return {"weight_transfer_config": {"backend": "streamsync"},
-            "worker_extension_cls": "streamsync.vllm.extension.StreamSyncWorkerExtension", **extra}
+    return {"weight_transfer_config": {"backend": BACKEND}, "worker_extension_cls": WORKER_EXTENSION, **extra}
 
 
 def shutdown(engine: Any, timeout: float | None = None) -> None:
@@ -90,7 +90,7 @@ class VllmClient(WorkerQueries, Engine, Locatable, Checkpointed, Family, Fused, 
 
     timeout: float
     #: the workers copy received tensors straight into the engine's tensors where they can
-    #: (`streamsync.vllm.fastpath`); False: every tensor goes through vLLM's layerwise reload
+    #: (`streamsync.vllm.worker.fastpath`); False: every tensor goes through vLLM's layerwise reload
     fast_path: bool = True
     #: the engine's vLLM is this process's (an in-process LLM / AsyncLLM): its version is read here
     in_process: bool = False
@@ -191,7 +191,7 @@ class VllmClient(WorkerQueries, Engine, Locatable, Checkpointed, Family, Fused, 
         if not native and version is not None and not push_version:
             await self._set_version(version)
         # vLLM's finish, called in the workers by streamsync's extension, which answers with what the round did
-        # there (`Finished.stats`), and in the same call (`streamsync.vllm.core_rpc`) vLLM's own version where it
+        # there (`Finished.stats`), and in the same call (`streamsync.vllm.core.rpc`) vLLM's own version where it
         # keeps one and, asked, the prefix-cache reset the push ends with
         reset = self._round.reset_asked and push_version
         done = await self._answered(await self.rpc("streamsync_finish_update", *self._asks(version, native, reset)),
@@ -372,6 +372,6 @@ class VllmClient(WorkerQueries, Engine, Locatable, Checkpointed, Family, Fused, 
         return {**init_info, "fast_path": self.fast_path}
 
     async def round_stats(self) -> list[dict[str, Any]] | None:
-        """What the last round did in each worker (`streamsync.vllm.stats`), or None before any."""
+        """What the last round did in each worker (`streamsync.vllm.worker.stats`), or None before any."""
         got = [x for x in await self.rpc("streamsync_round_stats") if isinstance(x, dict)]
         return got or None

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..plan.chunking import layer_index
+from ...plan.chunking import layer_index
 
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
                        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
@@ -30,7 +30,7 @@ def checkpoint_weights(model_dir: str | Path, dtype: torch.dtype, tied: bool = F
     check)."""
     from safetensors import safe_open
 
-    from ..pack import dtype_name
+    from ...pack import dtype_name
 
     folder = Path(model_dir)
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import psutil
 
-from ..errors import EngineError
+from ...errors import EngineError
+from ...vllm import BACKEND, MIDDLEWARE, WORKER_EXTENSION
 
 
 def free_port() -> int:
@@ -34,11 +35,11 @@ def serve_command(model: str | os.PathLike, *args: str) -> list[str]:
     """
     return [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model),
-            "--weight-transfer-config", json.dumps({"backend": "streamsync"}),
-            "--worker-extension-cls", "streamsync.vllm.extension.StreamSyncWorkerExtension",
+            "--weight-transfer-config", json.dumps({"backend": BACKEND}),
+            "--worker-extension-cls", WORKER_EXTENSION,
             # vLLM's --api-key guards only its OpenAI routes: this adds the key on the weight-transfer and control
-            # ones, and bounded waits for a paused engine (streamsync.vllm.middleware)
-            "--middleware", "streamsync.vllm.middleware.Serve", *args]
+            # ones, and bounded waits for a paused engine (streamsync.vllm.server.middleware)
+            "--middleware", MIDDLEWARE, *args]
 
 
 def serve_env() -> dict[str, str]:
@@ -109,7 +110,7 @@ class VllmServer:
     """`vllm serve MODEL` on 127.0.0.1 in its own process group; `stop()` ends it and its workers (EngineCore,
     Worker processes), also after the API server itself crashed and left them orphaned.
 
-    `api_key`: required on every route but the health/metrics probes (streamsync.vllm.auth.RequireApiKey, always
+    `api_key`: required on every route but the health/metrics probes (streamsync.vllm.server.auth.RequireApiKey, always
     installed). It is handed over in the environment (VLLM_API_KEY), not as `--api-key`: any local user can
     read a process's command line."""
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ...plan.chunking import layer_index
+from ....plan.chunking import layer_index
 from .trace import _TB, Mode, Target, Traced, Write, _contiguous_strides, _quant_method, module_mode
 
 

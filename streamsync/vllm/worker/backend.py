@@ -28,12 +28,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..checksum import tensor_digest
-from ..plan.chunking import layer_index
-from ..receiver import kernels
-from ..receiver.loaders import FunctionLoader
-from ..receiver.state import WeightReceiver
-from . import compat
+from ...checksum import tensor_digest
+from ...plan.chunking import layer_index
+from ...receiver import kernels
+from ...receiver.loaders import FunctionLoader
+from ...receiver.state import WeightReceiver
+from .. import compat
 from .checkpoint import engine_weights, mtp_layers
 from .draft import Draft
 from .fastpath import CapturedLoads, FastPath, FastRound, chunk_parts, relayout_reloaded_experts
@@ -109,9 +109,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
     @staticmethod
     def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
         """vLLM 0.25.x's trainer-side entry point on the backend class: push `iterator`'s (name, tensor) pairs
-        through streamsync (`streamsync.vllm.trainer.send_weights`: `trainer_args` is a BlockingWeightSync, or
+        through streamsync (`streamsync.vllm.trainer.native.send_weights`: `trainer_args` is a BlockingWeightSync, or
         {"sync": one} or {"engines": [...]})."""
-        from .trainer import send_weights
+        from ..trainer.native import send_weights
 
         send_weights(iterator, trainer_args)
 
@@ -370,7 +370,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         return rnd
 
     def _report(self, rnd: FastRound | None) -> dict[str, Any]:
-        """The round as plain data for the sender (`streamsync.vllm.stats`, `report.EngineRound`)."""
+        """The round as plain data for the sender (`streamsync.vllm.worker.stats`, `report.EngineRound`)."""
         fast, slow = self._counts["fast"][0], self._counts["layerwise"][0]
         return self.log.report(
             path="fast" if fast and not slow else "layerwise" if slow and not fast else "mixed" if fast else "none",

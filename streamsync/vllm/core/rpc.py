@@ -21,7 +21,7 @@ import functools
 import time
 from typing import Any
 
-from .answers import failed
+from ..answers import failed
 
 #: the argument of `streamsync_finish_update` that asks the engine core to reset the prefix cache after it
 RESET = "reset_prefix_cache"

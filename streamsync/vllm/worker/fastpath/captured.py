@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ...log import get_logger
+from ....log import get_logger
 from .plan import Plan, _Op
 from .round import FastRound
 from .trace import _TB
@@ -124,7 +124,7 @@ class CapturedLoads:
 
     def _capture(self, key: object, rnd: FastRound, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]],
                  sources: tuple[int, ...], run: bool = True) -> bool:
-        from ...receiver import kernels
+        from ....receiver import kernels
 
         if not self.capturable(fast):
             self._seen[key] = _Capture(rnd.plan, sources, None, failed=True)

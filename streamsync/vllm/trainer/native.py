@@ -29,10 +29,10 @@ from typing import Any, ClassVar
 
 import anyio
 
-from ..engines.base import Engine, EngineState
-from ..errors import EngineError, ValidationError
-from ..message import UpdateMessage, wire
-from . import BACKEND, register_trainer
+from ...engines.base import Engine, EngineState
+from ...errors import EngineError, ValidationError
+from ...message import UpdateMessage, wire
+from .. import BACKEND, register_trainer
 
 register_trainer()  # importing this module is enough in a trainer process that never loads vLLM's plugins
 
@@ -57,7 +57,7 @@ class ClientEngine(Engine):
         self.reader: Engine | None = None
         url = getattr(client, "base_url", None)
         if isinstance(url, str) and url.startswith(("http://", "https://")):
-            from ..engines.vllm import VllmHttpEngine
+            from ...engines.vllm import VllmHttpEngine
 
             self.reader = VllmHttpEngine(url, name=name, timeout=timeout, device=device, api_key=api_key)
 
@@ -148,7 +148,7 @@ if _BASES is not None:
 
         @classmethod
         def trainer_init(cls, init_info: Any, *, client: Any, source: Any = None) -> StreamSyncTrainerEngine:
-            from ..blocking import BlockingWeightSync
+            from ...blocking import BlockingWeightSync
 
             if source is None:
                 raise ValidationError("the streamsync trainer engine pushes a WeightSource each round: pass source=")
@@ -180,7 +180,7 @@ def send_weights(iterator: Iterable[tuple[str, Any]], trainer_args: Any) -> None
     """vLLM 0.25's `trainer_send_weights(iterator, trainer_args)` shape: push `iterator`'s (name, tensor) pairs.
     `trainer_args`: a `BlockingWeightSync` (kept between calls), or a mapping with "sync" (one) or "engines"
     (streamsync engine clients: a sync is made, used once and closed)."""
-    from ..blocking import BlockingWeightSync
+    from ...blocking import BlockingWeightSync
 
     pairs = list(iterator)
     if isinstance(trainer_args, BlockingWeightSync):

@@ -1,45 +1,17 @@
-"""vLLM engines living in Ray actors: how RL stacks that outgrow one machine place their rollout engines.
-
-Two halves, both thin, around the in-process engines of `streamsync.engines.vllm`:
-
-* `StreamsyncEngineMixin` for the user's actor class. The actor builds its `vllm.LLM` / `AsyncLLM` as usual
-  (with `engine_kwargs()`) and calls `self.streamsync_attach(llm)`; the mixin wraps it in a `VllmEngine` /
-  `AsyncVllmEngine` and serves that engine's calls to the sender through one async actor method. So the
-  four-phase protocol, the owner check, mixed-version marking and the engine-core liveness watch are the
-  in-process engines' own, run inside the actor.
-* `RayVllmEngine(actor_handle)` on the sender (the driver, or a trainer that is itself a Ray actor): an
-  `Engine` whose every call is `actor.streamsync_call.remote(...)` awaited under the sync's timeout. A dead
-  actor fails the call at once with an EngineError naming the engine ("engine actor died"), not at the
-  timeout: Ray fails the pending call when it learns of the death.
-* A plain vLLM actor works too, as vLLM's own Ray examples make it (`ray.remote(vllm.LLM).remote(model, ...,
-  **engine_kwargs())`): `RayVllmEngine` then drives the `LLM`'s own methods (`init_weight_transfer_engine`,
-  `start_weight_update`, `update_weights`, `finish_weight_update`, `collective_rpc`, `sleep`, `wake_up`,
-  `reset_prefix_cache`) through `VllmEngine`'s code, each call one `actor.<method>.remote(...)`; where it runs
-  is asked through Ray's `__ray_call__`. Only an `LLM` actor (an `AsyncLLM` needs an async actor of the user's).
-
-Placement picks the transport (`transport="auto"`): before the transport is chosen `locate()` asks the actor
-for its Ray node and GPUs. An actor on the sender's node (and, for GPU engines, its GPU) is reached through
-shared memory or CUDA IPC; any other through the collective transport (gloo on CPU, NCCL on GPU), whose
-rendezvous listens on the sender's node IP as Ray reports it. That group is streamsync's own (a TCPStore and
-process-group objects, never `init_process_group`), so neither Ray's nor vLLM's groups are touched.
-
-Ray is an optional dependency: `pip install streamsync[ray]`. Only asyncio event loops can await Ray's
-object refs (so not trio); `BlockingWeightSync` and async Ray actors run asyncio.
-"""
+"""The sender's half: `RayVllmEngine`, an `Engine` whose every call is a remote call to the actor, in the
+trainer's process (the driver, or a trainer that is itself a Ray actor)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..errors import EngineError, ValidationError
-from ..message import UpdateMessage, wire
-from .abilities import (
+from ...errors import EngineError, ValidationError
+from ...message import UpdateMessage, wire
+from ..abilities import (
     CachesPrefixes,
     Checkpointed,
     Family,
@@ -50,128 +22,13 @@ from .abilities import (
     Pausable,
     ReadsBack,
 )
-from .base import Declined, Engine, EngineState
+from ..base import Declined, Engine, EngineState
+from .actor import CALLS, _plain_placement, _ray, node_placement
 
 if TYPE_CHECKING:
     import torch
 
-#: the calls a sender may make on the actor's engine (nothing else is reachable through the mixin)
-CALLS = frozenset({
-    "locate", "init_transfer", "start_update", "update", "finish_update", "abort_update", "get_version", "state",
-    "expected_weights", "declined_layers", "architectures", "reset_cache", "pause", "resume", "weight_digests",
-    "packed_modules", "received_digests", "clear_kv_cache", "greedy", "rpc", "delta_base", "draft_digests",
-})
 PLACEMENTS = ("auto", "local", "remote")
-
-
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ImportError("streamsync's Ray engines need Ray: pip install streamsync[ray]") from None
-    return ray
-
-
-def node_placement() -> dict[str, Any]:
-    """Where the calling process runs, as Ray sees it: node id, node IP and the GPUs Ray gave it."""
-    ray = _ray()
-    ctx = ray.get_runtime_context()
-    try:
-        gpus = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
-    except Exception:  # the driver of a cluster without GPUs
-        gpus = []
-    return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "gpu_ids": gpus,
-            "pid": os.getpid()}
-
-
-class StreamsyncEngineMixin:
-    """Mix into a Ray actor class that holds a vLLM engine; call `streamsync_attach(llm)` once it is built.
-
-        @ray.remote
-        class Rollout(StreamsyncEngineMixin):
-            def __init__(self, model_dir):
-                self.llm = vllm.LLM(model=model_dir, **engine_kwargs())
-                self.streamsync_attach(self.llm)
-
-    The mixin's methods are coroutines, so Ray runs the actor as an async actor (one event loop, calls
-    interleave). An `LLM`'s blocking calls then run in the engine's own thread (`VllmEngine`), so a slow generate does
-    not hold the weight-sync calls back; generate through `self.streamsync_engine` (`greedy`) or keep the
-    actor's own blocking methods short. An `AsyncLLM` must be built in the actor (its loop is the actor's).
-    `timeout`: the in-actor engine's own limit per vLLM call.
-    """
-
-    streamsync_engine: Any = None
-    #: one id per actor incarnation: a restarted actor (Ray's max_restarts) reports a new one
-    streamsync_incarnation: str = ""
-
-    def streamsync_attach(self, llm: Any, *, timeout: float = 300.0) -> None:
-        from .vllm import AsyncVllmEngine, VllmEngine
-
-        if hasattr(llm, "pause_generation"):  # AsyncLLM (LLM has no pause_generation)
-            self.streamsync_engine = AsyncVllmEngine(llm, timeout=timeout)
-        else:
-            self.streamsync_engine = VllmEngine(llm, timeout=timeout)
-        self.streamsync_incarnation = uuid.uuid4().hex
-
-    async def streamsync_llm_call(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        """Run a call of the attached engine for the actor's own work (`self.llm.generate`, ...): an `LLM`'s
-        blocking call runs in the engine's own thread, one at a time with streamsync's calls (LLM is not
-        thread-safe), so the actor's event loop stays free to serve a push meanwhile; an `AsyncLLM`'s
-        coroutine function is awaited. Failures are EngineErrors; the engine's timeout applies."""
-        from .vllm import VllmEngine
-
-        engine = self._streamsync_engine()
-        what = getattr(fn, "__name__", "call")
-        if isinstance(engine, VllmEngine):  # its locked, timed worker-thread call
-            return await engine._call(what, fn, *args, **kw)
-        return await engine._run(what, fn, *args, **kw)
-
-    async def streamsync_placement(self) -> dict[str, Any]:
-        """Where this actor's engine runs, and how many vLLM workers it has (ranks in a collective group)."""
-        engine = self._streamsync_engine()
-        place = node_placement()
-        place.update(incarnation=self.streamsync_incarnation, workers=_workers(engine),
-                     device=engine.device)
-        return place
-
-    async def streamsync_call(self, method: str, args: Sequence[Any] = (), *, name: str = "engine",
-                              owner: str | None = None) -> Any:
-        """Run `method` of the attached engine. The sender's name and WeightSync owner travel with every call,
-        so errors raised here name the engine as the sender knows it and rounds carry the right owner."""
-        if method not in CALLS:
-            raise ValidationError(f"streamsync_call: {method!r} is not an engine call; known: {sorted(CALLS)}")
-        engine = self._streamsync_engine()
-        engine.name, engine.owner = name, owner
-        return await getattr(engine, method)(*args)
-
-    def _streamsync_engine(self) -> Any:
-        if self.streamsync_engine is None:
-            raise ValidationError(f"{type(self).__name__}: call self.streamsync_attach(llm) once the vLLM engine "
-                                  "is built")
-        return self.streamsync_engine
-
-
-def _workers(engine: Any) -> int:
-    """vLLM workers of the engine (TP x PP): each joins a collective group as its own rank."""
-    core = getattr(engine, "llm", None) or getattr(engine, "engine", None)
-    core = getattr(core, "llm_engine", core)
-    cfg = getattr(getattr(core, "vllm_config", None), "parallel_config", None)
-    return int(getattr(cfg, "world_size", 1) or 1)
-
-
-def _plain_placement(llm: Any) -> dict[str, Any]:
-    """Run in a plain `vllm.LLM` actor (`__ray_call__`): where it runs, its vLLM workers, its device."""
-    import torch
-
-    place = node_placement()
-    place.update(incarnation=f"{os.getpid()}-{id(llm):x}", workers=_workers_of(llm),
-                 device="cuda" if torch.cuda.is_available() else "cpu")
-    return place
-
-
-def _workers_of(llm: Any) -> int:
-    cfg = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "parallel_config", None)
-    return int(getattr(cfg, "world_size", 1) or 1)
 
 
 class _ActorLLM:
@@ -207,7 +64,7 @@ class _ActorLLM:
 
 def _plain_engine(actor: Any, name: str, timeout: float) -> Any:
     """`VllmEngine` over a plain `LLM` actor (not in this process: its vLLM version is the worker's)."""
-    from .vllm import VllmEngine
+    from ..vllm import VllmEngine
 
     class PlainActorEngine(VllmEngine):
         in_process = False
@@ -368,7 +225,7 @@ class RayVllmEngine(Engine, Locatable, Checkpointed, Family, KeepsDeltaBase, Pau
         return await self._call("packed_modules")
 
     async def holds(self, hf: Mapping[str, torch.Tensor], tied: bool = False) -> bool | None:
-        from ..vllm.digests import expected_digests
+        from ..vllm.trainer.digests import expected_digests
 
         return await self.weight_digests() == expected_digests(hf, await self.packed_modules(), tied=tied)
 

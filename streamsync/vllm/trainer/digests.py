@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from ..checksum import tensor_digest
+from ...checksum import tensor_digest
 
 _EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .quantizations import FP8_PER_TENSOR
+from ..quantizations import FP8_PER_TENSOR
 
 FP8_MAX = 448.0
 #: experts quantized per pass (fp32 temporaries of this many experts at a time)
@@ -69,7 +69,7 @@ def _kernel() -> Any:
 
 def _kernel_quantize(w: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> bool:
     """The CUDA path of `quantize_experts`; False where it cannot run (the torch passes then do it)."""
-    from ..receiver.kernels import triton_imports
+    from ...receiver.kernels import triton_imports
 
     if _broken or not w.is_cuda or not w.is_contiguous() or not out.is_contiguous() or not triton_imports():
         return False

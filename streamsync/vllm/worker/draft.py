@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ..plan.chunking import layer_index
-from . import compat
+from ...plan.chunking import layer_index
+from .. import compat
 from .checkpoint import MtpLayers, engine_weights
 from .fastpath import relayout_reloaded_experts
 from .reload import hold_kv_b

@@ -4,7 +4,7 @@
 (fused: `qkv_proj`, `gate_up_proj`). On CPU, vLLM moves Linear weights into packed oneDNN copies and
 empties the parameter, so those are read back by probing the layer with an identity matrix: x = I gives
 y = W^T exactly (each output element is one product 1*w, no rounding). The sender compares against its
-own weights fused the same way (`streamsync.vllm.digests.expected_digests`).
+own weights fused the same way (`streamsync.vllm.trainer.digests.expected_digests`).
 
 Importing this module also registers the backend, a second route into worker processes besides the
 entry point (extensions are imported before the worker is built).
@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from ..checksum import device_digest, tensor_digest
-from ..plan.shards import Box
-from . import compat, register
-from .answers import answering
+from ...checksum import device_digest, tensor_digest
+from ...plan.shards import Box
+from .. import compat, register
+from ..answers import answering
 from .checkpoint import MTP_DECLINED, MTP_SHARED, engine_weights, mtp_layers
 from .draft import draft_model
 
@@ -191,7 +191,7 @@ class StreamSyncWorkerExtension:
         return out
 
     def streamsync_round_stats(self) -> dict[str, Any] | None:
-        """What the last round did in this worker (`streamsync.vllm.stats`): the path its tensors took, its
+        """What the last round did in this worker (`streamsync.vllm.worker.stats`): the path its tensors took, its
         phases, its extra memory; None before the first round."""
         engine = _backend(self)
         last = engine.last_round if engine is not None else None

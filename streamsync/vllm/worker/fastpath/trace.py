@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...plan.chunking import layer_index
-from .. import compat, quantizations
+from ....plan.chunking import layer_index
+from ... import compat, quantizations
 
 _TB = torch._C.TensorBase
 

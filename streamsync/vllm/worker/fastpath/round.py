@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ...receiver.base_copy import aliased
-from ..quantizations import FP8_PER_TENSOR
+from ....receiver.base_copy import aliased
+from ...quantizations import FP8_PER_TENSOR
 from .plan import Plan, _Op
 from .trace import _TB, Slots, Weights, _expert_layout, _place, _tensors
 

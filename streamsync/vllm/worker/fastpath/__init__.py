@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 
-from ...log import get_logger
-from ...pack import dtype_from_name
-from ...plan.shards import Box
+from ....log import get_logger
+from ....pack import dtype_from_name
+from ....plan.shards import Box
 from .captured import CapturedLoads, chunk_parts
 from .plan import Plan, build_plan
 from .round import FastRound

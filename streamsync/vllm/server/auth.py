@@ -7,7 +7,7 @@ streamsync drives (VLLM_SERVER_DEV_MODE=1: /init_weight_transfer_engine, /start_
 engine or run worker methods. `RequireApiKey` asks for the same key on every path except the health and
 metrics probes (deny by default, so a route vLLM adds later is covered too). Install it with
 
-    vllm serve ... --api-key KEY --middleware streamsync.vllm.auth.RequireApiKey
+    vllm serve ... --api-key KEY --middleware streamsync.vllm.server.auth.RequireApiKey
 
 (`VllmServer` always adds it). Without a key configured it lets everything through, as vLLM does.
 """
