@@ -71,7 +71,8 @@ class EngineRound:
     fast_tensors, layerwise_tensors, fast_bytes, layerwise_bytes: what went which way (a fused tensor counts once)
     rebuilt_modules: modules whose kernels were derived again from their new tensors (`process_weights_after_loading`)
     direct_modules: of those, quantized by streamsync's kernels, not vLLM's processing (fp8 engines: the same
-                    arithmetic, `vllm.worker.fastpath.round.Direct`, `vllm.worker.quant`)
+                    arithmetic, `vllm.worker.fastpath.direct.Direct`, `vllm.worker.quant`)
+    sourced_modules: of those, quantized from the pushed tensors where they lie, with no bf16 copy of the weight
     traced:         where each tensor goes was traced in this round (the engine's layout changed, or its first)
     phase_ms:       milliseconds per phase in the worker (`vllm.worker.stats`: map, arm, load, process, finish;
                     `call`: the calls that opened and ended the round, whole, around the others)
@@ -105,6 +106,7 @@ class EngineRound:
     direct_modules: int = 0
     draft_tensors: int = 0
     in_place_tensors: int = 0
+    sourced_modules: int = 0
 
     @classmethod
     def from_wire(cls, engine: str, d: Mapping[str, Any]) -> EngineRound:
@@ -133,7 +135,7 @@ class EngineRound:
                    num("layerwise_bytes"), num("rebuilt_modules"), bool(d.get("traced")), ms,
                    extra if isinstance(extra, int) and not isinstance(extra, bool) else None,
                    str(d.get("memory") or ""), tuple(phases), num("replayed_chunks"), num("replayed_tensors"),
-                   num("direct_modules"), num("draft_tensors"), num("in_place_tensors"))
+                   num("direct_modules"), num("draft_tensors"), num("in_place_tensors"), num("sourced_modules"))
 
     def to_dict(self) -> dict[str, Any]:
         # shallow (every field but `phase_ms` is immutable): `asdict` deep-copies the phases only to drop them

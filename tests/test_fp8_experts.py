@@ -45,3 +45,43 @@ def test_mismatched_shapes_are_refused_before_anything_is_written():
         quantize_experts(w, out, torch.zeros(2))
     with pytest.raises(ValueError, match="fp8 experts"):
         quantize_experts(w, torch.zeros(2, 4, 8, dtype=F8), torch.zeros(1))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_weights_quantized_from_their_pieces_equal_each_weight_quantized_whole(device):
+    """`quantize_sourced`: a merged q/k/v weight whose pieces are views of a pushed chunk (one a blocked view of an
+    interleaved tensor, as megatron's QKV arrives), a gate/up weight, an all-zero weight and one with a NaN, each
+    quantized straight into its rows of a live fp8 weight, equal to vLLM's arithmetic on the whole weight. On
+    CUDA the Triton kernels run (two launches for all of them)."""
+    from streamsync.vllm.worker import quant
+
+    torch.manual_seed(1)
+    cols, groups = 64, 4
+    # megatron's interleaved QKV of `groups` KV groups: per group 2 Q rows, 1 K row, 1 V row (times 8)
+    inter = (torch.randn(groups, 4 * 8, cols) * 0.05).to(torch.bfloat16).to(device)
+    q_src, k_src, v_src = inter[:, :16], inter[:, 16:24], inter[:, 24:]  # (groups, rows, cols) views
+    gate = (torch.randn(48, cols) * 3.0).to(torch.bfloat16).to(device)
+    up = (torch.randn(48, cols) * 0.001).to(torch.bfloat16).to(device)
+    zero = torch.zeros(8, cols, dtype=torch.bfloat16, device=device)
+    nan = torch.randn(8, cols).to(torch.bfloat16).to(device)
+    nan[0, 3] = float("nan")
+    wholes = [torch.cat([q_src.reshape(-1, cols), k_src.reshape(-1, cols), v_src.reshape(-1, cols)]),
+              torch.cat([gate, up]), zero, nan]
+    lives = [torch.empty(w.shape, dtype=F8, device=device) for w in wholes]
+    scales = [torch.full((1,), -1.0, device=device) for _ in wholes]
+    qkv = lives[0]
+    pieces = [(q_src, qkv[:64].view(groups, 16, cols), 0), (k_src, qkv[64:96].view(groups, 8, cols), 0),
+              (v_src, qkv[96:].view(groups, 8, cols), 0), (gate, lives[1][:48], 1), (up, lives[1][48:], 1),
+              (zero, lives[2], 2), (nan, lives[3], 3)]
+    assert all(quant.sourceable(s, d) for s, d, _ in pieces) == (device == "cuda")
+    quant.quantize_sourced(pieces, scales)
+    if device == "cuda":
+        assert not quant._broken, quant._broken
+    for j, w in enumerate(wholes):
+        want_q, want_s = _one_expert(w.cpu())
+        if j == 3:  # vLLM's fmaxf passes the NaN over in the amax; the NaN itself becomes 448
+            want_q, want_s = _one_expert(torch.nan_to_num(w.cpu(), nan=0.0))
+            want_q.view(torch.uint8)[0, 3] = 0x7E
+        assert torch.equal(scales[j].cpu(), want_s), j
+        assert torch.equal(lives[j].cpu().view(torch.uint8), want_q.view(torch.uint8)), j

@@ -522,12 +522,14 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
         sync = WeightSync([engine], transport="auto", chunk_bytes=1 << 20)
         paths: list[Any] = []
         direct: list[list[int]] = []  # modules quantized by streamsync's kernels, per push
+        sourced: list[list[int]] = []  # of those, quantized from the pushed tensors where they lie
         for step in (21, 22):  # the second lands on layers already quantized by the first
             perturb(trainer, step)
             report = await sync.push(trainer)
             assert await engine.get_version() == report.version
             paths.append((report.engine_paths, [r.rebuilt_modules for r in report.engine_rounds]))
             direct.append([r.direct_modules for r in report.engine_rounds])
+            sourced.append([r.sourced_modules for r in report.engine_rounds])
         await sync.close()
         mcore = _megatron_trainer(model_dir)  # fused QKV and gate/up, split and requantized by the engine
         _perturb_all(mcore, 23)
@@ -537,6 +539,7 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
         assert await engine.get_version() == report.version
         paths.append((report.engine_paths, [r.rebuilt_modules for r in report.engine_rounds]))
         direct.append([r.direct_modules for r in report.engine_rounds])
+        sourced.append([r.sourced_modules for r in report.engine_rounds])
         ckpt = save_checkpoint(await _hf_export(mcore, model_dir), like=model_dir, out=tmp_path / f"fp8-{label}",
                                dtype=torch.bfloat16)
         loaded_llm = vllm.LLM(model=str(ckpt), **fp8, **engine_kwargs())
@@ -552,9 +555,11 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
         # per tensor: once its first push compared its own quantization with vLLM's processing, every quantized
         # module is quantized by streamsync's kernels (the dense layers' `Direct`; the experts from the first push
         # on); per block: by vLLM's own processing, every push
-        print(f"fp8 {label}: modules quantized by streamsync per push {direct}")
+        print(f"fp8 {label}: modules quantized by streamsync per push {direct}, from the pushed tensors {sourced}")
         if method == "fp8":
             assert all(n > 0 for d in direct[1:] for n in d), (direct, paths)
+            # linear layers whose pieces all came in one chunk: from the pushed tensors, megatron's blocked Q too
+            assert all(n > 0 for d in sourced[1:] for n in d), (sourced, direct)
     finally:
         if sync is not None:
             await sync.close()

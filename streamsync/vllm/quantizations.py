@@ -5,7 +5,7 @@ reload makes of pushed weights is what loading the same weights from disk makes 
 tests/test_vllm_gpu.py). Each table names the method as vLLM's `quantization=` knows it and the classes of its
 linear and fused-MoE layer methods. Everything that depends on the method reads it from here: `compat` refuses
 every other method, the fast path rebuilds these methods' modules (`fastpath.trace`), streamsync quantizes their
-linear layers in the engine where vLLM's own kernel agrees (`fastpath.round.Direct`) and their experts with its
+linear layers in the engine where vLLM's own kernel agrees (`fastpath.direct.Direct`) and their experts with its
 own kernel (`quant`).
 """
 

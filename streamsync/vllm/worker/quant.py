@@ -1,4 +1,5 @@
-"""vLLM's online fp8 of fused-MoE experts, made in a few batched tensor ops instead of a kernel call per expert.
+"""vLLM's online per-tensor fp8, made in a few batched launches: fused-MoE experts (a kernel call per expert in
+vLLM), and linear layers quantized from the pushed tensors where they lie (`quantize_sourced`).
 
 An engine started with `quantization="fp8"` on a bf16 checkpoint quantizes each expert's weights on their own
 (`Fp8PerTensorOnlineMoEMethod.process_weights_after_loading`: `ops.scaled_fp8_quant` once per expert and
@@ -19,13 +20,19 @@ On CUDA the amax is one reduction over all experts and the rest one Triton kerne
 an element in all, against about forty for torch's passes above, which are the fallback and the reference the
 GPU test holds the kernel to. The kernel's fp32 -> e4m3 conversion is the hardware's (round to nearest even):
 Triton's interpreter rounds otherwise, so it is not used off the GPU.
+
+`quantize_sourced` makes the same of weights that arrive in pieces (a merged q/k/v or gate/up weight from its HF
+tensors, each a view of the pushed chunk): one amax per weight over all of its pieces (max is exact, so this is
+the amax of the weight they make up), then every piece quantized straight into its rows of the live fp8 weight.
+No bf16 copy of the weight is made, and a chunk's weights take two kernel launches, not two per weight.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -131,3 +138,138 @@ def rebuild_fp8_experts(layer: torch.nn.Module, fresh: Mapping[str, torch.Tensor
         held, scale = getattr(desc, "scale", None), live[name]
         if isinstance(held, torch.Tensor) and held is not scale and scale is not None and held.shape == scale.shape:
             desc.scale = scale
+
+
+SEG = 1 << 20  # elements of a run one table row covers (a longer run takes several rows)
+_TILE = 16384  # elements a sourced-quantization program reads
+_TBLOCK = 1024
+
+
+@functools.cache
+def _sourced_kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    # Each table row: a run of `n` contiguous elements at `so` (source elements from `src`) and `do` (fp8
+    # elements from `dst`), belonging to weight `own`; programs (row, tile) cover it `TILE` elements at a time.
+    @triton.jit
+    def sourced_amax(src, table, amax, TILE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        start = tl.program_id(1).to(tl.int64) * TILE
+        so = tl.load(table + row * 4)
+        n = tl.load(table + row * 4 + 2)
+        own = tl.load(table + row * 4 + 3)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in tl.static_range(0, TILE, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK)
+            x = tl.abs(tl.load(src + so + offs, mask=offs < n, other=0.0).to(tl.float32))
+            acc = tl.maximum(acc, tl.where(x != x, 0.0, x))  # the kernel's fmaxf passes NaN over
+        tl.atomic_max(amax + own, tl.max(acc, axis=0))
+
+    @triton.jit
+    def sourced_quant(src, dst, table, inv, TILE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        start = tl.program_id(1).to(tl.int64) * TILE
+        so = tl.load(table + row * 4)
+        do = tl.load(table + row * 4 + 1)
+        n = tl.load(table + row * 4 + 2)
+        k = tl.load(inv + tl.load(table + row * 4 + 3))
+        for i in tl.static_range(0, TILE, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(src + so + offs, mask=m, other=0.0).to(tl.float32) * k
+            x = tl.where(x != x, 448.0, x)
+            x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+            tl.store(dst + do + offs, x.to(tl.float8e4nv), mask=m)
+
+    return sourced_amax, sourced_quant
+
+
+def _runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """src -> dst (same shape) as runs (src address, dst address, elements) contiguous on both sides; None where
+    either is not evenly spaced rows of contiguous elements."""
+    from ...receiver.kernels import rows_of
+
+    rs, rd = rows_of(src), rows_of(dst)
+    if rs is None or rd is None or src.shape != dst.shape:
+        return None
+    cols = math.gcd(rs[1], rd[1])
+    si, di = src.element_size(), dst.element_size()
+    out: list[tuple[int, int, int]] = []
+    for k in range(src.numel() // cols):
+        e = k * cols
+        out.append((src.data_ptr() + ((e // rs[1]) * rs[2] + e % rs[1]) * si,
+                    dst.data_ptr() + ((e // rd[1]) * rd[2] + e % rd[1]) * di, cols))
+    return out
+
+
+def sourceable(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether `quantize_sourced`'s kernel takes the piece src -> dst (else its caller copies it into a fresh weight
+    and quantizes that)."""
+    from ...receiver.kernels import rows_of
+
+    return (src.is_cuda and dst.device == src.device and dst.dtype == torch.float8_e4m3fn and src.numel() > 0
+            and src.dtype in (torch.bfloat16, torch.float16, torch.float32) and src.shape == dst.shape
+            and rows_of(src) is not None and rows_of(dst) is not None and not _broken)
+
+
+@torch.no_grad()
+def quantize_sourced(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor],
+                     kernel: bool = True) -> None:
+    """Quantize weights that arrive in pieces, as `ops.scaled_fp8_quant` makes each weight they make up: `pieces`
+    are (source view, fp8 destination view of the same shape, weight index); weight j's scale is the amax of
+    all its pieces / 448, written to `scales[j]` (one element). One source dtype. `kernel=False`: torch's passes
+    (the reference; also where the kernel cannot run)."""
+    if not pieces:
+        return
+    if kernel and _sourced_kernel(pieces, scales):
+        return
+    hi = torch.tensor(FP8_MAX, dtype=torch.float32, device=pieces[0][0].device)
+    amax = [torch.zeros((), dtype=torch.float32, device=hi.device) for _ in scales]
+    for src, _, j in pieces:  # a NaN is passed over, as the kernel's fmaxf does
+        amax[j] = torch.fmax(amax[j], src.abs().float().nan_to_num(nan=0.0, posinf=math.inf).amax())
+    for j, a in enumerate(amax):
+        scale = a / torch.full_like(a, FP8_MAX)
+        scales[j].view(()).copy_(scale)
+        amax[j] = torch.ones_like(scale) / scale
+    for src, dst, j in pieces:
+        x = src.float() * amax[j]
+        torch.fmin(x, hi, out=x)
+        torch.fmax(x, -hi, out=x)
+        dst.copy_(x)
+
+
+def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor]
+                    ) -> bool:
+    from ...receiver.kernels import triton_imports
+
+    src0, dst0, _ = pieces[0]
+    if _broken or not src0.is_cuda or not triton_imports() or any(s.dtype != src0.dtype for s, _, _ in pieces):
+        return False
+    si = src0.element_size()
+    sb, db = src0.data_ptr(), dst0.data_ptr()
+    rows: list[tuple[int, int, int, int]] = []
+    for src, dst, j in pieces:
+        runs = _runs(src, dst)
+        if runs is None or (src.data_ptr() - sb) % si:
+            return False
+        for s, d, n in runs:
+            so, do = (s - sb) // si, d - db
+            rows.extend((so + k, do + k, min(SEG, n - k), j) for k in range(0, n, SEG))
+    device = src0.device
+    table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    amax = torch.zeros(len(scales), dtype=torch.float32, device=device)
+    grid = (len(rows), SEG // _TILE)
+    amax_k, quant_k = _sourced_kernels()
+    try:
+        with torch.cuda.device(device):
+            amax_k[grid](src0, table, amax, TILE=_TILE, BLOCK=_TBLOCK)
+            scale = amax / torch.full_like(amax, FP8_MAX)
+            inv = torch.ones_like(scale) / scale
+            quant_k[grid](src0, dst0, table, inv, TILE=_TILE, BLOCK=_TBLOCK)
+    except Exception as err:  # a Triton that cannot build it here: torch's passes
+        _broken.append(f"{type(err).__name__}: {err}")
+        logging.getLogger(__name__).warning("fp8 sourced kernel unavailable, using torch: %s", err)
+        return False
+    torch._foreach_copy_([s.view(1) for s in scales], list(scale.view(-1, 1).unbind(0)))
+    return True

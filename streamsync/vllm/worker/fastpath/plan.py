@@ -33,9 +33,9 @@ class _Rebuilt:
     layer: torch.nn.Module
     numel: int  # elements a complete load writes into it: every element of its loadable tensors
     #: name -> (shape, stride, dtype, device) of its load format's tensors, once a round found it processed
-    #: without vLLM's help (`round.Direct`): later rounds make them with `torch.empty_strided`, not vLLM's reload
+    #: without vLLM's help (`direct.Direct`): later rounds make them with `torch.empty_strided`, not vLLM's reload
     fresh: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]] | None = None
-    direct: Any = None  # `round.Direct`: learned from its first processing by vLLM
+    direct: Any = None  # `direct.Direct`: learned from its first processing by vLLM
     candidate: Any = None  # `round._Candidate`: that first processing's comparison, until a round settles it
     learned: bool = False  # that first processing was looked at
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ....receiver.base_copy import aliased
-from ...quantizations import FP8_PER_TENSOR
+from .direct import _fp8_linear, _layout, _learn, _same_layout, resolve
 from .plan import Plan, _Op
 from .trace import _TB, Slots, Weights, _expert_layout, _place, _tensors
 
@@ -23,33 +23,9 @@ class _Pending:
     params: Slots
     buffers: Slots
     filled: int = 0
-
-
-@dataclass(slots=True)
-class Direct:
-    """A linear layer under vLLM's online per-tensor fp8 (`Fp8PerTensorOnlineLinearMethod`) processed without
-    vLLM: its live fp8 weight is `ops.scaled_fp8_quant` of the loaded bf16 weight (as it is or transposed: `out`
-    is the live weight seen in the load's order), its live scale that one scale, and every other live tensor
-    what was loaded. Learned by comparing with vLLM's own processing of the module's first round (`_learn`,
-    settled at the next round's start: `resolve`); where processing makes anything else (another fp8 kernel's
-    repacking), the module keeps vLLM's processing. One quantization kernel pair and a scale copy instead of
-    vLLM's Python, its new tensors and their copies."""
-
-    out: torch.Tensor
-    scale: torch.Tensor
-    copies: tuple[tuple[str, torch.Tensor], ...]
-
-    def apply(self, fresh: Slots) -> None:
-        from vllm import _custom_ops as ops
-
-        w = fresh["weight"]
-        assert w is not None
-        _, s = ops.scaled_fp8_quant(w, None, output=self.out)
-        self.scale.copy_(s.reshape(()))
-        for name, live in self.copies:
-            src = fresh[name]
-            assert src is not None
-            live.copy_(src)
+    #: a `Direct` module quantized from the push's tensors where they lie (`quant.quantize_sourced`): its weight's
+    #: writes as (source view, view of the live fp8 weight); None: its weight is written into a fresh tensor
+    pieces: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def _in_place_views(plan: Plan) -> dict[str, torch.Tensor]:
@@ -71,8 +47,11 @@ class FastRound:
     plan: Plan
     rebuilt: int = 0  # modules processed this round
     direct: int = 0  # of those, quantized without vLLM's processing (`Direct`, fp8 experts)
+    sourced: int = 0  # of those, quantized from the pushed tensors where they lie (no fresh bf16 weight)
     pending: dict[int, _Pending] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
+    #: sourced modules complete in this `load`, quantized together before it returns (their sources are the chunk's)
+    ready: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         resolve(self.plan)  # what the last round's first processing by vLLM showed
@@ -130,60 +109,131 @@ class FastRound:
                 process(list(complete))
                 complete.clear()
         flush()
+        for i, pend in self.pending.items():  # written in part: the rest comes in a later chunk, after this one's
+            if pend.pieces is not None:  # sources are gone, so what came so far goes into a fresh weight
+                self._unsource(i, pend)
+        self.quantize_ready()
         return complete
+
+    def quantize_ready(self) -> None:
+        """Quantize the sourced modules completed so far, all at once, while their sources are still mapped."""
+        from ..quant import quantize_sourced
+
+        if not self.ready:
+            return
+        pieces: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        scales: list[torch.Tensor] = []
+        for j, i in enumerate(self.ready):
+            pend = self.pending.pop(i)
+            direct = self.plan.rebuilt[i].direct
+            assert pend.pieces is not None and direct is not None
+            pieces.extend((src, dst, j) for src, dst in pend.pieces)
+            scales.append(direct.scale)
+            direct.apply(pend.params, quantized=True)
+            self.done.add(i)
+        self.rebuilt += len(self.ready)
+        self.direct += len(self.ready)
+        self.sourced += len(self.ready)
+        self.ready.clear()
+        quantize_sourced(pieces, scales)
+
+    def _unsource(self, i: int, pend: _Pending) -> None:
+        """Module `i` leaves the sourced way: a fresh weight, and what arrived of it so far copied in."""
+        r = self.plan.rebuilt[i]
+        assert r.fresh is not None and r.direct is not None and pend.pieces is not None
+        shape, stride, dt, dev = r.fresh["weight"]
+        w = pend.params["weight"] = torch.empty_strided(shape, stride, dtype=dt, device=dev)
+        base = r.direct.out.storage_offset()
+        for src, dst in pend.pieces:
+            w.as_strided(dst.shape, dst.stride(), w.storage_offset() + dst.storage_offset() - base).copy_(
+                src, non_blocking=True)
+        pend.pieces = None
 
     def writes(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]], complete: list[int]
                ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, float]]:
         """Each copy as (destination view, source view, 0) and each constant fill as (destination, None, value),
-        REBUILD modules' fresh tensors made on first write; appends to `complete` the modules it completes.
+        REBUILD modules' fresh tensors made on first write; appends to `complete` the modules it completes. A
+        sourced module's weight writes are kept as its pieces instead (`_Pending.pieces`) and the module, once
+        complete, goes to `ready`.
 
         A source may come *blocked* (`pack.fits`: Q as a (groups, rows, hidden) view of megatron's interleaved
         QKV, the same row-major order as its HF shape): a whole write into a contiguous destination reads it as
         it is, so no reshaped copy of it is ever made; any other write reads a contiguous copy."""
+        from ..quant import sourceable
+
         for ops, src in fast:
             flat: torch.Tensor | None = src if src.is_contiguous() else None
             for op in ops:
                 w = op.write
                 if w.numel == 0:  # a loader's empty write (no padding rows on this rank): nothing to do
                     continue
-                dst = op.dst
-                if dst is None:
+                piece = False
+                if op.dst is not None:
+                    dst = op.dst
+                else:
                     pend = self._pending(op.module)
-                    t = pend.params.get(op.tensor)
-                    t = pend.buffers[op.tensor] if t is None else t
-                    assert t is not None  # a traced target: a tensor in the module's load format
+                    if pend.pieces is not None and op.tensor == "weight" and w.src_offset is None:
+                        self._unsource(op.module, pend)  # a constant fill of the weight: not a piece to quantize
+                    piece = pend.pieces is not None and op.tensor == "weight"
+                    t = self.plan.rebuilt[op.module].direct.out if piece else self._fresh(op.module, op.tensor)
                     dst = t.as_strided(w.size, w.stride, t.storage_offset() + w.offset)
-                    pend.filled += w.numel
-                    if pend.filled == self.plan.rebuilt[op.module].numel:
-                        complete.append(op.module)
                 if w.src_offset is None:
-                    yield dst, None, w.value
+                    pair: tuple[torch.Tensor, torch.Tensor | None] = (dst, None)
                 elif op.whole and src.numel() != w.numel:  # the source's first rows only (a TP rank's slice)
                     if flat is None:
                         flat = src.contiguous()
-                    yield dst, flat.view(-1)[:w.numel].view(w.size), 0.0
+                    pair = dst, flat.view(-1)[:w.numel].view(w.size)
                 elif op.whole and flat is not None:
-                    yield dst, flat.view(w.size), 0.0
+                    pair = dst, flat.view(w.size)
                 elif op.whole and dst.is_contiguous():
-                    yield dst.view(src.shape), src, 0.0
+                    pair = dst.view(src.shape), src
                 else:
                     if flat is None:
                         flat = src.contiguous()
-                    yield dst, flat.as_strided(w.size, w.src_stride, flat.storage_offset() + w.src_offset), 0.0
+                    pair = dst, flat.as_strided(w.size, w.src_stride, flat.storage_offset() + w.src_offset)
+                if piece:
+                    pend = self.pending[op.module]
+                    assert pend.pieces is not None and pair[1] is not None
+                    if sourceable(pair[1], pair[0]):
+                        pend.pieces.append((pair[1], pair[0]))
+                    else:  # a piece its kernel cannot read: the module takes the fresh weight's way
+                        self._unsource(op.module, pend)
+                        t = self._fresh(op.module, "weight")
+                        into = t.as_strided(w.size, w.stride, t.storage_offset() + w.offset)
+                        pair = (into.view(pair[1].shape) if into.shape != pair[1].shape else into), pair[1]
+                        piece = False
+                if op.dst is None:
+                    pend = self.pending[op.module]
+                    pend.filled += w.numel
+                    if pend.filled == self.plan.rebuilt[op.module].numel:
+                        (self.ready if pend.pieces is not None else complete).append(op.module)
+                if not piece:
+                    yield pair[0], pair[1], w.value
 
     def _pending(self, i: int) -> _Pending:
         pend = self.pending.get(i)
         if pend is None:
-            if i in self.done:
+            if i in self.done or i in self.ready:
                 raise RuntimeError(f"module {self.plan.rebuilt[i].name!r} was written twice in one round")
             r = self.plan.rebuilt[i]
             if r.fresh is not None:
-                pend = _Pending({n: torch.empty_strided(shape, stride, dtype=dt, device=dev)
-                                 for n, (shape, stride, dt, dev) in r.fresh.items()}, {})
+                # a sourced module's weight is quantized from its pieces: no fresh weight unless it leaves that way
+                sourced = r.direct is not None and _same_layout(r.direct.out, r.fresh.get("weight"))
+                pend = _Pending({n: None if sourced and n == "weight" else
+                                 torch.empty_strided(shape, stride, dtype=dt, device=dev)
+                                 for n, (shape, stride, dt, dev) in r.fresh.items()}, {},
+                                pieces=[] if sourced else None)
             else:
                 pend = _materialize(r.layer)
             self.pending[i] = pend
         return pend
+
+    def _fresh(self, i: int, name: str) -> torch.Tensor:
+        pend = self.pending[i]
+        t = pend.params.get(name)
+        t = pend.buffers[name] if t is None else t
+        assert t is not None  # a traced target: a tensor in the module's load format
+        return t
 
     @torch.no_grad()
     def process(self, modules: Sequence[int]) -> None:
@@ -223,7 +273,7 @@ class FastRound:
                 if update is not None:  # processing may have made new Parameters: vLLM reconciles their TP state
                     update()
                 if learn:
-                    r.candidate = _learn(layer, pend, kernel_params, kernel_buffers)
+                    r.candidate = _learn(layer, pend.params, pend.buffers, kernel_params, kernel_buffers)
                 live: dict[int, torch.Tensor] = {}  # a processed tensor's address -> the live tensor it lands in
                 for name, p in kernel_params.items():
                     if p is not None:
@@ -248,75 +298,6 @@ class FastRound:
         left = [self.plan.rebuilt[i].name for i in self.pending]
         self.pending.clear()
         return left
-
-
-def _fp8_linear(layer: torch.nn.Module) -> bool:
-    return type(getattr(layer, "quant_method", None)).__name__ == FP8_PER_TENSOR.linear
-
-
-def _layout(params: Slots) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]]:
-    return {n: (tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for n, t in params.items() if t is not None}
-
-
-@dataclass(slots=True)
-class _Candidate:
-    """What a module's first processing by vLLM suggests (`_learn`): each way its live weight may be the direct
-    quantization, with a flag on the device saying whether vLLM made exactly that. The flags are read together
-    at the next round's start (`resolve`), so the first round never waits for the device module by module."""
-
-    options: list[tuple[Direct, torch.Tensor]]
-    fresh: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]]
-
-
-def resolve(plan: Plan) -> None:
-    """Settle every module's `_Candidate` with one read of their flags: `Direct` where vLLM's processing made what
-    it makes, else vLLM's processing for good."""
-    waiting = [r for r in plan.rebuilt if r.candidate is not None]
-    if not waiting:
-        return
-    flags = iter(torch.stack([f for r in waiting for _, f in r.candidate.options]).tolist())
-    for r in waiting:
-        hits = [d for d, _ in r.candidate.options if next(flags)]
-        if hits:
-            r.direct, r.fresh = hits[0], r.candidate.fresh
-        r.candidate = None
-
-
-def _learn(layer: torch.nn.Module, pend: _Pending, kernel_params: Slots, kernel_buffers: Slots) -> _Candidate | None:
-    """The ways `Direct` may make what vLLM just made of a module (its new tensors are the layer's), each with its
-    flag computed on the device (`_Candidate`); None where its tensors rule `Direct` out."""
-    from vllm import _custom_ops as ops
-
-    w = pend.params.get("weight")
-    if (w is None or w.dim() != 2 or not w.is_cuda or any(b is not None for b in pend.buffers.values())
-            or any(b is not None for b in kernel_buffers.values())):
-        return None
-    q, s = ops.scaled_fp8_quant(w, None)
-    outs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live weight seen in the load's order, its flag)
-    scale: tuple[torch.Tensor, torch.Tensor] | None = None
-    copies: list[tuple[str, torch.Tensor]] = []
-    for name, live in kernel_params.items():
-        new = getattr(layer, name, None)
-        if live is None or new is None:
-            if live is not None or new is not None:
-                return None
-            continue
-        if name == "weight" and live.dtype == q.dtype and new.dim() == 2:
-            outs = [(view, seen.view(torch.uint8).eq(q.view(torch.uint8)).all())
-                    for seen, view in ((new, live), (new.t(), live.t()))
-                    if seen.shape == q.shape and view.shape == q.shape and view.is_contiguous()]
-            if not outs:
-                return None
-        elif name == "weight_scale" and live.dtype == s.dtype:
-            scale = (live, new.eq(s.reshape(())).all())
-        elif (fresh := pend.params.get(name)) is not None and new is fresh and live.shape == fresh.shape:
-            copies.append((name, live))
-        else:
-            return None
-    if not outs or scale is None:
-        return None
-    return _Candidate([(Direct(out, scale[0], tuple(copies)), ok & scale[1]) for out, ok in outs],
-                      _layout(pend.params))
 
 
 def _repoint(method: object, live: Mapping[int, torch.Tensor]) -> None:
