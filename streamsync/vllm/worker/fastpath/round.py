@@ -109,10 +109,10 @@ class FastRound:
                 process(list(complete))
                 complete.clear()
         flush()
+        self.quantize_ready()
         for i, pend in self.pending.items():  # written in part: the rest comes in a later chunk, after this one's
             if pend.pieces is not None:  # sources are gone, so what came so far goes into a fresh weight
                 self._unsource(i, pend)
-        self.quantize_ready()
         return complete
 
     def quantize_ready(self) -> None:
