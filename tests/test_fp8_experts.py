@@ -52,8 +52,9 @@ def test_mismatched_shapes_are_refused_before_anything_is_written():
 def test_weights_quantized_from_their_pieces_equal_each_weight_quantized_whole(device):
     """`quantize_sourced`: a merged q/k/v weight whose pieces are views of a pushed chunk (one a blocked view of an
     interleaved tensor, as megatron's QKV arrives), a gate/up weight, an all-zero weight and one with a NaN, each
-    quantized straight into its rows of a live fp8 weight, equal to vLLM's arithmetic on the whole weight. On
-    CUDA the Triton kernels run (two launches for all of them)."""
+    quantized straight into its rows of a live fp8 weight, equal to vLLM's arithmetic on the whole weight; then a
+    weight whose rows are not whole 16-byte runs, alone. On CUDA the Triton kernels run (two launches a call; 16
+    bytes an access for the first call, element by element for the second)."""
     from streamsync.vllm.worker import quant
 
     torch.manual_seed(1)
@@ -66,8 +67,9 @@ def test_weights_quantized_from_their_pieces_equal_each_weight_quantized_whole(d
     zero = torch.zeros(8, cols, dtype=torch.bfloat16, device=device)
     nan = torch.randn(8, cols).to(torch.bfloat16).to(device)
     nan[0, 3] = float("nan")
+    odd = torch.randn(6, 33).to(torch.bfloat16).to(device)
     wholes = [torch.cat([q_src.reshape(-1, cols), k_src.reshape(-1, cols), v_src.reshape(-1, cols)]),
-              torch.cat([gate, up]), zero, nan]
+              torch.cat([gate, up]), zero, nan, odd]
     lives = [torch.empty(w.shape, dtype=F8, device=device) for w in wholes]
     scales = [torch.full((1,), -1.0, device=device) for _ in wholes]
     qkv = lives[0]
@@ -75,7 +77,8 @@ def test_weights_quantized_from_their_pieces_equal_each_weight_quantized_whole(d
               (v_src, qkv[96:].view(groups, 8, cols), 0), (gate, lives[1][:48], 1), (up, lives[1][48:], 1),
               (zero, lives[2], 2), (nan, lives[3], 3)]
     assert all(quant.sourceable(s, d) for s, d, _ in pieces) == (device == "cuda")
-    quant.quantize_sourced(pieces, scales)
+    quant.quantize_sourced(pieces, scales[:4])
+    quant.quantize_sourced([(odd[1:], lives[4][1:], 0), (odd[:1], lives[4][:1], 0)], scales[4:])
     if device == "cuda":
         assert not quant._broken, quant._broken
     for j, w in enumerate(wholes):
