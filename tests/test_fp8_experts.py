@@ -53,8 +53,7 @@ def test_weights_quantized_from_their_pieces_equal_each_weight_quantized_whole(d
     """`quantize_sourced`: a merged q/k/v weight whose pieces are views of a pushed chunk (one a blocked view of an
     interleaved tensor, as megatron's QKV arrives), a gate/up weight, an all-zero weight and one with a NaN, each
     quantized straight into its rows of a live fp8 weight, equal to vLLM's arithmetic on the whole weight; then a
-    weight whose rows are not whole 16-byte runs, alone. On CUDA the Triton kernels run (two launches a call; 16
-    bytes an access for the first call, element by element for the second)."""
+    weight whose rows are not whole 16-byte runs, alone. On CUDA the Triton kernels run (two launches a call)."""
     from streamsync.vllm.worker import quant
 
     torch.manual_seed(1)

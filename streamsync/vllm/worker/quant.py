@@ -152,19 +152,13 @@ def _sourced_kernels() -> tuple[Any, Any]:
 
     # Each table row: a run of `n` contiguous elements at `so` (source elements from `src`) and `do` (fp8
     # elements from `dst`), belonging to weight `own`; programs (row, tile) cover it `TILE` elements at a time.
-    # ALIGNED: every run starts at a multiple of 16 bytes on both sides (SALIGN source elements) and is a multiple
-    # of 16 elements long, so loads and stores go 16 bytes at a time.
     @triton.jit
-    def sourced_amax(src, table, amax, TILE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
-                     SALIGN: tl.constexpr):
+    def sourced_amax(src, table, amax, TILE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         start = tl.program_id(1).to(tl.int64) * TILE
         so = tl.load(table + row * 4)
         n = tl.load(table + row * 4 + 2)
         own = tl.load(table + row * 4 + 3)
-        if ALIGNED:
-            so = tl.multiple_of(so, SALIGN)
-            n = tl.multiple_of(n, 16)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for i in tl.static_range(0, TILE, BLOCK):
             offs = start + i + tl.arange(0, BLOCK)
@@ -173,17 +167,12 @@ def _sourced_kernels() -> tuple[Any, Any]:
         tl.atomic_max(amax + own, tl.max(acc, axis=0))
 
     @triton.jit
-    def sourced_quant(src, dst, table, inv, TILE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
-                      SALIGN: tl.constexpr):
+    def sourced_quant(src, dst, table, inv, TILE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         start = tl.program_id(1).to(tl.int64) * TILE
         so = tl.load(table + row * 4)
         do = tl.load(table + row * 4 + 1)
         n = tl.load(table + row * 4 + 2)
-        if ALIGNED:
-            so = tl.multiple_of(so, SALIGN)
-            do = tl.multiple_of(do, 16)
-            n = tl.multiple_of(n, 16)
         k = tl.load(inv + tl.load(table + row * 4 + 3))
         for i in tl.static_range(0, TILE, BLOCK):
             offs = start + i + tl.arange(0, BLOCK)
@@ -260,13 +249,11 @@ def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], sc
     si = src0.element_size()
     sb, db = src0.data_ptr(), dst0.data_ptr()
     rows: list[tuple[int, int, int, int]] = []
-    aligned = sb % 16 == 0 and db % 16 == 0
     for src, dst, j in pieces:
         runs = _runs(src, dst)
         if runs is None or (src.data_ptr() - sb) % si:
             return False
         for s, d, n in runs:
-            aligned = aligned and (s - sb) % 16 == 0 and (d - db) % 16 == 0 and n % 16 == 0
             so, do = (s - sb) // si, d - db
             rows.extend((so + k, do + k, min(SEG, n - k), j) for k in range(0, n, SEG))
     device = src0.device
@@ -276,11 +263,10 @@ def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], sc
     amax_k, quant_k = _sourced_kernels()
     try:
         with torch.cuda.device(device):
-            amax_k[grid](src0, table, amax, TILE=_TILE, BLOCK=_TBLOCK, ALIGNED=aligned, SALIGN=16 // si)
+            amax_k[grid](src0, table, amax, TILE=_TILE, BLOCK=_TBLOCK)
             scale = amax / torch.full_like(amax, FP8_MAX)
             inv = torch.ones_like(scale) / scale
-            quant_k[grid](src0, dst0, table, inv, TILE=_TILE, BLOCK=_TBLOCK, ALIGNED=aligned,
-                          SALIGN=16 // si)
+            quant_k[grid](src0, dst0, table, inv, TILE=_TILE, BLOCK=_TBLOCK)
     except Exception as err:  # a Triton that cannot build it here: torch's passes
         _broken.append(f"{type(err).__name__}: {err}")
         logging.getLogger(__name__).warning("fp8 sourced kernel unavailable, using torch: %s", err)
