@@ -301,12 +301,12 @@ class BaseCopy:
 def aliased(tensors: Mapping[str, torch.Tensor]) -> set[str]:
     """Names whose tensor shares bytes with another's (tied weights): a delta decoded into one would change the
     other behind its digest, so neither is held in place."""
-    spans = sorted((t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size(),
-                    t.numel() * t.element_size(), t.device, name) for name, t in tensors.items() if t.numel())
+    spans = sorted((str(t.device), t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size(),
+                    t.numel() * t.element_size(), name) for name, t in tensors.items() if t.numel())
     out: set[str] = set()
     end: int = -1
-    last, dev = "", None
-    for start, n, device, name in spans:
+    last, dev = "", ""
+    for device, start, n, name in spans:  # by device, then address: one device's overlaps are neighbours
         if device == dev and start < end:
             out.update((name, last))
         if device != dev or start + n > end:
