@@ -36,7 +36,7 @@ from .plan.planner import Planner
 from .report import ChunkDone, PushReport
 from .rounds import EngineGroup, close_quietly, connect_error
 from .sources import Source, is_fsdp1
-from .transports.base import Transport
+from .transports.base import RanksAgree, Transport
 from .transports.placement import choose_transport
 from .upkeep import Upkeep
 from .versions import VersionBook, one_version
@@ -339,7 +339,7 @@ class WeightSync:
                 if not every_rank:
                     raise
                 bad_input = e
-            if every_rank:  # every rank goes ahead, or every rank raises (no rank left waiting for another)
+            if isinstance(self.transport, RanksAgree):  # every rank goes ahead, or every rank raises
                 await self.transport.before_push(self.timeout, bad_input)
             if every_rank or is_fsdp1(model) or not source.gathers_here:  # every trainer rank is in this push
                 v = await one_version(v, self.timeout)

@@ -679,3 +679,25 @@ async def test_an_engine_with_the_round_only_takes_pushes_and_is_refused_what_it
     assert (await engine.state()).version == 3
     await sync.close()
     await inner.close()
+
+
+def test_what_a_transport_does_beyond_its_chunks_is_a_type_it_names():
+    """Priming and the ranks' agreement are types asked for with isinstance, not methods every transport has: the
+    one-copy transports prime, p2p agrees across ranks (and only it runs on every rank), p2p's receiving half
+    abandons a failed round. A transport that says it runs on every rank without the agreement is refused when its
+    class is made, naming both."""
+    from streamsync.transports.base import Abandons, Primes, RanksAgree, Transport
+    from streamsync.transports.collective import CollectiveReceiver, CollectiveTransport
+    from streamsync.transports.cuda_ipc import CudaIpcTransport
+    from streamsync.transports.p2p import P2pReceiver, P2pTransport
+    from streamsync.transports.shm import ShmReceiver, ShmTransport
+
+    assert [issubclass(t, Primes) for t in (ShmTransport, CudaIpcTransport, CollectiveTransport, P2pTransport)] == [
+        True, True, False, False]
+    assert [(t.every_rank, issubclass(t, RanksAgree)) for t in (ShmTransport, CollectiveTransport, P2pTransport)] == [
+        (False, False), (False, False), (True, True)]
+    assert [issubclass(r, Abandons) for r in (ShmReceiver, CollectiveReceiver, P2pReceiver)] == [False, False, True]
+    assert not hasattr(Transport, "before_push") and not hasattr(Transport, "begin_prime")
+    with pytest.raises(TypeError, match=r"EveryRank: every_rank=True but the transport is not RanksAgree"):
+        class EveryRank(Transport):
+            every_rank = True

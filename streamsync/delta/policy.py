@@ -18,6 +18,7 @@ from ..engines.base import Engine
 from ..errors import PushError, ValidationError
 from ..log import get_logger
 from ..rounds import EngineGroup
+from ..transports.base import RanksAgree
 from .codec import refused
 from .push import DeltaPush
 
@@ -45,7 +46,8 @@ class DeltaPolicy:
         so and each engine's `delta_base` agrees). From here on the shadow is no base until this push succeeds.
         A sharded push decides on every trainer rank together: full where any rank's shadow says so."""
         assert self.sync.transport is not None
-        every = self.sync.transport.every_rank
+        agree = self.sync.transport if isinstance(self.sync.transport, RanksAgree) else None
+        every = agree is not None
         if not self.sync.delta_on or (not every and (not source.is_sender or not self.sync.engines)):
             return None
         sh = self.sync.shadow
@@ -57,10 +59,9 @@ class DeltaPolicy:
             if not every:
                 raise
             bad = e
-        if every:  # one decision for every rank: a rank that pushes in full makes every rank's push full
-            # (rank 0 may first spend up to the timeout asking the engines for their base)
-            views: list[Any] = await self.sync.transport.exchange((why, None if bad is None else str(bad)),
-                                                                  self.exchange_timeout())
+        if agree is not None:  # one decision for every rank: a rank that pushes in full makes every rank's push
+            # full (rank 0 may first spend up to the timeout asking the engines for their base)
+            views: list[Any] = await agree.exchange((why, None if bad is None else str(bad)), self.exchange_timeout())
             if bad is not None:
                 raise bad
             for r, (w, no) in enumerate(views):
@@ -126,14 +127,15 @@ class DeltaPolicy:
         the engines) failed otherwise, every rank fails; where only another rank did, the engines hold the
         version and rank 0 returns its report. (Waits for the slowest rank: one whose sends a failed round left
         unreceived ends after the group timeout.)"""
-        assert self.sync.transport is not None
+        agree = self.sync.transport
+        assert isinstance(agree, RanksAgree)  # a sharded push's transport
         refusal = isinstance(failed, PushError) and refused(failed)
         mine = None if failed is None else (refusal, f"{type(failed).__name__}: {failed}")
-        ends: list[Any] = await self.sync.transport.exchange(mine, self.exchange_timeout())
+        ends: list[Any] = await agree.exchange(mine, self.exchange_timeout())
         if any(e is not None and e[0] for e in ends):
             why = next(e[1] for e in ends if e is not None and e[0])
             err = failed if isinstance(failed, PushError) and refusal else PushError(why, stage="send")
-            await self.sync.transport.before_push(self.sync.timeout)  # every rank rebuilds a group the failure broke
+            await agree.before_push(self.sync.timeout)  # every rank rebuilds a group the failure broke
             return await self.full_after_refusal(attempt, plans, err)
         if failed is not None:
             raise failed

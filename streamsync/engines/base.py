@@ -154,7 +154,7 @@ class Engine(ABC):
     @abstractmethod
     async def get_version(self) -> int | None: ...
 
-    async def abort_update(self, version: int | None = None) -> None:  # noqa: B027 - optional hook
+    async def abort_update(self, version: int | None = None) -> None:  # noqa: B027 - a notification
         """A push of `version` failed or was cancelled after `start_update`: end the round without
         claiming `version`, so the engine can generate again (vLLM: finish the layerwise reload; layers
         nothing reached keep their old weights) and the next push can start. An engine that received any
@@ -165,5 +165,5 @@ class Engine(ABC):
         """The engine's version and whether a failed push left it holding mixed weights."""
         return EngineState(await self.get_version())
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def close(self) -> None:  # noqa: B027 - a notification
         """Drop connections. Does not stop the engine."""

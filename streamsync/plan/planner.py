@@ -25,7 +25,7 @@ from ..pipeline.stages import check_converted
 from ..report import GiB, MiB
 from ..sources import GatheredElsewhere, ModuleSource, Source, as_source, is_fsdp1
 from ..sources.sharded import ShardedSource
-from ..transports.base import Transport
+from ..transports.base import Primes, Transport
 from .check import Expected, check_family, check_plan, dtype_casts
 from .chunk import ChunkPlan
 from .chunking import split_layers
@@ -102,7 +102,8 @@ class Planner:
         that the first push finds the views the source keeps between pushes made and checked against the plan
         (`checked`: `pipeline.check_converted`'s record), and, with `prime`, send each chunk's references ahead
         to the engines that take them (`Transport.prime`). No byte moves."""
-        priming = prime and transport.begin_prime(source, engines)
+        primer = transport if prime and isinstance(transport, Primes) and transport.begin_prime(source, engines) \
+            else None
         primed, ok = 0, False
         t0 = time.perf_counter()
         try:
@@ -116,12 +117,12 @@ class Planner:
                     raise ValidationError(f"chunk {p.index} of the model (first tensor {p.names[0]!r}) cannot "
                                           f"be gathered and converted: {type(e).__name__}: {e}") from e
                 check_converted(checked, p, tensors)
-                if priming:
-                    primed += int(await transport.prime(p, tensors, engines, timeout) > 0)
+                if primer is not None:
+                    primed += int(await primer.prime(p, tensors, engines, timeout) > 0)
             ok = True
         finally:
-            if priming:
-                transport.end_prime(ok)
+            if primer is not None:
+                primer.end_prime(ok)
         if primed:
             get_logger().info("references sent ahead of the first push", chunks=primed, of=len(plans),
                               ms=round((time.perf_counter() - t0) * 1e3, 1))

@@ -28,7 +28,7 @@ from ..cache import BoundedCache
 from ..errors import ValidationError
 from ..log import get_logger
 from ..pack import Layout, TensorMeta
-from ..transports.base import Receiver, make_receiver
+from ..transports.base import Abandons, Receiver, make_receiver
 from . import kernels
 from .base_copy import BaseCopy, parse_delta
 from .loaders import FunctionLoader, Loader, Weights
@@ -187,7 +187,8 @@ class WeightReceiver:
                 t3 = time.perf_counter()
                 del buf
         except BaseException:
-            self.transport.abandon()  # this round is lost here: senders still sending to it fail at once
+            if isinstance(self.transport, Abandons):  # this round is lost here: senders still sending fail at once
+                self.transport.abandon()
             raise
         t4 = time.perf_counter()
         tm = self.stats.seconds
@@ -404,7 +405,8 @@ class WeightReceiver:
             self._check_owner(owner, "abort")
         if self.updating and self.transport is not None:
             self.transport.end_round()
-            if self.transport is self._round_transport:  # not one made since (vLLM aborts at the next start)
+            # not one made since (vLLM aborts at the next start)
+            if self.transport is self._round_transport and isinstance(self.transport, Abandons):
                 self.transport.abandon()
         if self.updating:
             self.base.end_round(finished=False)

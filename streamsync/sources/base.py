@@ -120,7 +120,7 @@ class Source(ABC):
         whole tensors it completes)."""
         return plans
 
-    def begin_push(self) -> None:  # noqa: B027 - optional hook
+    def begin_push(self) -> None:  # noqa: B027 - a notification
         """A push of this source's plan starts (a plan is reused across pushes): reset per-push counters."""
 
     @property

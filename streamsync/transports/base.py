@@ -7,7 +7,9 @@ engine worker). Both halves agree on plain-data messages only:
 
 Per push the sending half sees, in order: `begin_push` (the plans, the source, the engines), then per chunk
 `allocate` -> `pack` -> `handles` -> `send` -> `free`, then `end_push(ok)`. The send stage calls `handles` and
-`send` back to back, one chunk at a time, in plan order.
+`send` back to back, one chunk at a time, in plan order. Those notifications and `close` have empty defaults, so
+a transport is its abstract methods at least; what only some transports do is a type of its own, asked for with
+isinstance: `Primes` (references handed to the engines at connect) and `RanksAgree` (every trainer rank sends).
 
 Ownership: the sender allocates a chunk's buffer; a receiver may read it from `Receiver.open` until the
 context exits, and acknowledges by returning from its update call; the sender frees the buffer only after
@@ -70,7 +72,8 @@ class Transport(ABC):
     #: CUDA IPC), or "remote" (engines anywhere: a collective group)
     reaches: ClassVar[Literal["cpu", "cuda", "remote"]]
     #: every trainer rank runs this transport: `WeightSync.connect` and `push` call it on ranks without engines
-    #: too (sharded sending, where each rank sends its own shards); False: only ranks with engines do
+    #: too (sharded sending, where each rank sends its own shards); False: only ranks with engines do. True
+    #: exactly where the transport is `RanksAgree`
     every_rank: ClassVar[bool] = False
     #: an engine's fused layout (`Fused.fused_layout`) may rename the chunk's tensors in its messages; False
     #: where the transport's own per-engine layouts are what receivers assemble (sharded sending)
@@ -85,6 +88,13 @@ class Transport(ABC):
     #: a remote transport that can serve the engines elsewhere beside a local one serving the engines here
     #: (`MixedTransport`: its receivers take a chunk from it while the local ones map theirs)
     pairs_with_local: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.every_rank != issubclass(cls, RanksAgree):
+            raise TypeError(f"{cls.__name__}: every_rank={cls.every_rank} but the transport is "
+                            f"{'' if issubclass(cls, RanksAgree) else 'not '}RanksAgree (every rank's sends need "
+                            "the ranks' agreement, and only they do)")
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -105,16 +115,6 @@ class Transport(ABC):
         that plans what this rank sends of it. May be collective on `every_rank` transports."""
         return source
 
-    async def before_push(self, timeout: float, error: BaseException | None = None) -> None:  # noqa: B027
-        """`every_rank` transports, on every rank, before a push's pipeline: agree across ranks that the push
-        goes ahead (`error`: this rank cannot push; every rank then raises) and that the transport is intact
-        (rebuilding it together where not)."""
-
-    async def exchange(self, obj: object, timeout: float) -> list[object]:
-        """`every_rank` transports, on every rank at the same point: `obj` of every trainer rank, in rank order
-        (a sharded delta push's decisions). A single sender has only its own."""
-        return [obj]
-
     @property
     def ref_chunk_bytes(self) -> int | None:
         """Referenced bytes per chunk where tensors may go by reference (one copy: a referenced tensor costs the
@@ -126,21 +126,6 @@ class Transport(ABC):
         """A push of `plans` from `source` to `engines` starts: size pools, note which storages may go by
         reference (none with `by_reference=False`: every tensor packed, for a buffer another transport reads
         too). Called before the first `allocate`."""
-
-    def begin_prime(self, source: Source, engines: Sequence[Engine]) -> bool:
-        """`connect(model)` is about to hand over the model's chunks (`prime`): True where this transport sends
-        some chunks' references ahead of the first push (one copy, and an engine that takes them:
-        `Primable`); `end_prime` follows either way. Default: nothing is primed."""
-        return False
-
-    async def prime(self, plan: ChunkPlan, tensors: Sequence[torch.Tensor], engines: Sequence[Engine],
-                    timeout: float) -> int:
-        """Send chunk `plan`'s references (its converted `tensors` are the source's own views) ahead of its first
-        push, to the engines that take them; returns how many did. Nothing is loaded."""
-        return 0
-
-    def end_prime(self, ok: bool) -> None:  # noqa: B027 - optional hook
-        """The chunks were handed over (`ok`), or priming stopped half-way."""
 
     @abstractmethod
     def allocate(self, chunk: ChunkPlan, tensors: Sequence[torch.Tensor]) -> SendBuffer:
@@ -189,7 +174,7 @@ class Transport(ABC):
     def free(self, buf: SendBuffer) -> None:
         """Give the buffer back. Idempotent; safe on a failed push."""
 
-    def end_push(self, ok: bool) -> None:  # noqa: B027 - optional hook
+    def end_push(self, ok: bool) -> None:  # noqa: B027 - a notification
         """The push ended, every buffer freed; `ok`: every engine acknowledged every chunk."""
 
     @property
@@ -203,8 +188,45 @@ class Transport(ABC):
         packs), recorded in the push's trace (`Trace.counts`)."""
         return {}
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def close(self) -> None:  # noqa: B027 - a notification
         """Tear down process groups or pools."""
+
+
+class Primes(ABC):
+    """A transport that can hand a model's chunks' references to the engines at `connect(model)`, ahead of the
+    first push (one copy: the engines map the trainer's storages once)."""
+
+    @abstractmethod
+    def begin_prime(self, source: Source, engines: Sequence[Engine]) -> bool:
+        """`connect(model)` is about to hand over the model's chunks (`prime`): True where this transport sends
+        some chunks' references ahead of the first push (one copy, and an engine that takes them:
+        `Primable`); `end_prime` follows either way."""
+
+    @abstractmethod
+    async def prime(self, plan: ChunkPlan, tensors: Sequence[torch.Tensor], engines: Sequence[Engine],
+                    timeout: float) -> int:
+        """Send chunk `plan`'s references (its converted `tensors` are the source's own views) ahead of its first
+        push, to the engines that take them; returns how many did. Nothing is loaded."""
+
+    @abstractmethod
+    def end_prime(self, ok: bool) -> None:
+        """The chunks were handed over (`ok`), or priming stopped half-way."""
+
+
+class RanksAgree(ABC):
+    """A transport every trainer rank runs (`Transport.every_rank`: sharded sending): the ranks agree before each
+    push and exchange what each decided."""
+
+    @abstractmethod
+    async def before_push(self, timeout: float, error: BaseException | None = None) -> None:
+        """On every rank, before a push's pipeline: agree across ranks that the push goes ahead (`error`: this
+        rank cannot push; every rank then raises) and that the transport is intact (rebuilding it together where
+        not)."""
+
+    @abstractmethod
+    async def exchange(self, obj: object, timeout: float) -> list[object]:
+        """On every rank at the same point: `obj` of every trainer rank, in rank order (a sharded delta push's
+        decisions)."""
 
 
 class Receiver(ABC):
@@ -246,21 +268,26 @@ class Receiver(ABC):
             raise ValidationError(f"the {self.name} transport takes no tensors by reference")
         return []
 
-    def end_round(self) -> None:  # noqa: B027 - optional hook
+    def end_round(self) -> None:  # noqa: B027 - a notification
         """A round (start..finish, or a failed one) ended: drop per-round mappings."""
-
-    def abandon(self) -> None:  # noqa: B027 - optional hook
-        """A round failed (`WeightReceiver.abort`). A transport that other senders may still be sending to
-        (p2p: every trainer rank) closes, so their sends fail at once instead of at their timeout; the senders
-        make it anew before the next push."""
 
     def stats(self) -> dict[str, float]:
         """What this receiving half measured since it started (host seconds mapping trainer storages, ...),
         reported with the receiver's status."""
         return {}
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:  # noqa: B027 - a notification
         """Release transport resources (process groups)."""
+
+
+class Abandons(ABC):
+    """A receiving half that other senders may still be sending to when its round fails (p2p: every trainer
+    rank)."""
+
+    @abstractmethod
+    def abandon(self) -> None:
+        """A round failed (`WeightReceiver.abort`): close, so that those sends fail at once instead of at their
+        timeout; the senders make it anew before the next push."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from ...log import get_logger
 from ...message import ChunkHandle, Recipient, UpdateMessage
 from ...pack import ALIGN, Layout, batched, castable, coalesce, dtype_from_name, fits
 from ...plan.chunk import ChunkPlan
-from ..base import SendBuffer, Transport
+from ..base import Primes, SendBuffer, Transport
 from ..pool import BufferPool, PoolBuffer, captured
 from ..refs import Export, References, deliver, handles_with_refs, prime_chunk, storage_address
 from . import driver as cuda_driver
@@ -57,7 +57,7 @@ def _flat_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
 
 
-class CudaIpcTransport(Transport):
+class CudaIpcTransport(Transport, Primes):
     """device: where send buffers live (default: the current CUDA device when the first push starts; it
     should be the model's device). keep_pool: keep up to `max_inflight` buffers between pushes.
     graphs: replay a chunk's pack copies as one captured CUDA graph once the same chunk has been packed

@@ -13,7 +13,7 @@ from ...delta.codec import HEADER, Row, parse_header
 from ...errors import TransportError, ValidationError
 from ...pack import Layout, TensorSpec, dtype_from_name, plan_layout, unpack
 from ...plan.shards import Box
-from ..base import Receiver
+from ..base import Abandons, Receiver
 from ..collective.group import CLOSE_TIMEOUT, GroupInit, P2PHandle, dispose, join_group
 from ..cuda_ipc.driver import map_storage
 from .ipc import MSG_BYTES, colocated, decode_ref, gpu_of, publish_gpu, read_gpus
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ...receiver.base_copy import BaseCopy
 
 
-class P2pReceiver(Receiver):
+class P2pReceiver(Receiver, Abandons):
     """Joins the p2p group at construction as rank `rank_offset` + this worker's rank in its engine
     (`init_info["worker_rank"]`, else its rank in its engine's default torch.distributed group, as vLLM
     numbers its workers; 0 in an engine of one worker).

@@ -19,7 +19,7 @@ from ...message import ChunkHandle, Recipient, UpdateMessage
 from ...plan.chunk import ChunkPlan, layout_key
 from ...plan.shards import EngineLayout
 from ...sources.sharded import ShardedSource, gather_objects, trainer_rank_world
-from ..base import SendBuffer, Transport
+from ..base import RanksAgree, SendBuffer, Transport
 from ..collective.group import (
     BACKENDS,
     CLOSE_TIMEOUT,
@@ -50,7 +50,7 @@ def _broadcast_object(obj: object) -> Any:
     return box[0]
 
 
-class P2pTransport(Transport):
+class P2pTransport(Transport, RanksAgree):
     """Every trainer rank sends its own shards to the engine workers that hold them (package doc). Give it to
     `WeightSync` on every rank of the trainer's default group: the engines on rank 0, `engines=[]` elsewhere.
 

@@ -15,7 +15,7 @@ from ...log import get_logger
 from ...message import ChunkHandle, Recipient, UpdateMessage
 from ...pack import ALIGN, Layout
 from ...plan.chunk import ChunkPlan
-from ..base import SendBuffer, Transport
+from ..base import Primes, SendBuffer, Transport
 from ..pool import BufferPool
 from ..refs import Export, References, deliver, handles_with_refs, prime_chunk, storage_address
 from .segments import TORCH_SHM_LINK, Segment, create_segment, destroy_segment
@@ -57,7 +57,7 @@ class _Shared:
     ino: int
 
 
-class ShmTransport(Transport):
+class ShmTransport(Transport, Primes):
     """keep_pool: keep up to `max_inflight` segments between pushes (fast steady state); False frees them
     at the end of every push.
 
