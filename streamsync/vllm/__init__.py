@@ -1,9 +1,10 @@
 """streamsync inside vLLM, arranged by the process each part runs in: `worker/` (the `streamsync`
 weight-transfer backend, the fast path, the read-back extension), `core/` (the engine core), `server/` (`vllm
 serve`'s API server) and `trainer/` (vLLM's trainer-side API). Modules here are read in every process: the plugin
-below, the supported vLLM range (compat.py), the quantization tables (quantizations.py), worker calls that answer
-an error (answers.py) and refused calls logged in one line (refusals.py). streamsync's own engine clients, which
-drive a round from the trainer, are `streamsync.engines.vllm`.
+below, the paths vLLM is given for the worker extension and the server's middleware (extension.py,
+middleware.py), the supported vLLM range (compat.py), the quantization tables (quantizations.py), worker calls
+that answer an error (answers.py) and refused calls logged in one line (refusals.py). streamsync's own engine
+clients, which drive a round from the trainer, are `streamsync.engines.vllm`.
 
 `register()` is the `vllm.general_plugins` entry point: vLLM calls it in every process (frontend, engine
 core, each worker), so `weight_transfer_config={"backend": "streamsync"}` resolves everywhere. It only
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 BACKEND = "streamsync"
 #: vLLM's `worker_extension_cls` / `--worker-extension-cls` for streamsync's read-back calls
-WORKER_EXTENSION = "streamsync.vllm.worker.extension.StreamSyncWorkerExtension"
+WORKER_EXTENSION = "streamsync.vllm.extension.StreamSyncWorkerExtension"
 #: `vllm serve --middleware` for the API key on every route and bounded waits for a paused engine
-MIDDLEWARE = "streamsync.vllm.server.middleware.Serve"
+MIDDLEWARE = "streamsync.vllm.middleware.Serve"
 
 
 #: set by `streamsync serve` to its own pid: every vLLM process under it dies with its parent (`_die_with_parent`)

@@ -2,7 +2,7 @@
 repeated flag warns): the API key on every route (`auth.RequireApiKey`, outermost: nothing answers before it)
 around bounded waits for a paused engine (`paused.BoundPausedRequests`). Plain `vllm serve` takes it as
 
-    vllm serve ... --middleware streamsync.vllm.server.middleware.Serve
+    vllm serve ... --middleware streamsync.vllm.middleware.Serve
 """
 
 from __future__ import annotations
