@@ -2,9 +2,10 @@
 weight-transfer backend, the fast path, the read-back extension), `core/` (the engine core), `server/` (`vllm
 serve`'s API server) and `trainer/` (vLLM's trainer-side API). Modules here are read in every process: the plugin
 below, the paths vLLM is given for the worker extension and the server's middleware (extension.py,
-middleware.py), the supported vLLM range (compat.py), the quantization tables (quantizations.py), worker calls
-that answer an error (answers.py) and refused calls logged in one line (refusals.py). streamsync's own engine
-clients, which drive a round from the trainer, are `streamsync.engines.vllm`.
+middleware.py), the one way a vLLM class's method is wrapped (patches.py), the supported vLLM range
+(compat.py), the quantization tables (quantizations.py), worker calls that answer an error (answers.py) and
+refused calls logged in one line (refusals.py). streamsync's own engine clients, which drive a round from the
+trainer, are `streamsync.engines.vllm`.
 
 `register()` is the `vllm.general_plugins` entry point: vLLM calls it in every process (frontend, engine
 core, each worker), so `weight_transfer_config={"backend": "streamsync"}` resolves everywhere. It only

@@ -6,12 +6,13 @@ import asyncio
 import functools
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
 
 from ...errors import EngineError
+from ...vllm.patches import wrap_method
 from ..base import DISPATCHED
 from .round import _LIVENESS_S, VllmClient, _device, _tokens_and_logprobs
 
@@ -53,28 +54,20 @@ def _watch_sends(llm: Any) -> bool:
     client is freed). False where the client has none (the engine core in this process: a call is then
     dispatched once its thread starts it)."""
     client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    cls: Any = type(client)
-    send = getattr(cls, "_send_input", None)
-    if client is None or not callable(send):
+    if client is None:
         return False
-    if getattr(send, "__streamsync__", False):
-        return True
 
-    @functools.wraps(send)
-    def send_input(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = send(self, *args, **kwargs)
-        fire = getattr(_sending, "fire", None)
-        if fire is not None:
-            _sending.fire = None
-            fire()
-        return out
+    def make(send: Callable[..., Any]) -> Callable[..., Any]:
+        def send_input(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = send(self, *args, **kwargs)
+            fire = getattr(_sending, "fire", None)
+            if fire is not None:
+                _sending.fire = None
+                fire()
+            return out
+        return send_input
 
-    send_input.__streamsync__ = True  # type: ignore[attr-defined]
-    try:
-        cls._send_input = send_input
-    except (AttributeError, TypeError):  # a class that takes no attributes
-        return False
-    return True
+    return wrap_method(type(client), "_send_input", make)
 
 
 class _Caller:

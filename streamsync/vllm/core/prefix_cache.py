@@ -18,11 +18,12 @@ vLLM's method alone.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from ..patches import wrap_method
 
 ENV = "STREAMSYNC_FAST_PREFIX_RESET"
 
@@ -76,24 +77,18 @@ def install() -> bool:
         from vllm.v1.core.block_pool import BlockPool
     except ImportError:
         return False
-    orig = BlockPool.reset_prefix_cache
-    if getattr(orig, "__streamsync__", False):
-        return True
-    if not _shortens(orig):
-        return False
 
-    @functools.wraps(orig)
-    def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        blocks = self.blocks
-        hashed = hashed_blocks(self)  # taken before vLLM drops the map
-        if hashed is None:
-            return orig(self, *args, **kwargs)
-        self.blocks = HashedBlocks(blocks, hashed)
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            self.blocks = blocks
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+            blocks = self.blocks
+            hashed = hashed_blocks(self)  # taken before vLLM drops the map
+            if hashed is None:
+                return orig(self, *args, **kwargs)
+            self.blocks = HashedBlocks(blocks, hashed)
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                self.blocks = blocks
+        return reset_prefix_cache
 
-    reset_prefix_cache.__streamsync__ = True  # type: ignore[attr-defined]
-    BlockPool.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
-    return True
+    return wrap_method(BlockPool, "reset_prefix_cache", make, when=_shortens)

@@ -17,11 +17,12 @@ the arguments and their answers carry neither field: the client then makes those
 
 from __future__ import annotations
 
-import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..answers import failed
+from ..patches import wrap_method
 
 #: the argument of `streamsync_finish_update` that asks the engine core to reset the prefix cache after it
 RESET = "reset_prefix_cache"
@@ -38,36 +39,30 @@ def install() -> bool:
         from vllm.v1.engine.core import EngineCore
     except ImportError:
         return False
-    orig = getattr(EngineCore, "collective_rpc", None)
-    if orig is None:
-        return False
-    if getattr(orig, "__streamsync__", False):
-        return True
 
-    @functools.wraps(orig)
-    def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict[str, Any] | None = None) -> Any:
-        out = orig(self, method, timeout, args, kwargs)
-        if method not in ENDS or failed(out):  # a worker failed the round's end: nothing more is done for it
-            return out
-        args = tuple(args or ())
-        version = next((a[len(VERSION):] for a in args if isinstance(a, str) and a.startswith(VERSION)), None)
-        answers = [x for x in out if isinstance(x, dict)]
-        if version is not None and hasattr(self, "set_weight_version"):  # vLLM keeps it (0.32+): as its finish
-            self.set_weight_version(version)
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+            out = orig(self, method, timeout, args, kwargs)
+            if method not in ENDS or failed(out):  # a worker failed the round's end: nothing more is done for it
+                return out
+            args = tuple(args or ())
+            version = next((a[len(VERSION):] for a in args if isinstance(a, str) and a.startswith(VERSION)), None)
+            answers = [x for x in out if isinstance(x, dict)]
+            if version is not None and hasattr(self, "set_weight_version"):  # vLLM keeps it (0.32+): as its finish
+                self.set_weight_version(version)
+                for x in answers:
+                    x["weight_version"] = version
+            if RESET not in args:
+                return out
+            t0 = time.time()
+            done = bool(self.reset_prefix_cache())
+            span = ["cache_reset", None, t0, time.time()]
             for x in answers:
-                x["weight_version"] = version
-        if RESET not in args:
+                x["cache_reset"] = done
+            if answers:  # the engine's one reset, drawn once (with the first worker's phases)
+                answers[0].setdefault("phases", []).append(span)
             return out
-        t0 = time.time()
-        done = bool(self.reset_prefix_cache())
-        span = ["cache_reset", None, t0, time.time()]
-        for x in answers:
-            x["cache_reset"] = done
-        if answers:  # the engine's one reset, drawn once (with the first worker's phases)
-            answers[0].setdefault("phases", []).append(span)
-        return out
+        return collective_rpc
 
-    collective_rpc.__streamsync__ = True  # type: ignore[attr-defined]
-    EngineCore.collective_rpc = collective_rpc  # type: ignore[method-assign]
-    return True
+    return wrap_method(EngineCore, "collective_rpc", make)
