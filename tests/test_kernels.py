@@ -211,3 +211,20 @@ def test_the_fp8_expert_kernel_quantizes_as_torchs_reference_arithmetic():
     assert not quant._broken, quant._broken
     assert torch.equal(got_s, want_s)
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_paired_runs_walk_two_layouts_of_different_dtypes_in_step():
+    """`kernels.paired_runs`: Q of an interleaved bf16 QKV (a blocked view, a run per group) against its rows of a
+    contiguous fp8 weight; then rows of 33 elements at two strides. Addresses in bytes, each side its own size."""
+    inter = torch.zeros(4, 32, 64, dtype=torch.bfloat16)
+    out = torch.empty(64, 64, dtype=torch.float8_e4m3fn)
+    cols, starts = kernels.paired_runs(inter[:, :16], out.view(4, 16, 64))
+    got = list(starts)
+    assert cols == 16 * 64 and len(got) == 4
+    assert [(s - inter.data_ptr(), d - out.data_ptr()) for s, d in got] == [(g * 32 * 64 * 2, g * 16 * 64)
+                                                                           for g in range(4)]
+    a, b = torch.zeros(6, 33), torch.zeros(6, 40)[:, :33]
+    cols, starts = kernels.paired_runs(a, b)
+    assert cols == 33 and [(x - a.data_ptr(), y - b.data_ptr()) for x, y in starts] == [(r * 132, r * 160)
+                                                                                        for r in range(6)]
+    assert kernels.paired_runs(torch.zeros(4, 4).t(), torch.zeros(4, 4)) is None  # not rows of contiguous elements

@@ -98,27 +98,35 @@ def rows_of(t: torch.Tensor) -> tuple[int, int, int] | None:
     return rows, cols, stride
 
 
+def paired_runs(a: torch.Tensor, b: torch.Tensor) -> tuple[int, Iterator[tuple[int, int]]] | None:
+    """`a` and `b` (same shape, any dtypes) as runs of `cols` elements contiguous on both sides, in row-major
+    order: (cols, each run's first byte address in `a` and in `b`); None where either is not evenly spaced rows
+    of contiguous elements."""
+    ra, rb = rows_of(a), rows_of(b)
+    if ra is None or rb is None or a.shape != b.shape:
+        return None
+    cols = math.gcd(ra[1], rb[1])
+    ia, ib, pa, pb = a.element_size(), b.element_size(), a.data_ptr(), b.data_ptr()
+
+    def starts() -> Iterator[tuple[int, int]]:
+        for e in range(0, a.numel(), cols):  # the run's first element, in row-major order
+            yield (pa + ((e // ra[1]) * ra[2] + e % ra[1]) * ia, pb + ((e // rb[1]) * rb[2] + e % rb[1]) * ib)
+    return cols, starts()
+
+
 def runs(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[int, int, int]] | None:
     """The copy dst <- src (same shape and dtype) as byte runs [(dst address, src address, bytes)], each a
     multiple of `ALIGN` in address and length; None where the copy is not such runs."""
     if dst.dtype != src.dtype or dst.shape != src.shape or dst.numel() == 0:
         return None
-    rd, rs = rows_of(dst), rows_of(src)
-    if rd is None or rs is None:
+    paired = paired_runs(dst, src)
+    if paired is None or dst.numel() // paired[0] > MAX_RUNS:
         return None
-    cols = math.gcd(rd[1], rs[1])
-    n = dst.numel() // cols
-    if n > MAX_RUNS:
-        return None
-    item = dst.element_size()
-    length = cols * item
+    length = paired[0] * dst.element_size()
     if length % ALIGN:
         return None
     out: list[tuple[int, int, int]] = []
-    for k in range(n):
-        e = k * cols  # the run's first element, in row-major order
-        d = dst.data_ptr() + ((e // rd[1]) * rd[2] + e % rd[1]) * item
-        s = src.data_ptr() + ((e // rs[1]) * rs[2] + e % rs[1]) * item
+    for d, s in paired[1]:
         if d % ALIGN or s % ALIGN:
             return None
         if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:

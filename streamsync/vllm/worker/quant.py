@@ -188,19 +188,10 @@ def _sourced_kernels() -> tuple[Any, Any]:
 def _runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]] | None:
     """src -> dst (same shape) as runs (src address, dst address, elements) contiguous on both sides; None where
     either is not evenly spaced rows of contiguous elements."""
-    from ...receiver.kernels import rows_of
+    from ...receiver.kernels import paired_runs
 
-    rs, rd = rows_of(src), rows_of(dst)
-    if rs is None or rd is None or src.shape != dst.shape:
-        return None
-    cols = math.gcd(rs[1], rd[1])
-    si, di = src.element_size(), dst.element_size()
-    out: list[tuple[int, int, int]] = []
-    for k in range(src.numel() // cols):
-        e = k * cols
-        out.append((src.data_ptr() + ((e // rs[1]) * rs[2] + e % rs[1]) * si,
-                    dst.data_ptr() + ((e // rd[1]) * rd[2] + e % rd[1]) * di, cols))
-    return out
+    paired = paired_runs(src, dst)
+    return None if paired is None else [(s, d, paired[0]) for s, d in paired[1]]
 
 
 def sourceable(src: torch.Tensor, dst: torch.Tensor) -> bool:
