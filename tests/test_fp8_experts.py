@@ -87,3 +87,52 @@ def test_weights_quantized_from_their_pieces_equal_each_weight_quantized_whole(d
             want_q.view(torch.uint8)[0, 3] = 0x7E
         assert torch.equal(scales[j].cpu(), want_s), j
         assert torch.equal(lives[j].cpu().view(torch.uint8), want_q.view(torch.uint8)), j
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_experts_quantized_from_their_pieces_as_each_expert_arrives_equal_the_whole_layer_quantized(device):
+    """`fastpath.direct.Experts`: each write into a fused-MoE layer's experts falls in the expert it writes (one
+    that spans two is refused, so that layer takes the fresh tensors' way); the experts' gate, up and down pieces,
+    quantized expert by expert in two calls as their chunks complete them, equal `quantize_experts` of the whole
+    stacked layer."""
+    from streamsync.vllm.worker import quant
+    from streamsync.vllm.worker.fastpath.direct import Experts
+
+    torch.manual_seed(2)
+    e, inter, hidden = 4, 6, 16
+    gate = (torch.randn(e, inter, hidden) * 0.1).to(device).bfloat16()
+    up = torch.randn(e, inter, hidden).to(device).bfloat16()
+    down = (torch.randn(e, hidden, inter) * torch.logspace(-2, 1, e)[:, None, None]).to(device).bfloat16()
+    live = {"w13_weight": torch.empty(e, 2 * inter, hidden, dtype=F8, device=device),
+            "w13_weight_scale": torch.full((e,), -1.0, device=device),
+            "w2_weight": torch.empty(e, hidden, inter, dtype=F8, device=device),
+            "w2_weight_scale": torch.full((e,), -1.0, device=device)}
+    experts = Experts.of(torch.nn.Module(), live)
+    assert experts is not None
+    per = 2 * inter * hidden
+    assert experts.group("w13_weight", 2 * per + inter * hidden, (inter, hidden), (hidden, 1)) == 2  # expert 2's up
+    assert experts.group("w13_weight", per + inter * hidden, (2 * inter, hidden), (hidden, 1)) is None
+    assert experts.group_numel("w13_weight") == per and experts.group_numel("w2_weight") == hidden * inter
+    assert experts.scale_of("w2_weight", 3).data_ptr() == live["w2_weight_scale"][3:].data_ptr()
+    assert Experts.of(torch.nn.Module(), dict(live, w2_weight=live["w2_weight"].transpose(1, 2))) is None
+
+    w13, w2 = live["w13_weight"], live["w2_weight"]
+    pieces = [(gate[x], w13[x, :inter], x) for x in range(e)] + [(up[x], w13[x, inter:], x) for x in range(e)]
+    pieces += [(down[x], w2[x], e + x) for x in range(e)]
+    scales = [experts.scale_of("w13_weight", x) for x in range(e)] + [experts.scale_of("w2_weight", x)
+                                                                       for x in range(e)]
+    first = [p for p in pieces if p[2] in (0, 1, e)]  # the experts one chunk completed; the rest in the next
+    quant.quantize_sourced([(s, d, [0, 1, e].index(j)) for s, d, j in first], [scales[0], scales[1], scales[e]])
+    rest = [p for p in pieces if p[2] not in (0, 1, e)]
+    order = sorted({j for _, _, j in rest})
+    quant.quantize_sourced([(s, d, order.index(j)) for s, d, j in rest], [scales[j] for j in order])
+    if device == "cuda":
+        assert not quant._broken, quant._broken
+    want13, want2 = torch.empty(w13.shape, dtype=F8), torch.empty(w2.shape, dtype=F8)
+    s13, s2 = torch.empty(e), torch.empty(e)
+    quantize_experts(torch.cat([gate, up], dim=1).cpu(), want13, s13)
+    quantize_experts(down.cpu(), want2, s2)
+    assert torch.equal(w13.cpu().view(torch.uint8), want13.view(torch.uint8))
+    assert torch.equal(w2.cpu().view(torch.uint8), want2.view(torch.uint8))
+    assert torch.equal(live["w13_weight_scale"].cpu(), s13) and torch.equal(live["w2_weight_scale"].cpu(), s2)

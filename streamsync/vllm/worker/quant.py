@@ -124,18 +124,23 @@ def quantize_experts(w: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, k
 def rebuild_fp8_experts(layer: torch.nn.Module, fresh: Mapping[str, torch.Tensor | None],
                         live: Mapping[str, torch.Tensor | None]) -> None:
     """Quantize a fused-MoE layer's freshly loaded bf16 experts (`fresh`: its load format) into the fp8 experts and
-    scales its kernels read (`live`), and point its quant config's scales at those (a reload through vLLM's own
-    processing leaves it holding copies)."""
+    scales its kernels read (`live`), and point its quant config's scales at those."""
     experts = int(getattr(layer, "local_num_experts", 0) or 0)
     for proj in ("w13", "w2"):
         w, out, scales = fresh.get(f"{proj}_weight"), live.get(f"{proj}_weight"), live.get(f"{proj}_weight_scale")
         if w is None or out is None or scales is None or (experts and w.shape[0] != experts):
             raise ValueError(f"fp8 experts of {type(layer).__name__}: no {proj} weights or scales to rebuild")
         quantize_experts(w, out, scales)
+    point_config_at_scales(layer, live)
+
+
+def point_config_at_scales(layer: torch.nn.Module, live: Mapping[str, torch.Tensor | None]) -> None:
+    """Point a fused-MoE layer's quant config at its live expert scales (its kernels read them there; a reload
+    through vLLM's own processing leaves it holding copies)."""
     cfg: Any = getattr(getattr(layer, "quant_method", None), "moe_quant_config", None)
     for attr, name in (("_w1", "w13_weight_scale"), ("_w2", "w2_weight_scale")):
         desc: Any = getattr(cfg, attr, None)
-        held, scale = getattr(desc, "scale", None), live[name]
+        held, scale = getattr(desc, "scale", None), live.get(name)
         if isinstance(held, torch.Tensor) and held is not scale and scale is not None and held.shape == scale.shape:
             desc.scale = scale
 
@@ -152,13 +157,21 @@ def _sourced_kernels() -> tuple[Any, Any]:
 
     # Each table row: a run of `n` contiguous elements at `so` (source elements from `src`) and `do` (fp8
     # elements from `dst`), belonging to weight `own`; programs (row, tile) cover it `TILE` elements at a time.
+    # ALIGNED: every run starts at a multiple of 16 bytes on both sides (SALIGN source elements) and is a multiple
+    # of 16 elements long, so Triton may load and store 16 bytes an access instead of one element.
     @triton.jit
-    def sourced_amax(src, table, amax, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    def sourced_amax(src, table, amax, TILE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+                     SALIGN: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         start = tl.program_id(1).to(tl.int64) * TILE
-        so = tl.load(table + row * 4)
         n = tl.load(table + row * 4 + 2)
+        if start >= n:  # the grid is sized for the longest row
+            return
+        so = tl.load(table + row * 4)
         own = tl.load(table + row * 4 + 3)
+        if ALIGNED:
+            so = tl.multiple_of(so, SALIGN)
+            n = tl.multiple_of(n, 16)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for i in tl.static_range(0, TILE, BLOCK):
             offs = start + i + tl.arange(0, BLOCK)
@@ -167,12 +180,19 @@ def _sourced_kernels() -> tuple[Any, Any]:
         tl.atomic_max(amax + own, tl.max(acc, axis=0))
 
     @triton.jit
-    def sourced_quant(src, dst, table, inv, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    def sourced_quant(src, dst, table, inv, TILE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+                      SALIGN: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         start = tl.program_id(1).to(tl.int64) * TILE
+        n = tl.load(table + row * 4 + 2)
+        if start >= n:
+            return
         so = tl.load(table + row * 4)
         do = tl.load(table + row * 4 + 1)
-        n = tl.load(table + row * 4 + 2)
+        if ALIGNED:
+            so = tl.multiple_of(so, SALIGN)
+            do = tl.multiple_of(do, 16)
+            n = tl.multiple_of(n, 16)
         k = tl.load(inv + tl.load(table + row * 4 + 3))
         for i in tl.static_range(0, TILE, BLOCK):
             offs = start + i + tl.arange(0, BLOCK)
@@ -199,9 +219,16 @@ def sourceable(src: torch.Tensor, dst: torch.Tensor) -> bool:
     and quantizes that)."""
     from ...receiver.kernels import rows_of
 
-    return (src.is_cuda and dst.device == src.device and dst.dtype == torch.float8_e4m3fn and src.numel() > 0
+    return (src.is_cuda and dst.device == src.device and src.numel() > 0 and writable(dst)
             and src.dtype in (torch.bfloat16, torch.float16, torch.float32) and src.shape == dst.shape
-            and rows_of(src) is not None and rows_of(dst) is not None and not _broken)
+            and rows_of(src) is not None)
+
+
+def writable(dst: torch.Tensor) -> bool:
+    """Whether `quantize_sourced`'s kernel writes the fp8 view `dst` (evenly spaced rows of contiguous elements)."""
+    from ...receiver.kernels import rows_of
+
+    return dst.is_cuda and dst.dtype == torch.float8_e4m3fn and rows_of(dst) is not None and not _broken
 
 
 @torch.no_grad()
@@ -240,24 +267,29 @@ def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], sc
     si = src0.element_size()
     sb, db = src0.data_ptr(), dst0.data_ptr()
     rows: list[tuple[int, int, int, int]] = []
+    aligned = sb % 16 == 0 and db % 16 == 0
+    longest = 0
     for src, dst, j in pieces:
         runs = _runs(src, dst)
         if runs is None or (src.data_ptr() - sb) % si:
             return False
         for s, d, n in runs:
+            aligned = aligned and (s - sb) % 16 == 0 and (d - db) % 16 == 0 and n % 16 == 0
+            longest = max(longest, min(n, SEG))
             so, do = (s - sb) // si, d - db
             rows.extend((so + k, do + k, min(SEG, n - k), j) for k in range(0, n, SEG))
     device = src0.device
     table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
     amax = torch.zeros(len(scales), dtype=torch.float32, device=device)
-    grid = (len(rows), SEG // _TILE)
+    grid = (len(rows), -(-longest // _TILE))
     amax_k, quant_k = _sourced_kernels()
     try:
         with torch.cuda.device(device):
-            amax_k[grid](src0, table, amax, TILE=_TILE, BLOCK=_TBLOCK)
+            amax_k[grid](src0, table, amax, TILE=_TILE, BLOCK=_TBLOCK, ALIGNED=aligned, SALIGN=16 // si)
             scale = amax / torch.full_like(amax, FP8_MAX)
             inv = torch.ones_like(scale) / scale
-            quant_k[grid](src0, dst0, table, inv, TILE=_TILE, BLOCK=_TBLOCK)
+            quant_k[grid](src0, dst0, table, inv, TILE=_TILE, BLOCK=_TBLOCK, ALIGNED=aligned,
+                          SALIGN=16 // si)
     except Exception as err:  # a Triton that cannot build it here: torch's passes
         _broken.append(f"{type(err).__name__}: {err}")
         logging.getLogger(__name__).warning("fp8 sourced kernel unavailable, using torch: %s", err)

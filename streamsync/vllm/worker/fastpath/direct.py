@@ -1,9 +1,13 @@
-"""fp8 linear layers processed without vLLM (`Direct`): learned from vLLM's own processing of a module's first
-round (`_learn`, settled by `resolve`), then quantized by vLLM's kernel from a fresh weight, or by streamsync's from
-the pushed tensors where they lie (`quant.quantize_sourced`)."""
+"""fp8 modules processed without vLLM: linear layers (`Direct`), learned from vLLM's own processing of a module's
+first round (`_learn`, settled by `resolve`), and fused-MoE experts (`Experts`). Each is quantized from a fresh
+weight, or from the pushed tensors where they lie (`quant.quantize_sourced`): a module's quantized tensors are split
+into *groups*, the elements one scale covers (a linear layer's weight; one expert's w13 or w2), and a group is
+quantized once every one of its elements arrived."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +31,21 @@ class Direct:
     scale: torch.Tensor
     copies: tuple[tuple[str, torch.Tensor], ...]
 
+    @property
+    def outs(self) -> dict[str, torch.Tensor]:
+        """The live fp8 tensors a push quantizes into, by load-format name, each seen in the load's order."""
+        return {"weight": self.out}
+
+    def group(self, tensor: str, offset: int, size: Sequence[int], stride: Sequence[int]) -> int | None:
+        """The group a write into `tensor` falls in: one scale for the whole weight."""
+        return 0
+
+    def group_numel(self, tensor: str) -> int:
+        return self.out.numel()
+
+    def scale_of(self, tensor: str, group: int) -> torch.Tensor:
+        return self.scale
+
     def apply(self, fresh: Slots, quantized: bool = False) -> None:
         """Quantize the fresh weight into the live one (`quantized`: already done from its pieces) and copy the
         module's other tensors."""
@@ -41,6 +60,58 @@ class Direct:
             src = fresh[name]
             assert src is not None
             live.copy_(src)
+
+
+@dataclass(slots=True)
+class Experts:
+    """A fused-MoE layer under vLLM's online per-tensor fp8 on a Triton backend (`quant.fp8_experts_rebuildable`)
+    processed without vLLM: every expert's w13 and w2 quantized on its own, one scale each, as vLLM's processing
+    does expert by expert. `outs`: the live fp8 experts ([E, rows, cols], contiguous, the load format's shape);
+    `scales`: their live scales ([E]); `live`: the layer's kernel tensors."""
+
+    layer: torch.nn.Module
+    outs: dict[str, torch.Tensor]
+    scales: dict[str, torch.Tensor]
+    live: dict[str, torch.Tensor | None]
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module, live: dict[str, torch.Tensor | None]) -> Experts | None:
+        """The layer's experts as `Experts`, or None where a live tensor is not as this class reads it."""
+        outs: dict[str, torch.Tensor] = {}
+        scales: dict[str, torch.Tensor] = {}
+        for proj in ("w13", "w2"):
+            out, scale = live.get(f"{proj}_weight"), live.get(f"{proj}_weight_scale")
+            if (out is None or scale is None or out.dim() != 3 or not out.is_contiguous() or scale.dim() != 1
+                    or scale.numel() < out.shape[0] or not scale.is_contiguous()):
+                return None
+            outs[f"{proj}_weight"], scales[f"{proj}_weight"] = out, scale
+        return cls(layer, outs, scales, live)
+
+    def group(self, tensor: str, offset: int, size: Sequence[int], stride: Sequence[int]) -> int | None:
+        """The expert a write of `size`/`stride` at element `offset` of `tensor` falls in; None where it spans
+        experts (or has a negative stride)."""
+        per = self.outs[tensor].stride(0)
+        if any(s < 0 for s in stride):
+            return None
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) if math.prod(size) else offset
+        e = offset // per
+        return e if last < (e + 1) * per else None
+
+    def group_numel(self, tensor: str) -> int:
+        return self.outs[tensor].stride(0)
+
+    def scale_of(self, tensor: str, group: int) -> torch.Tensor:
+        return self.scales[tensor][group:group + 1]
+
+    def apply(self, fresh: Slots, quantized: bool = False) -> None:
+        """Quantize the fresh experts into the live ones (`quantized`: already done from their pieces), and point
+        the layer's quant config at the live scales."""
+        from ..quant import point_config_at_scales, rebuild_fp8_experts
+
+        if quantized:
+            point_config_at_scales(self.layer, self.live)
+        else:
+            rebuild_fp8_experts(self.layer, fresh, self.live)
 
 
 
@@ -80,7 +151,7 @@ def resolve(plan: Plan) -> None:
     for r in waiting:
         hits = [d for d, _ in r.candidate.options if next(flags)]
         if hits:
-            r.direct, r.fresh = hits[0], r.candidate.fresh
+            r.direct, r.fresh, r.sourceable = hits[0], r.candidate.fresh, None
         r.candidate = None
 
 

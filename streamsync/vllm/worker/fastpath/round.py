@@ -11,9 +11,21 @@ from typing import Any
 import torch
 
 from ....receiver.base_copy import aliased
-from .direct import _fp8_linear, _layout, _learn, _same_layout, resolve
+from .direct import Experts, _fp8_linear, _layout, _learn, _same_layout, resolve
 from .plan import Plan, _Op
 from .trace import _TB, Slots, Weights, _expert_layout, _place, _tensors
+
+
+@dataclass(slots=True)
+class _Piece:
+    """One write of a sourced module's quantized tensor: `src` (a view of the pushed chunk, or `owned`: a copy
+    of one that outlives its chunk) into `dst` (a view of the live fp8 tensor), in group `group` of `tensor`."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    tensor: str
+    group: int
+    owned: bool = False
 
 
 @dataclass
@@ -23,9 +35,11 @@ class _Pending:
     params: Slots
     buffers: Slots
     filled: int = 0
-    #: a `Direct` module quantized from the push's tensors where they lie (`quant.quantize_sourced`): its weight's
-    #: writes as (source view, view of the live fp8 weight); None: its weight is written into a fresh tensor
-    pieces: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: a module quantized from the push's tensors where they lie (`quant.quantize_sourced`): the writes of its
+    #: quantized tensors not yet quantized; None: those are written into fresh tensors
+    pieces: list[_Piece] | None = None
+    #: (tensor, group) -> elements of it arrived, for the groups not yet quantized
+    groups: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 def _in_place_views(plan: Plan) -> dict[str, torch.Tensor]:
@@ -50,11 +64,12 @@ class FastRound:
     sourced: int = 0  # of those, quantized from the pushed tensors where they lie (no fresh bf16 weight)
     pending: dict[int, _Pending] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
-    #: sourced modules complete in this `load`, quantized together before it returns (their sources are the chunk's)
+    #: sourced modules complete in this `load`, finished together before it returns (their sources are the chunk's)
     ready: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         resolve(self.plan)  # what the last round's first processing by vLLM showed
+        _sourcing(self.plan)
 
     def split(self, weights: Weights) -> tuple[list[tuple[tuple[_Op, ...], torch.Tensor]],
                                                list[tuple[str, torch.Tensor]]]:
@@ -110,26 +125,40 @@ class FastRound:
                 complete.clear()
         flush()
         self.quantize_ready()
-        for i, pend in self.pending.items():  # written in part: the rest comes in a later chunk, after this one's
-            if pend.pieces is not None:  # sources are gone, so what came so far goes into a fresh weight
-                self._unsource(i, pend)
         return complete
 
     def quantize_ready(self) -> None:
-        """Quantize the sourced modules completed so far, all at once, while their sources are still mapped."""
+        """Quantize every group of the sourced modules complete so far, all at once, while their sources are still
+        mapped; finish the modules completed. The pieces of a group still missing some elements are copied out of
+        the chunk (its buffer is reused once `load` returns) and wait for the rest."""
         from ..quant import quantize_sourced
 
-        if not self.ready:
-            return
         pieces: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         scales: list[torch.Tensor] = []
-        for j, i in enumerate(self.ready):
+        index: dict[int, int] = {}  # a scale's address -> its place in `scales`
+        for i, pend in list(self.pending.items()):
+            if pend.pieces is None:
+                continue
+            r = self.plan.rebuilt[i]
+            owner = r.direct
+            full = {key for key, n in pend.groups.items() if n == owner.group_numel(key[0])}
+            waiting: list[_Piece] = []
+            for p in pend.pieces:
+                if (p.tensor, p.group) in full:
+                    scale = owner.scale_of(p.tensor, p.group)
+                    j = index.setdefault(scale.data_ptr(), len(scales))
+                    if j == len(scales):
+                        scales.append(scale)
+                    pieces.append((p.src, p.dst, j))
+                else:
+                    waiting.append(p if p.owned else _Piece(p.src.clone(), p.dst, p.tensor, p.group, True))
+            pend.pieces = waiting
+            for key in full:
+                del pend.groups[key]
+        for i in self.ready:
             pend = self.pending.pop(i)
-            direct = self.plan.rebuilt[i].direct
-            assert pend.pieces is not None and direct is not None
-            pieces.extend((src, dst, j) for src, dst in pend.pieces)
-            scales.append(direct.scale)
-            direct.apply(pend.params, quantized=True)
+            assert not pend.pieces and not pend.groups
+            self.plan.rebuilt[i].direct.apply(pend.params, quantized=True)
             self.done.add(i)
         self.rebuilt += len(self.ready)
         self.direct += len(self.ready)
@@ -137,24 +166,14 @@ class FastRound:
         self.ready.clear()
         quantize_sourced(pieces, scales)
 
-    def _unsource(self, i: int, pend: _Pending) -> None:
-        """Module `i` leaves the sourced way: a fresh weight, and what arrived of it so far copied in."""
-        r = self.plan.rebuilt[i]
-        assert r.fresh is not None and r.direct is not None and pend.pieces is not None
-        shape, stride, dt, dev = r.fresh["weight"]
-        w = pend.params["weight"] = torch.empty_strided(shape, stride, dtype=dt, device=dev)
-        base = r.direct.out.storage_offset()
-        for src, dst in pend.pieces:
-            w.as_strided(dst.shape, dst.stride(), w.storage_offset() + dst.storage_offset() - base).copy_(
-                src, non_blocking=True)
-        pend.pieces = None
-
     def writes(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]], complete: list[int]
                ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, float]]:
         """Each copy as (destination view, source view, 0) and each constant fill as (destination, None, value),
         REBUILD modules' fresh tensors made on first write; appends to `complete` the modules it completes. A
         sourced module's weight writes are kept as its pieces instead (`_Pending.pieces`) and the module, once
         complete, goes to `ready`.
+
+        A piece its kernel cannot read (`quant.sourceable`) is read from a contiguous copy of it.
 
         A source may come *blocked* (`pack.fits`: Q as a (groups, rows, hidden) view of megatron's interleaved
         QKV, the same row-major order as its HF shape): a whole write into a contiguous destination reads it as
@@ -172,10 +191,9 @@ class FastRound:
                     dst = op.dst
                 else:
                     pend = self._pending(op.module)
-                    if pend.pieces is not None and op.tensor == "weight" and w.src_offset is None:
-                        self._unsource(op.module, pend)  # a constant fill of the weight: not a piece to quantize
-                    piece = pend.pieces is not None and op.tensor == "weight"
-                    t = self.plan.rebuilt[op.module].direct.out if piece else self._fresh(op.module, op.tensor)
+                    owner = self.plan.rebuilt[op.module].direct
+                    piece = pend.pieces is not None and op.tensor in owner.outs
+                    t = owner.outs[op.tensor] if piece else self._fresh(op.module, op.tensor)
                     dst = t.as_strided(w.size, w.stride, t.storage_offset() + w.offset)
                 if w.src_offset is None:
                     pair: tuple[torch.Tensor, torch.Tensor | None] = (dst, None)
@@ -193,15 +211,15 @@ class FastRound:
                     pair = dst, flat.as_strided(w.size, w.src_stride, flat.storage_offset() + w.src_offset)
                 if piece:
                     pend = self.pending[op.module]
-                    assert pend.pieces is not None and pair[1] is not None
-                    if sourceable(pair[1], pair[0]):
-                        pend.pieces.append((pair[1], pair[0]))
-                    else:  # a piece its kernel cannot read: the module takes the fresh weight's way
-                        self._unsource(op.module, pend)
-                        t = self._fresh(op.module, "weight")
-                        into = t.as_strided(w.size, w.stride, t.storage_offset() + w.offset)
-                        pair = (into.view(pair[1].shape) if into.shape != pair[1].shape else into), pair[1]
-                        piece = False
+                    into, part = pair
+                    assert pend.pieces is not None and part is not None
+                    owned = not sourceable(part, into)
+                    if owned:  # in the dtype the fresh tensor would hold it in, as that path would quantize it
+                        part = torch.empty(into.shape, dtype=self._fresh_dtype(op.module, op.tensor),
+                                           device=into.device).copy_(part, non_blocking=True)
+                    g = self.plan.rebuilt[op.module].direct.group(op.tensor, w.offset, w.size, w.stride)
+                    pend.pieces.append(_Piece(part, into, op.tensor, g, owned))
+                    pend.groups[(op.tensor, g)] = pend.groups.get((op.tensor, g), 0) + w.numel
                 if op.dst is None:
                     pend = self.pending[op.module]
                     pend.filled += w.numel
@@ -217,16 +235,20 @@ class FastRound:
                 raise RuntimeError(f"module {self.plan.rebuilt[i].name!r} was written twice in one round")
             r = self.plan.rebuilt[i]
             if r.fresh is not None:
-                # a sourced module's weight is quantized from its pieces: no fresh weight unless it leaves that way
-                sourced = r.direct is not None and _same_layout(r.direct.out, r.fresh.get("weight"))
-                pend = _Pending({n: None if sourced and n == "weight" else
-                                 torch.empty_strided(shape, stride, dtype=dt, device=dev)
+                # a sourced module's quantized tensors are quantized from their pieces: no fresh tensors for them
+                outs = r.direct.outs if r.direct is not None and r.sourceable else {}
+                pend = _Pending({n: None if n in outs else torch.empty_strided(shape, stride, dtype=dt, device=dev)
                                  for n, (shape, stride, dt, dev) in r.fresh.items()}, {},
-                                pieces=[] if sourced else None)
+                                pieces=[] if outs else None)
             else:
                 pend = _materialize(r.layer)
             self.pending[i] = pend
         return pend
+
+    def _fresh_dtype(self, i: int, name: str) -> torch.dtype:
+        fresh = self.plan.rebuilt[i].fresh
+        assert fresh is not None
+        return fresh[name][2]
 
     def _fresh(self, i: int, name: str) -> torch.Tensor:
         pend = self.pending[i]
@@ -239,7 +261,8 @@ class FastRound:
     def process(self, modules: Sequence[int]) -> None:
         """Process each completed REBUILD module with its own `process_weights_after_loading` and copy the result
         into the tensors its kernels hold (their addresses stay). A fused-MoE layer under vLLM's online fp8 is
-        quantized by `quant.rebuild_fp8_experts` (the same arithmetic over many experts at once) instead."""
+        quantized by `quant.rebuild_fp8_experts` (the same arithmetic over many experts at once) instead, and
+        from its next round on is an `Experts` module."""
         from ..quant import fp8_experts_rebuildable, rebuild_fp8_experts
 
         for i in modules:
@@ -257,6 +280,7 @@ class FastRound:
                 rebuild_fp8_experts(layer, pend.params, kernel_params)
                 if r.fresh is None and not any(b is not None for b in pend.buffers.values()):
                     r.fresh = _layout(pend.params)
+                    r.direct, r.sourceable = Experts.of(layer, kernel_params), None
                 self.done.add(i)
                 self.rebuilt += 1
                 self.direct += 1
@@ -294,7 +318,8 @@ class FastRound:
             self.rebuilt += 1
 
     def drop(self) -> list[str]:
-        """End the round: REBUILD modules not completely written keep their old weights; returns their names."""
+        """End the round: REBUILD modules not completely written keep their old weights (but the groups of a sourced
+        one quantized as they came); returns their names."""
         left = [self.plan.rebuilt[i].name for i in self.pending]
         self.pending.clear()
         return left
@@ -319,6 +344,36 @@ def _repoint(method: object, live: Mapping[int, torch.Tensor]) -> None:
             to = live.get(_TB.data_ptr(v)) if isinstance(v, torch.Tensor) else None
             if to is not None and to.shape == v.shape and to.dtype == v.dtype:  # type: ignore[union-attr]
                 object.__setattr__(desc, g.name, to)
+
+
+def _sourcing(plan: Plan) -> None:
+    """Settle `_Rebuilt.sourceable` for the modules processed without vLLM that have not been looked at: each
+    write of one of their quantized tensors must be a copy (not a constant fill) that falls in one group and that
+    the kernel can write (`quant.sourceable`'s destination half), into live tensors laid out as the fresh ones."""
+    from ..quant import writable
+
+    todo = {i: r for i, r in enumerate(plan.rebuilt) if r.direct is not None and r.sourceable is None}
+    if not todo:
+        return
+    ok = {i: r.fresh is not None and all(_same_layout(out, r.fresh.get(n)) for n, out in r.direct.outs.items())
+          for i, r in todo.items()}
+    for ops in plan.ops.values():
+        for op in ops:
+            if op.dst is not None or not ok.get(op.module):
+                continue
+            owner = plan.rebuilt[op.module].direct
+            out = owner.outs.get(op.tensor)
+            if out is None:
+                continue
+            w = op.write
+            if w.numel == 0:
+                continue
+            view = out.as_strided(w.size, w.stride, out.storage_offset() + w.offset)
+            if (w.src_offset is None or owner.group(op.tensor, w.offset, w.size, w.stride) is None
+                    or not writable(view)):
+                ok[op.module] = False
+    for i, r in todo.items():
+        r.sourceable = ok[i]
 
 
 def _materialize(layer: torch.nn.Module) -> _Pending:
