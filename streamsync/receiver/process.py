@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import torch
 
@@ -105,18 +106,21 @@ class ReceiverProcess:
                  name: str = "receiver", device: str = "cpu", module: str | None = None, gpu_delay_ms: float = 0.0,
                  tie: bool = False, host: str = "127.0.0.1", capture: bool = True, module_args: str | None = None
                  ) -> None:
-        cmd = [sys.executable, "-m", "streamsync.receiver.process", "--specs", str(specs_path),
-               "--delay", str(delay), "--threads", str(threads), "--device", device, "--host", host,
-               "--gpu-delay-ms", str(gpu_delay_ms)] + (["--module", module] if module else []) \
+        args = ["--specs", str(specs_path), "--delay", str(delay), "--threads", str(threads), "--device", device,
+                "--host", host, "--gpu-delay-ms", str(gpu_delay_ms)] + (["--module", module] if module else []) \
             + (["--module-args", module_args] if module_args else []) \
             + (["--tie"] if tie else []) + ([] if capture else ["--no-capture"])
         self.name = name
         self.device = device
         self.host = host
         self.secret = new_secret()
-        env = {**os.environ, SECRET_ENV: self.secret}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = self._start(args, {**os.environ, SECRET_ENV: self.secret})
         self.port = self._wait_port(start_timeout)
+
+    def _start(self, args: list[str], env: dict[str, str]) -> Any:
+        """The process running `main(args)` in `env`, its stdout a text pipe (`subprocess.Popen`'s interface)."""
+        return subprocess.Popen([sys.executable, "-m", "streamsync.receiver.process", *args],
+                                stdout=subprocess.PIPE, text=True, env=env)
 
     def _wait_port(self, timeout: float) -> int:
         result: list[str] = []

@@ -9,9 +9,9 @@
   `build_model` under the current `parallel_state`.
 * `launch(fn, world_size, ...)` runs `fn` in that many processes joined by gloo, with timeouts everywhere;
   `run_cases` is the worker the multi-process tests use (build, load, push, compare). The processes are forked
-  from a server process that imported torch and megatron-core once (`forkserver`), not each started anew: a
-  fresh interpreter spends about 5 s importing them, 20 s for a four-rank launch on two cores (spawned on a GPU
-  machine).
+  from a server process that imported torch and megatron-core once (`testing.forked`), not each started anew:
+  a fresh interpreter spends about 5 s importing them, 20 s for a four-rank launch on two cores (spawned on a
+  GPU machine).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 
 from ..errors import StreamSyncError
 from ..models.megatron import TinyModel, build_model, export_hf, export_hf_async, init_parallel, load_hf_weights
+from .forked import become
 
 # ------------------------------------------------------------------------------------------ processes
 
@@ -40,37 +41,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-#: what the fork server imports once, for every launched rank (megatron-core's and streamsync's trainer side)
-PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "streamsync.testing.megatron",
-           "streamsync.testing.sharded")
-
-
 def _context() -> Any:
-    """Processes forked from a server that imported `PRELOAD`; spawned where there is no fork server, or a GPU
-    (a process forked from one whose imports asked CUDA anything may not use it). Each is given the launching
-    process's environment and working directory (`_worker`), as a spawned one has them: the server keeps those
-    it started with."""
+    """Processes forked from the test helpers' fork server (`testing.forked`), or spawned where there is none.
+    Each is given the launching process's environment and working directory (`_worker`)."""
     import torch.multiprocessing as mp
 
-    try:
-        ctx = mp.get_context("forkserver")
-    except ValueError:  # a platform without it
-        return mp.get_context("spawn")
-    if torch.cuda.is_available():
-        return mp.get_context("spawn")
-    ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx
+    from .forked import context
+
+    return context() or mp.get_context("spawn")
 
 
 def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable[..., Any], args: tuple,
             results: Any, backend: str = "gloo", env: Mapping[str, str] | None = None, cwd: str | None = None
             ) -> None:
     warnings.filterwarnings("ignore")
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
-    if cwd is not None:
-        os.chdir(cwd)
+    become(env, cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import torch.distributed as dist
