@@ -36,7 +36,7 @@ from ...receiver.state import WeightReceiver
 from .. import compat
 from .checkpoint import engine_weights, mtp_layers
 from .draft import Draft
-from .fastpath import CapturedLoads, FastPath, FastRound, chunk_parts, relayout_reloaded_experts
+from .fastpath import CapturedLoads, FastPath, FastRound, chunk_parts, learn_ahead, relayout_reloaded_experts
 from .reload import RELOAD_LOGGER as RELOAD_LOGGER  # also named here, beside the backend that installs it
 from .reload import ExpectedReloadMisses as ExpectedReloadMisses
 from .reload import (
@@ -84,9 +84,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self._expert_layers: set[int] = set()  # layers whose experts the round reloaded layerwise
         self.record_digests = False
         self.received_digests: dict[str, str] = {}
-        #: copy received tensors straight into the engine's tensors where they can go (`fastpath`); False:
-        #: every tensor through vLLM's layerwise reload
-        self.fast_path = True
+        self.fast_path = True  # received tensors straight into the engine's (`fastpath`), else layerwise reload
         self.fast = FastPath(model)
         self.graphs = CapturedLoads()  # chunks of COPY modules only, replayed as CUDA graphs
         self._replayed0 = 0
@@ -95,8 +93,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self._round: FastRound | None = None
         self._armed = False  # layerwise reload armed for (some of) the model this round
         self._reloading = False
-        self._traced = False
-        self._traced_ahead = False  # `prime` traced the plan again since the last round
+        self._traced, self._traced_ahead = False, False  # ahead: `prime` traced the plan again since the last round
         self._shared: tuple[object, list[tuple[str, torch.nn.Module]]] | None = None
         # path (and the fast tensors graphs replayed) -> [tensors, bytes]
         self._counts: dict[str, list[int]] = {k: [0, 0] for k in ("fast", "layerwise", "replayed", "in_place")}
@@ -130,7 +127,10 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.rx.init(info)
         if self.fast_path:  # trace where each tensor goes now, while connecting, not in the first push
             self.fast.known(self._checkpoint())
-            self.fast.ensure()
+            plan, _ = self.fast.ensure()
+            if plan is not None and self.device.type == "cuda":  # fp8 modules learned before the first push
+                with compat.vllm_config_set(self.vllm_config):
+                    learn_ahead(plan)
             if self.device.type == "cuda" and kernels.available():
                 try:  # compile the captured loads' copy kernel now (a second or so, once per machine)
                     kernels.warm(self.device)
@@ -294,18 +294,17 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
     def prime(self, info: dict[str, Any]) -> bool:
         """A chunk's references ahead of its first push (`Primable.prime`): the receiver maps their storages and
         keeps their views (`WeightReceiver.prime`); where every one of them goes straight into the engine's own
-        tensors on a GPU, their copies are captured as the graph the chunk's pushes replay (`chunk_parts`), so a first
-        push runs like a later one. Loads nothing. False where this worker does not take them (a round is open:
-        the push then carries the references)."""
-        if self._reloading:
-            return False
-        refs = self.rx.prime(info)
+        tensors on a GPU, their copies are captured as the graph the chunk's pushes replay (`chunk_parts`), so a
+        first push runs like a later one. Loads nothing. False where this worker does not take them (a round is
+        open: the push then carries the references)."""
+        refs = None if self._reloading else self.rx.prime(info)
         if refs is None:
             return False
-        if not (self.fast_path and self.fast.specs is not None and self.device.type == "cuda"):
-            return True  # the references are mapped; loads run as on any first push
-        if any(m.part is not None for m, _ in refs):
-            return True  # parts are staged into a copy before they load: nothing to capture
+        # the references are mapped; without a fast path on a GPU, or with parts (staged into a copy before they
+        # load), there is nothing to capture: loads run as on any first push
+        if not (self.fast_path and self.fast.specs is not None and self.device.type == "cuda") or any(
+                m.part is not None for m, _ in refs):
+            return True
         plan, traced = self.fast.ensure()
         if plan is None:
             return True

@@ -24,7 +24,8 @@ Triton's interpreter rounds otherwise, so it is not used off the GPU.
 `quantize_sourced` makes the same of weights that arrive in pieces (a merged q/k/v or gate/up weight from its HF
 tensors, each a view of the pushed chunk): one amax per weight over all of its pieces (max is exact, so this is
 the amax of the weight they make up), then every piece quantized straight into its rows of the live fp8 weight.
-No bf16 copy of the weight is made, and a chunk's weights take two kernel launches, not two per weight.
+No bf16 copy of the weight is made, and a chunk's weights take two kernel launches, not two per weight. Experts
+are such weights too, one per expert and projection (`fastpath.direct.Experts`).
 """
 
 from __future__ import annotations
@@ -229,6 +230,18 @@ def writable(dst: torch.Tensor) -> bool:
     from ...receiver.kernels import rows_of
 
     return dst.is_cuda and dst.dtype == torch.float8_e4m3fn and rows_of(dst) is not None and not _broken
+
+
+@torch.no_grad()
+def warm_sourced(device: torch.device) -> None:
+    """Compile `quantize_sourced`'s kernels for bf16 sources now (at connect), for every alignment of the first
+    source and destination a push may bring, so no push waits for Triton."""
+    src = torch.zeros(2, 48, dtype=torch.bfloat16, device=device)
+    dst = torch.empty(2, 48, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(1, dtype=torch.float32, device=device)
+    for s, d in ((src, dst), (src[:, 1:17], dst[:, :16]), (src[:, :16], dst[:, 1:17]), (src[:, 1:17], dst[:, 1:17])):
+        quantize_sourced([(s, d, 0)], [scale])
+    torch.cuda.synchronize(device)
 
 
 @torch.no_grad()

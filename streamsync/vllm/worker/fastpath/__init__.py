@@ -54,11 +54,11 @@ from ....pack import dtype_from_name
 from ....plan.shards import Box
 from .captured import CapturedLoads, chunk_parts
 from .plan import Plan, build_plan
-from .round import FastRound
+from .round import FastRound, learn_ahead
 from .trace import Mode, Target, Traced, Write, _contiguous_strides, module_mode, relayout_reloaded_experts, trace_loads
 
 __all__ = ["CapturedLoads", "FastPath", "FastRound", "Mode", "Plan", "Target", "Traced", "Write", "build_plan",
-           "chunk_parts", "module_mode", "relayout_reloaded_experts", "specs_from", "trace_loads"]
+           "chunk_parts", "learn_ahead", "module_mode", "relayout_reloaded_experts", "specs_from", "trace_loads"]
 
 
 def _read_box(shape: tuple[int, ...], writes: Sequence[Write]) -> Box | None:

@@ -346,6 +346,50 @@ def _repoint(method: object, live: Mapping[int, torch.Tensor]) -> None:
                 object.__setattr__(desc, g.name, to)
 
 
+@torch.no_grad()
+def learn_ahead(plan: Plan) -> int:
+    """What a module's first round would learn, learned before the first push (at connect), so that push already
+    quantizes without vLLM: an fp8 linear layer's `Direct` candidates from vLLM's own processing of a random weight
+    in fresh tensors (compared as `_learn` does; the first round's `resolve` settles them), a fused-MoE layer's
+    `Experts`. The engine's own tensors are put back untouched, and the kernels those modules take are compiled.
+    Returns the modules learned."""
+    from ..quant import fp8_experts_rebuildable, warm_sourced
+
+    learned = 0
+    for r in plan.rebuilt:
+        layer = r.layer
+        experts = fp8_experts_rebuildable(layer)
+        if r.learned or r.direct is not None or not (experts or _fp8_linear(layer)):
+            continue
+        pend = _materialize(layer)
+        if any(b is not None for b in pend.buffers.values()):
+            continue
+        kernel_params, kernel_buffers, non_persistent = _tensors(layer)
+        if experts:
+            r.fresh = _layout(pend.params)
+            r.direct, r.sourceable = Experts.of(layer, kernel_params), None
+        else:
+            gen = torch.Generator(device=next(t for t in pend.params.values() if t is not None).device)
+            gen.manual_seed(0)
+            for t in pend.params.values():
+                if t is not None and t.is_floating_point():
+                    t.normal_(0.0, 0.02, generator=gen)
+            _place(layer, pend.params, pend.buffers, non_persistent)
+            try:
+                if hasattr(layer, "_already_called_process_weights_after_loading"):
+                    delattr(layer, "_already_called_process_weights_after_loading")
+                layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+                r.candidate = _learn(layer, pend.params, pend.buffers, kernel_params, kernel_buffers)
+            finally:
+                _place(layer, kernel_params, kernel_buffers, non_persistent)
+        r.learned = True
+        learned += 1
+        device = next(t for t in kernel_params.values() if t is not None).device
+    if learned:
+        warm_sourced(device)
+    return learned
+
+
 def _sourcing(plan: Plan) -> None:
     """Settle `_Rebuilt.sourceable` for the modules processed without vLLM that have not been looked at: each
     write of one of their quantized tensors must be a copy (not a constant fill) that falls in one group and that
