@@ -53,8 +53,9 @@ from ....log import get_logger
 from ....pack import dtype_from_name
 from ....plan.shards import Box
 from .captured import CapturedLoads, chunk_parts
+from .direct import learn_ahead
 from .plan import Plan, build_plan
-from .round import FastRound, learn_ahead
+from .round import FastRound
 from .trace import Mode, Target, Traced, Write, _contiguous_strides, module_mode, relayout_reloaded_experts, trace_loads
 
 __all__ = ["CapturedLoads", "FastPath", "FastRound", "Mode", "Plan", "Target", "Traced", "Write", "build_plan",

@@ -1,5 +1,6 @@
-"""fp8 modules processed without vLLM: linear layers (`Direct`), learned from vLLM's own processing of a module's
-first round (`_learn`, settled by `resolve`), and fused-MoE experts (`Experts`). Each is quantized from a fresh
+"""fp8 modules processed without vLLM: linear layers (`Direct`), learned from vLLM's own processing of a random
+weight at connect (`learn_ahead`), or of a module's first round (`_learn`; both settled by `resolve`), and fused-MoE
+experts (`Experts`). Each is quantized from a fresh
 weight, or from the pushed tensors where they lie (`quant.quantize_sourced`): a module's quantized tensors are split
 into *groups*, the elements one scale covers (a linear layer's weight; one expert's w13 or w2), and a group is
 quantized once every one of its elements arrived."""
@@ -12,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ....log import get_logger
 from ...quantizations import FP8_PER_TENSOR
-from .plan import Plan
-from .trace import Slots
+from .plan import Plan, _Rebuilt
+from .trace import Slots, _place, _tensors, materialize
 
 
 @dataclass(slots=True)
@@ -191,3 +193,92 @@ def _learn(layer: torch.nn.Module, fresh: Slots, fresh_buffers: Slots, kernel_pa
         return None
     return _Candidate([(Direct(out, scale[0], tuple(copies)), ok & scale[1]) for out, ok in outs],
                       _layout(fresh))
+
+
+@torch.no_grad()
+def learn_ahead(plan: Plan) -> int:
+    """What a module's first round would learn, learned before the first push (at connect), so that push already
+    quantizes without vLLM: an fp8 linear layer's `Direct` candidates from vLLM's own processing of a random weight
+    in fresh tensors (compared as `_learn` does; the first round's `resolve` settles them), a fused-MoE layer's
+    `Experts`. The engine's own tensors are put back untouched, and the kernels those modules take are compiled.
+    Returns the modules learned."""
+    from ..quant import fp8_experts_rebuildable, warm_sourced
+
+    learned = 0
+    device: torch.device | None = None
+    for r in plan.rebuilt:
+        layer = r.layer
+        experts = fp8_experts_rebuildable(layer)
+        if r.learned or r.direct is not None or not (experts or _fp8_linear(layer)):
+            continue
+        try:
+            device = _learn_one(r, experts) or device
+        except Exception as e:  # its first round learns it, as without this
+            get_logger().warning("vllm fast path: could not learn an fp8 module at connect", module=r.name,
+                                 error=f"{type(e).__name__}: {e}")
+            continue
+        learned += 1
+    if device is not None:
+        warm_sourced(device)
+    return learned
+
+
+def _learn_one(r: _Rebuilt, experts: bool) -> torch.device | None:
+    """`learn_ahead` of one module; the device of its tensors, or None where it cannot be learned ahead."""
+    layer = r.layer
+    params, buffers = materialize(layer)
+    if any(b is not None for b in buffers.values()):
+        return None
+    kernel_params, kernel_buffers, non_persistent = _tensors(layer)
+    if experts:
+        r.fresh = _layout(params)
+        r.direct, r.sourceable = Experts.of(layer, kernel_params), None
+    else:
+        weight = params.get("weight")
+        if weight is None:
+            return None
+        gen = torch.Generator(device=weight.device)
+        gen.manual_seed(0)
+        for t in params.values():
+            if t is not None and t.dtype in (torch.bfloat16, torch.float16, torch.float32):
+                t.normal_(0.0, 0.02, generator=gen)
+        _place(layer, params, buffers, non_persistent)
+        try:
+            if hasattr(layer, "_already_called_process_weights_after_loading"):
+                delattr(layer, "_already_called_process_weights_after_loading")
+            layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
+            r.candidate = _learn(layer, params, buffers, kernel_params, kernel_buffers)
+        finally:
+            _place(layer, kernel_params, kernel_buffers, non_persistent)
+    r.learned = True
+    return next(t for t in kernel_params.values() if t is not None).device
+
+
+def _sourcing(plan: Plan) -> None:
+    """Settle `_Rebuilt.sourceable` for the modules processed without vLLM that have not been looked at: each
+    write of one of their quantized tensors must be a copy (not a constant fill) that falls in one group and that
+    the kernel can write (`quant.sourceable`'s destination half), into live tensors laid out as the fresh ones."""
+    from ..quant import writable
+
+    todo = {i: r for i, r in enumerate(plan.rebuilt) if r.direct is not None and r.sourceable is None}
+    if not todo:
+        return
+    ok = {i: r.fresh is not None and all(_same_layout(out, r.fresh.get(n)) for n, out in r.direct.outs.items())
+          for i, r in todo.items()}
+    for ops in plan.ops.values():
+        for op in ops:
+            if op.dst is not None or not ok.get(op.module):
+                continue
+            owner = plan.rebuilt[op.module].direct
+            out = owner.outs.get(op.tensor)
+            if out is None:
+                continue
+            w = op.write
+            if w.numel == 0:
+                continue
+            view = out.as_strided(w.size, w.stride, out.storage_offset() + w.offset)
+            if (w.src_offset is None or owner.group(op.tensor, w.offset, w.size, w.stride) is None
+                    or not writable(view)):
+                ok[op.module] = False
+    for i, r in todo.items():
+        r.sourceable = ok[i]

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from ....receiver.base_copy import aliased
-from .direct import Experts, _fp8_linear, _layout, _learn, _same_layout, resolve
+from .direct import Experts, _fp8_linear, _layout, _learn, _sourcing, resolve
 from .plan import Plan, _Op
-from .trace import _TB, Slots, Weights, _expert_layout, _place, _tensors
+from .trace import _TB, Slots, Weights, _expert_layout, _place, _tensors, materialize
 
 
 @dataclass(slots=True)
@@ -241,7 +241,7 @@ class FastRound:
                                  for n, (shape, stride, dt, dev) in r.fresh.items()}, {},
                                 pieces=[] if outs else None)
             else:
-                pend = _materialize(r.layer)
+                pend = _Pending(*materialize(r.layer))
             self.pending[i] = pend
         return pend
 
@@ -344,94 +344,3 @@ def _repoint(method: object, live: Mapping[int, torch.Tensor]) -> None:
             to = live.get(_TB.data_ptr(v)) if isinstance(v, torch.Tensor) else None
             if to is not None and to.shape == v.shape and to.dtype == v.dtype:  # type: ignore[union-attr]
                 object.__setattr__(desc, g.name, to)
-
-
-@torch.no_grad()
-def learn_ahead(plan: Plan) -> int:
-    """What a module's first round would learn, learned before the first push (at connect), so that push already
-    quantizes without vLLM: an fp8 linear layer's `Direct` candidates from vLLM's own processing of a random weight
-    in fresh tensors (compared as `_learn` does; the first round's `resolve` settles them), a fused-MoE layer's
-    `Experts`. The engine's own tensors are put back untouched, and the kernels those modules take are compiled.
-    Returns the modules learned."""
-    from ..quant import fp8_experts_rebuildable, warm_sourced
-
-    learned = 0
-    for r in plan.rebuilt:
-        layer = r.layer
-        experts = fp8_experts_rebuildable(layer)
-        if r.learned or r.direct is not None or not (experts or _fp8_linear(layer)):
-            continue
-        pend = _materialize(layer)
-        if any(b is not None for b in pend.buffers.values()):
-            continue
-        kernel_params, kernel_buffers, non_persistent = _tensors(layer)
-        if experts:
-            r.fresh = _layout(pend.params)
-            r.direct, r.sourceable = Experts.of(layer, kernel_params), None
-        else:
-            gen = torch.Generator(device=next(t for t in pend.params.values() if t is not None).device)
-            gen.manual_seed(0)
-            for t in pend.params.values():
-                if t is not None and t.is_floating_point():
-                    t.normal_(0.0, 0.02, generator=gen)
-            _place(layer, pend.params, pend.buffers, non_persistent)
-            try:
-                if hasattr(layer, "_already_called_process_weights_after_loading"):
-                    delattr(layer, "_already_called_process_weights_after_loading")
-                layer.quant_method.process_weights_after_loading(layer)  # type: ignore[union-attr,operator]
-                r.candidate = _learn(layer, pend.params, pend.buffers, kernel_params, kernel_buffers)
-            finally:
-                _place(layer, kernel_params, kernel_buffers, non_persistent)
-        r.learned = True
-        learned += 1
-        device = next(t for t in kernel_params.values() if t is not None).device
-    if learned:
-        warm_sourced(device)
-    return learned
-
-
-def _sourcing(plan: Plan) -> None:
-    """Settle `_Rebuilt.sourceable` for the modules processed without vLLM that have not been looked at: each
-    write of one of their quantized tensors must be a copy (not a constant fill) that falls in one group and that
-    the kernel can write (`quant.sourceable`'s destination half), into live tensors laid out as the fresh ones."""
-    from ..quant import writable
-
-    todo = {i: r for i, r in enumerate(plan.rebuilt) if r.direct is not None and r.sourceable is None}
-    if not todo:
-        return
-    ok = {i: r.fresh is not None and all(_same_layout(out, r.fresh.get(n)) for n, out in r.direct.outs.items())
-          for i, r in todo.items()}
-    for ops in plan.ops.values():
-        for op in ops:
-            if op.dst is not None or not ok.get(op.module):
-                continue
-            owner = plan.rebuilt[op.module].direct
-            out = owner.outs.get(op.tensor)
-            if out is None:
-                continue
-            w = op.write
-            if w.numel == 0:
-                continue
-            view = out.as_strided(w.size, w.stride, out.storage_offset() + w.offset)
-            if (w.src_offset is None or owner.group(op.tensor, w.offset, w.size, w.stride) is None
-                    or not writable(view)):
-                ok[op.module] = False
-    for i, r in todo.items():
-        r.sourceable = ok[i]
-
-
-def _materialize(layer: torch.nn.Module) -> _Pending:
-    """Fresh tensors of the module's load format (vLLM's reload metadata: class and attributes kept), on the
-    device it was loaded on; the module itself keeps its kernel tensors meanwhile."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
-
-    info = get_layerwise_info(layer)
-    kept = _tensors(layer)
-    try:
-        restore_layer_on_meta(layer, info)
-        materialize_layer(layer, info)
-        params, buffers, _ = _tensors(layer)  # fresh ones, and those reload never moves to meta (a bias)
-    finally:
-        _place(layer, *kept)
-    return _Pending(params, buffers)

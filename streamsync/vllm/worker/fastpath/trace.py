@@ -363,3 +363,20 @@ def _plain_mla(mod: torch.nn.Module, unquantized: type, cuda: bool) -> bool:
             and not any(getattr(mod, f, False) for f in ("is_aiter_triton_fp4_bmm_enabled",
                                                           "is_aiter_triton_fp8_bmm_enabled"))
             and not getattr(mod, "dcp_q_replicate", False))
+
+
+def materialize(layer: torch.nn.Module) -> tuple[Slots, Slots]:
+    """Fresh (params, buffers) of the module's load format (vLLM's reload metadata: class and attributes kept), on
+    the device it was loaded on; the module itself keeps its kernel tensors meanwhile."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+
+    info = get_layerwise_info(layer)
+    kept = _tensors(layer)
+    try:
+        restore_layer_on_meta(layer, info)
+        materialize_layer(layer, info)
+        params, buffers, _ = _tensors(layer)  # fresh ones, and those reload never moves to meta (a bias)
+    finally:
+        _place(layer, *kept)
+    return params, buffers
