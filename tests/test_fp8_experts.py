@@ -136,3 +136,65 @@ def test_experts_quantized_from_their_pieces_as_each_expert_arrives_equal_the_wh
     assert torch.equal(w13.cpu().view(torch.uint8), want13.view(torch.uint8))
     assert torch.equal(w2.cpu().view(torch.uint8), want2.view(torch.uint8))
     assert torch.equal(live["w13_weight_scale"].cpu(), s13) and torch.equal(live["w2_weight_scale"].cpu(), s2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_round_quantizes_each_expert_once_its_last_piece_arrived_even_when_chunks_split_it(device):
+    """`FastRound` over a fused-MoE layer taken as `Experts`: the first chunk completes expert 0 and brings half of
+    expert 1's w13; that half is kept in a copy (the chunk's buffer is then overwritten, as a reused buffer is)
+    and expert 1 is quantized when the second chunk brings the rest. The live experts and scales equal the whole
+    layer quantized at once, and the module is reported quantized from the pushed tensors. (On the CPU every piece
+    is read from a copy; on CUDA the kernel reads them where they lie.)"""
+    from streamsync.vllm.worker.fastpath.direct import Experts
+    from streamsync.vllm.worker.fastpath.plan import Plan, _Op, _Rebuilt
+    from streamsync.vllm.worker.fastpath.round import FastRound
+    from streamsync.vllm.worker.fastpath.trace import Write
+
+    torch.manual_seed(3)
+    e, inter, hidden = 3, 4, 16
+    gate, up = torch.randn(e, inter, hidden).bfloat16().to(device), torch.randn(e, inter, hidden).bfloat16().to(device)
+    down = torch.randn(e, hidden, inter).bfloat16().to(device)
+    layer = torch.nn.Module()
+    live = {"w13_weight": torch.zeros(e, 2 * inter, hidden, dtype=F8, device=device),
+            "w13_weight_scale": torch.zeros(e, device=device),
+            "w2_weight": torch.zeros(e, hidden, inter, dtype=F8, device=device),
+            "w2_weight_scale": torch.zeros(e, device=device)}
+    experts = Experts.of(layer, live)
+    assert experts is not None
+    fresh = {n: (tuple(t.shape), tuple(t.stride()), torch.bfloat16, t.device) for n, t in live.items() if t.dim() == 3}
+    numel = sum(t.numel() for n, t in live.items() if t.dim() == 3)
+    r = _Rebuilt("mlp.experts", layer, numel, fresh=fresh, direct=experts, sourceable=True)
+    per13, per2 = 2 * inter * hidden, hidden * inter
+    ops: dict[str, tuple[_Op, ...]] = {}
+    for x in range(e):
+        ops[f"e{x}.gate"] = (_Op(None, 0, "w13_weight", Write(0, x * per13, (inter, hidden), (hidden, 1), 0), True),)
+        ops[f"e{x}.up"] = (_Op(None, 0, "w13_weight",
+                                Write(0, x * per13 + inter * hidden, (inter, hidden), (hidden, 1), 0), True),)
+        ops[f"e{x}.down"] = (_Op(None, 0, "w2_weight", Write(1, x * per2, (hidden, inter), (inter, 1), 0), True),)
+    plan = Plan(ops, {}, [r], [], frozenset(), {}, {}, [], [], {}, frozenset({"mlp.experts"}))
+    tensors = {f"e{x}.{p}": t[x] for x in range(e) for p, t in (("gate", gate), ("up", up), ("down", down))}
+    rnd = FastRound(plan)
+
+    def load(names: list[str]) -> None:
+        buffer = torch.cat([tensors[n].reshape(-1) for n in names])  # the chunk, its tensors views of it
+        views, at = [], 0
+        for n in names:
+            views.append((ops[n], buffer[at:at + tensors[n].numel()].view(tensors[n].shape)))
+            at += tensors[n].numel()
+        assert rnd.load(views) == []  # nothing for vLLM's processing
+        buffer.fill_(float("nan"))  # the buffer is reused once the chunk's load returned
+
+    load(["e0.gate", "e0.up", "e0.down", "e1.gate"])
+    want13, want2 = torch.empty(e, 2 * inter, hidden, dtype=F8), torch.empty(e, hidden, inter, dtype=F8)
+    s13, s2 = torch.empty(e), torch.empty(e)
+    quantize_experts(torch.cat([gate, up], dim=1).cpu(), want13, s13)
+    quantize_experts(down.cpu(), want2, s2)
+    assert torch.equal(live["w13_weight"][0].cpu().view(torch.uint8), want13[0].view(torch.uint8))
+    assert bool((live["w13_weight"][1:].view(torch.uint8) == 0).all())  # expert 1 waits for its up rows
+    assert rnd.sourced == 0 and list(rnd.pending) == [0]
+    load(["e1.up", "e1.down", "e2.gate", "e2.up", "e2.down"])
+    assert torch.equal(live["w13_weight"].cpu().view(torch.uint8), want13.view(torch.uint8))
+    assert torch.equal(live["w2_weight"].cpu().view(torch.uint8), want2.view(torch.uint8))
+    assert torch.equal(live["w13_weight_scale"].cpu(), s13) and torch.equal(live["w2_weight_scale"].cpu(), s2)
+    assert (rnd.rebuilt, rnd.direct, rnd.sourced, rnd.pending, rnd.done) == (1, 1, 1, {}, {0})
