@@ -198,3 +198,33 @@ def test_a_round_quantizes_each_expert_once_its_last_piece_arrived_even_when_chu
     assert torch.equal(live["w2_weight"].cpu().view(torch.uint8), want2.view(torch.uint8))
     assert torch.equal(live["w13_weight_scale"].cpu(), s13) and torch.equal(live["w2_weight_scale"].cpu(), s2)
     assert (rnd.rebuilt, rnd.direct, rnd.sourced, rnd.pending, rnd.done) == (1, 1, 1, {}, {0})
+
+
+def test_experts_sharded_across_ranks_are_left_to_vllm_where_it_takes_their_amax_over_every_rank():
+    """An expert quantized by streamsync takes its scale from the rank's own shard. A vLLM that reduces a
+    tensor-sharded expert's amax over its ranks (`amax_for_moe_weight_quant`) makes another scale there, so such a
+    layer keeps vLLM's own processing; one rank per expert (or a vLLM without the reduction) does not."""
+    from types import SimpleNamespace
+
+    from streamsync.vllm.quantizations import FP8_PER_TENSOR
+    from streamsync.vllm.worker import quant
+
+    method_cls = type(FP8_PER_TENSOR.moe, (), {})
+
+    def layer(tp: int) -> torch.nn.Module:
+        m = torch.nn.Module()
+        method = method_cls()
+        method.fp8_backend = SimpleNamespace(name="TRITON")
+        method.moe = SimpleNamespace(tp_size=tp)
+        m.quant_method = method
+        return m
+
+    reduces = quant._amax_across_ranks()
+    assert quant.fp8_experts_rebuildable(layer(1))
+    assert quant.fp8_experts_rebuildable(layer(2)) is not reduces
+    try:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import amax_for_moe_weight_quant  # noqa: F401
+    except ImportError:
+        assert not reduces
+    else:
+        assert reduces

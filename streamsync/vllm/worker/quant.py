@@ -47,10 +47,25 @@ _PLAIN_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON"})
 
 
 def fp8_experts_rebuildable(layer: torch.nn.Module) -> bool:
-    """Whether `layer` is a fused-MoE layer under vLLM's online per-tensor fp8 on a Triton backend."""
+    """Whether `layer` is a fused-MoE layer under vLLM's online per-tensor fp8 on a Triton backend whose experts
+    each rank quantizes from its own shard alone. Where vLLM takes an expert's amax over every rank that shards it
+    (`amax_for_moe_weight_quant`, vLLM 0.32+, MoE tensor parallelism above 1), a rank's shard does not decide its
+    scale: vLLM's own processing quantizes the layer."""
     method = getattr(layer, "quant_method", None)
     backend = getattr(getattr(method, "fp8_backend", None), "name", None)
-    return type(method).__name__ == FP8_PER_TENSOR.moe and backend in _PLAIN_BACKENDS
+    sharded = int(getattr(getattr(method, "moe", None), "tp_size", 1) or 1) > 1
+    return (type(method).__name__ == FP8_PER_TENSOR.moe and backend in _PLAIN_BACKENDS
+            and not (sharded and _amax_across_ranks()))
+
+
+@functools.cache
+def _amax_across_ranks() -> bool:
+    """Whether this vLLM reduces a tensor-sharded expert's amax across its ranks before quantizing."""
+    try:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import amax_for_moe_weight_quant  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 _BLOCK = 4096  # elements a kernel program quantizes
