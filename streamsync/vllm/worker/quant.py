@@ -231,8 +231,8 @@ def _runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]] | 
 
 
 def sourceable(src: torch.Tensor, dst: torch.Tensor) -> bool:
-    """Whether `quantize_sourced`'s kernel takes the piece src -> dst (else its caller copies it into a fresh weight
-    and quantizes that)."""
+    """Whether `quantize_sourced`'s kernel reads the piece src -> dst where it lies (else its caller gives it a
+    contiguous copy to read)."""
     from ...receiver.kernels import rows_of
 
     return (src.is_cuda and dst.device == src.device and src.numel() > 0 and writable(dst)

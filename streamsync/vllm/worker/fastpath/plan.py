@@ -32,11 +32,11 @@ class _Rebuilt:
     name: str
     layer: torch.nn.Module
     numel: int  # elements a complete load writes into it: every element of its loadable tensors
-    #: name -> (shape, stride, dtype, device) of its load format's tensors, once a round found it processed
-    #: without vLLM's help (`direct.Direct`): later rounds make them with `torch.empty_strided`, not vLLM's reload
+    #: name -> (shape, stride, dtype, device) of its load format's tensors, once it is processed without vLLM's
+    #: help (`direct.Direct`, `direct.Experts`): rounds make them with `torch.empty_strided`, not vLLM's reload
     fresh: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]] | None = None
     direct: Any = None  # `direct.Direct` (learned from its first processing by vLLM) or `direct.Experts`
-    #: whether a round may quantize it from the pushed tensors where they lie (`round.FastRound._sourcing`): every
+    #: whether a round may quantize it from the pushed tensors where they lie (`direct._sourcing`): every
     #: write of a quantized tensor a copy that falls in one group; None: not yet looked at for this `direct`
     sourceable: bool | None = None
     candidate: Any = None  # `round._Candidate`: that first processing's comparison, until a round settles it
