@@ -228,3 +228,77 @@ def test_experts_sharded_across_ranks_are_left_to_vllm_where_it_takes_their_amax
         assert not reduces
     else:
         assert reduces
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_write_of_stacked_experts_is_cut_at_each_experts_boundary(device):
+    """One write may cover several experts: a stacked checkpoint tensor ([E, 2I, H] gate and up, [E, H, I] down,
+    as transformers' fused experts hold them) or per-expert copies the trace merged into one run. Such a write is
+    cut into one piece per expert, so the layer is still quantized from the pushed tensors, expert by expert: here
+    the stacked down projection is split across two chunks 1.5 experts in, and expert 1 waits for its rest. A
+    write spanning experts that is not one run (a strided one) is left to the fresh tensors' way."""
+    from streamsync.vllm.worker.fastpath.direct import Experts, _sourcing, dense
+    from streamsync.vllm.worker.fastpath.plan import Plan, _Op, _Rebuilt
+    from streamsync.vllm.worker.fastpath.round import FastRound
+    from streamsync.vllm.worker.fastpath.trace import Write
+
+    torch.manual_seed(4)
+    cuda = device == "cuda"
+    e, inter, hidden = 3, 4, 16
+    gate_up = torch.randn(e, 2 * inter, hidden).bfloat16().to(device)
+    down = (torch.randn(e, hidden, inter) * torch.logspace(-1, 1, e)[:, None, None]).bfloat16().to(device)
+    layer = torch.nn.Module()
+
+    def round_over(ops: dict[str, tuple[_Op, ...]]) -> tuple[FastRound, dict[str, torch.Tensor], _Rebuilt]:
+        live = {"w13_weight": torch.zeros(e, 2 * inter, hidden, dtype=F8, device=device),
+                "w13_weight_scale": torch.zeros(e, device=device),
+                "w2_weight": torch.zeros(e, hidden, inter, dtype=F8, device=device),
+                "w2_weight_scale": torch.zeros(e, device=device)}
+        experts = Experts.of(layer, live)
+        assert experts is not None
+        fresh = {n: (tuple(t.shape), tuple(t.stride()), torch.bfloat16, t.device)
+                 for n, t in live.items() if t.dim() == 3}
+        numel = sum(t.numel() for t in live.values() if t.dim() == 3)
+        r = _Rebuilt("mlp.experts", layer, numel, fresh=fresh, direct=experts, sourceable=None if cuda else True)
+        plan = Plan(ops, {}, [r], [], frozenset(), {}, {}, [], [], {}, frozenset({"mlp.experts"}))
+        _sourcing(plan)  # the kernel's checks: CUDA only (on the CPU the pieces are quantized by torch's passes)
+        return FastRound(plan), live, r
+
+    per2 = hidden * inter
+    cut = per2 + per2 // 2
+    ops = {"gate_up": (_Op(None, 0, "w13_weight", Write(0, 0, (e, 2 * inter, hidden),
+                                                          (2 * inter * hidden, hidden, 1), 0), True),),
+           "down.0": (_Op(None, 0, "w2_weight", Write(1, 0, (cut,), (1,), 0), True),),
+           "down.1": (_Op(None, 0, "w2_weight", Write(1, cut, (e * per2 - cut,), (1,), 0), True),)}
+    tensors = {"gate_up": gate_up, "down.0": down.reshape(-1)[:cut], "down.1": down.reshape(-1)[cut:]}
+    assert dense((e, 2 * inter, hidden), (2 * inter * hidden, hidden, 1)) and dense((5,), (1,))
+    assert not dense((2, 3), (4, 1)) and dense((1, 3), (7, 1))
+    rnd, live, r = round_over(ops)
+    assert r.sourceable is True
+
+    def load(names: list[str]) -> None:
+        buffer = torch.cat([tensors[n].reshape(-1) for n in names])
+        views, at = [], 0
+        for n in names:
+            views.append((ops[n], buffer[at:at + tensors[n].numel()].view(tensors[n].shape)))
+            at += tensors[n].numel()
+        assert rnd.load(views) == []
+        buffer.fill_(float("nan"))  # the chunk's buffer is reused once its load returned
+
+    want13, want2 = torch.empty(e, 2 * inter, hidden, dtype=F8), torch.empty(e, hidden, inter, dtype=F8)
+    s13, s2 = torch.empty(e), torch.empty(e)
+    quantize_experts(gate_up.cpu(), want13, s13)
+    quantize_experts(down.cpu(), want2, s2)
+    load(["gate_up", "down.0"])
+    assert torch.equal(live["w13_weight"].cpu().view(torch.uint8), want13.view(torch.uint8))
+    assert torch.equal(live["w2_weight"][0].cpu().view(torch.uint8), want2[0].view(torch.uint8))
+    assert bool((live["w2_weight"][1:].view(torch.uint8) == 0).all())  # expert 1 waits for the rest of its rows
+    load(["down.1"])
+    assert torch.equal(live["w2_weight"].cpu().view(torch.uint8), want2.view(torch.uint8))
+    assert torch.equal(live["w13_weight_scale"].cpu(), s13) and torch.equal(live["w2_weight_scale"].cpu(), s2)
+    assert (rnd.rebuilt, rnd.direct, rnd.sourced, rnd.pending) == (1, 1, 1, {})
+
+    if cuda:
+        strided = {"down": (_Op(None, 0, "w2_weight", Write(1, 0, (e, hidden), (per2, inter), 0), True),)}
+        assert round_over(strided)[2].sourceable is False  # one column of every expert: not one run

@@ -117,6 +117,16 @@ class Experts:
 
 
 
+def dense(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a write of `size`/`stride` covers consecutive elements in row-major order (one flat run)."""
+    expect = 1
+    for n, s in zip(reversed(size), reversed(stride), strict=True):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
 def _same_layout(live: torch.Tensor, fresh: tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device] | None
                  ) -> bool:
     """Whether a `Direct` module's live weight (seen in the load's order) has its fresh weight's shape, strides and
@@ -263,11 +273,16 @@ def _sourcing(plan: Plan) -> None:
     todo = {i: r for i, r in enumerate(plan.rebuilt) if r.direct is not None and r.sourceable is None}
     if not todo:
         return
-    ok = {i: r.fresh is not None and all(_same_layout(out, r.fresh.get(n)) for n, out in r.direct.outs.items())
-          for i, r in todo.items()}
+    why: dict[int, str] = {}
+    for i, r in todo.items():
+        for n, out in r.direct.outs.items():
+            fresh = r.fresh.get(n) if r.fresh is not None else None
+            if i not in why and not _same_layout(out, fresh):
+                why[i] = (f"{n}: live {tuple(out.shape)}/{tuple(out.stride())} on {out.device}, load format "
+                          f"{fresh[:2] if fresh else None} on {fresh[3] if fresh else None}")
     for ops in plan.ops.values():
         for op in ops:
-            if op.dst is not None or not ok.get(op.module):
+            if op.dst is not None or op.module not in todo or op.module in why:
                 continue
             owner = plan.rebuilt[op.module].direct
             out = owner.outs.get(op.tensor)
@@ -277,8 +292,14 @@ def _sourcing(plan: Plan) -> None:
             if w.numel == 0:
                 continue
             view = out.as_strided(w.size, w.stride, out.storage_offset() + w.offset)
-            if (w.src_offset is None or owner.group(op.tensor, w.offset, w.size, w.stride) is None
-                    or not writable(view)):
-                ok[op.module] = False
+            if w.src_offset is None:
+                why[op.module] = f"{op.tensor}: a constant fill"
+            elif owner.group(op.tensor, w.offset, w.size, w.stride) is None and not dense(w.size, w.stride):
+                why[op.module] = f"{op.tensor}: a write {tuple(w.size)}/{tuple(w.stride)} at {w.offset} spans groups"
+            elif not writable(view):
+                why[op.module] = f"{op.tensor}: a write {tuple(w.size)}/{tuple(w.stride)} the kernel cannot write"
     for i, r in todo.items():
-        r.sourceable = ok[i]
+        r.sourceable = i not in why
+        if i in why:  # it still works, through fresh tensors: a push pays one more pass over its weights
+            get_logger().info("vllm fast path: an fp8 module is quantized from fresh tensors, not where its "
+                              "weights arrive", module=r.name, why=why[i])

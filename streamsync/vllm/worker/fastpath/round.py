@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from ....receiver.base_copy import aliased
-from .direct import Experts, _fp8_linear, _layout, _learn, _sourcing, resolve
+from .direct import Direct, Experts, _fp8_linear, _layout, _learn, _sourcing, resolve
 from .plan import Plan, _Op
-from .trace import _TB, Slots, Weights, _expert_layout, _place, _tensors, materialize
+from .trace import _TB, Slots, Weights, Write, _expert_layout, _place, _tensors, materialize
 
 
 @dataclass(slots=True)
@@ -40,6 +40,27 @@ class _Pending:
     pieces: list[_Piece] | None = None
     #: (tensor, group) -> elements of it arrived, for the groups not yet quantized
     groups: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+def _by_group(owner: Direct | Experts, tensor: str, w: Write, src: torch.Tensor, dst: torch.Tensor, owned: bool
+              ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, bool]]:
+    """A sourced module's write as (source, destination, group, owned) pieces, one per group it falls in: a
+    contiguous write spanning groups (several experts' weights in one copy: a stacked checkpoint tensor, or
+    copies the trace merged) is cut at the groups' boundaries (`direct.dense`)."""
+    g = owner.group(tensor, w.offset, w.size, w.stride)
+    if g is not None:
+        yield src, dst, g, owned
+        return
+    per = owner.group_numel(tensor)
+    flat_dst = dst.reshape(-1)  # a view: the write is dense (`_sourcing` checked)
+    flat = src.reshape(-1)
+    owned = owned or flat.data_ptr() != src.data_ptr() or not src.is_contiguous()  # reshape copied it
+    at = 0
+    while at < w.numel:
+        g = (w.offset + at) // per
+        n = min(w.numel - at, (g + 1) * per - w.offset - at)
+        yield flat[at:at + n], flat_dst[at:at + n], g, owned
+        at += n
 
 
 def _in_place_views(plan: Plan) -> dict[str, torch.Tensor]:
@@ -217,9 +238,10 @@ class FastRound:
                     if owned:  # in the dtype the fresh tensor would hold it in, as that path would quantize it
                         part = torch.empty(into.shape, dtype=self._fresh_dtype(op.module, op.tensor),
                                            device=into.device).copy_(part, non_blocking=True)
-                    g = self.plan.rebuilt[op.module].direct.group(op.tensor, w.offset, w.size, w.stride)
-                    pend.pieces.append(_Piece(part, into, op.tensor, g, owned))
-                    pend.groups[(op.tensor, g)] = pend.groups.get((op.tensor, g), 0) + w.numel
+                    for a, b, g, own in _by_group(self.plan.rebuilt[op.module].direct, op.tensor, w, part, into,
+                                                  owned):
+                        pend.pieces.append(_Piece(a, b, op.tensor, g, own))
+                        pend.groups[(op.tensor, g)] = pend.groups.get((op.tensor, g), 0) + a.numel()
                 if op.dst is None:
                     pend = self.pending[op.module]
                     pend.filled += w.numel
