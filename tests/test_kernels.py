@@ -228,3 +228,73 @@ def test_paired_runs_walk_two_layouts_of_different_dtypes_in_step():
     assert cols == 33 and [(x - a.data_ptr(), y - b.data_ptr()) for x, y in starts] == [(r * 132, r * 160)
                                                                                         for r in range(6)]
     assert kernels.paired_runs(torch.zeros(4, 4).t(), torch.zeros(4, 4)) is None  # not rows of contiguous elements
+
+
+def _sourced_pieces() -> tuple[list[tuple[torch.Tensor, torch.Tensor, int]], list[torch.Tensor]]:
+    """fp8 pieces of four weights in the layouts a push brings: megatron's interleaved QKV (Q, K and V as
+    (groups, rows, cols) views into a contiguous fp8 weight), a weight of rows longer than a table row (SEG is
+    set small by the callers), destination rows with gaps between them, and a source one element off 16 bytes."""
+    g = torch.Generator().manual_seed(5)
+    inter = (torch.randn(4, 32, 64, generator=g) * 0.05).to(torch.bfloat16)  # 4 groups: 16 Q, 8 K, 8 V rows
+    qkv = torch.empty(128, 64, dtype=torch.float8_e4m3fn)
+    long = (torch.randn(3, 5000, generator=g) * torch.tensor([[1.0], [3.0], [0.5]])).to(torch.bfloat16)
+    gappy = torch.empty(6, 80, dtype=torch.float8_e4m3fn)
+    rows_src = torch.randn(6, 48, generator=g).to(torch.bfloat16)
+    odd = torch.randn(1 + 40 * 16, generator=g).to(torch.bfloat16)
+    pieces = [(inter[:, :16], qkv[:64].view(4, 16, 64), 0), (inter[:, 16:24], qkv[64:96].view(4, 8, 64), 0),
+              (inter[:, 24:], qkv[96:].view(4, 8, 64), 0), (long, torch.empty(3, 5000, dtype=torch.float8_e4m3fn), 1),
+              (rows_src, gappy[:, 16:64], 2), (odd[1:].view(40, 16), torch.empty(40, 16, dtype=torch.float8_e4m3fn), 3)]
+    return pieces, [torch.empty(1) for _ in range(4)]
+
+
+def test_the_sourced_fp8_table_lists_every_run_of_every_piece(monkeypatch):
+    """`vllm.worker.quant.sourced_table` (numpy) against the runs `kernels.paired_runs` walks one by one: the same
+    rows (runs longer than SEG cut into rows of SEG), the longest row, and 16-byte alignment only where every run
+    has it."""
+    from streamsync.vllm.worker import quant
+
+    monkeypatch.setattr(quant, "SEG", 1024)
+    pieces, _ = _sourced_pieces()
+    sb, db = pieces[0][0].data_ptr(), pieces[0][1].data_ptr()
+    want = []
+    for src, dst, j in pieces:
+        cols, starts = kernels.paired_runs(src, dst)
+        for s, d in starts:
+            so, do = (s - sb) // 2, d - db
+            want += [(so + k, do + k, min(1024, cols - k), j) for k in range(0, cols, 1024)]
+    rows, aligned, longest = quant.sourced_table(pieces)
+    assert rows.dtype.name == "int64" and [tuple(r) for r in rows.tolist()] == want
+    assert longest == 1024 and not aligned  # the odd source is 2 bytes off
+    rows, aligned, longest = quant.sourced_table(pieces[:3])
+    assert aligned and longest == 16 * 64 and len(rows) == 12  # QKV: a run per group and projection
+    assert quant.sourced_table([(torch.zeros(4, 4).t().bfloat16(), torch.empty(4, 4, dtype=torch.float8_e4m3fn), 0)]
+                               ) is None  # a transpose is not rows of contiguous elements
+
+
+@pytest.mark.timeout(300)
+def test_the_sourced_fp8_kernels_read_and_write_every_layout_as_its_contiguous_copy_in_the_interpreter():
+    """The sourced kernels (`quant.launch_sourced`) over the pushed layouts give the same scales and fp8 bytes as
+    over contiguous copies of the same weights, with runs cut into several table rows. (Triton's interpreter
+    rounds to fp8 its own way, so the bytes are compared with its own result; on CUDA `test_fp8_experts` and
+    the fp8 GPU tests compare them with torch's and vLLM's.)"""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        import tests.test_kernels as t
+        from streamsync.vllm.worker import quant
+        quant.SEG = 1024
+        def run(pieces):
+            rows, aligned, longest = quant.sourced_table(pieces)
+            return quant.launch_sourced(pieces[0][0], pieces[0][1], torch.from_numpy(rows), aligned, longest, 4)
+        pieces, _ = t._sourced_pieces()
+        flat = [(s.contiguous(), torch.empty(s.shape, dtype=torch.float8_e4m3fn), j) for s, _, j in pieces]
+        got, want = run(pieces), run(flat)
+        assert torch.equal(got, want), (got, want)
+        for (_, d, _), (_, f, _) in zip(pieces, flat):
+            assert torch.equal(d.view(torch.uint8), f.view(torch.uint8))
+        ref = [torch.empty(1) for _ in range(4)]
+        quant.quantize_sourced([(s, torch.empty_like(d), j) for s, d, j in pieces], ref, kernel=False)
+        assert torch.equal(got, torch.cat(ref)), (got, ref)  # torch's passes make the same scales
+        print("pieces", len(pieces))
+    """)
+    assert "pieces 6" in _run_fresh(code)

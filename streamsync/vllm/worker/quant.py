@@ -221,15 +221,6 @@ def _sourced_kernels() -> tuple[Any, Any]:
     return sourced_amax, sourced_quant
 
 
-def _runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]] | None:
-    """src -> dst (same shape) as runs (src address, dst address, elements) contiguous on both sides; None where
-    either is not evenly spaced rows of contiguous elements."""
-    from ...receiver.kernels import paired_runs
-
-    paired = paired_runs(src, dst)
-    return None if paired is None else [(s, d, paired[0]) for s, d in paired[1]]
-
-
 def sourceable(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Whether `quantize_sourced`'s kernel reads the piece src -> dst where it lies (else its caller gives it a
     contiguous copy to read)."""
@@ -285,6 +276,73 @@ def quantize_sourced(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], s
         dst.copy_(x)
 
 
+def sourced_table(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[Any, bool, int] | None:
+    """The sourced kernels' table: one row (source element from the first source, fp8 element from the first
+    destination, elements, weight) per run of at most `SEG` elements contiguous on both sides, as an [R, 4] int64
+    numpy array; whether every run is 16-byte aligned on both sides and a multiple of 16 elements long; the
+    longest row. None where a piece is not evenly spaced rows of contiguous elements on both sides. Python does a
+    few scalar operations per piece and numpy the arithmetic per run: a chunk's table has thousands of rows
+    (megatron's QKV views, an MoE's experts), and a Python loop over them took milliseconds of every load."""
+    import numpy as np
+
+    from ...receiver.kernels import rows_of
+
+    src0, dst0, _ = pieces[0]
+    si = src0.element_size()
+    sb, db = src0.data_ptr(), dst0.data_ptr()
+    # per piece, its runs' geometry (scalars only: the per-run arithmetic is vectorized over all pieces below):
+    # run k starts at base + (k // per_row) * row_stride + (k % per_row) * cols, on each side
+    geo: list[tuple[int, int, int, int, int, int, int, int, int]] = []
+    for src, dst, j in pieces:
+        n = src.numel()
+        if not n and src.shape == dst.shape:
+            continue
+        ra = (1, n, n) if src.is_contiguous() else rows_of(src)
+        rb = (1, n, n) if dst.is_contiguous() else rows_of(dst)
+        if ra is None or rb is None or src.shape != dst.shape or (src.data_ptr() - sb) % si:
+            return None
+        cols = math.gcd(ra[1], rb[1])
+        geo.append(((src.data_ptr() - sb) // si, dst.data_ptr() - db, cols, n // cols, ra[1] // cols, ra[2],
+                    rb[1] // cols, rb[2], j))
+    if not geo:
+        return None
+    g = np.asarray(geo, dtype=np.int64)
+    count = g[:, 3]
+    at = np.repeat(np.arange(len(g)), count)  # each run's piece
+    k = np.arange(len(at)) - np.repeat(np.cumsum(count) - count, count)  # each run's index in its piece
+    cols = g[at, 2]
+    so = g[at, 0] + (k // g[at, 4]) * g[at, 5] + (k % g[at, 4]) * cols
+    do = g[at, 1] + (k // g[at, 6]) * g[at, 7] + (k % g[at, 6]) * cols  # fp8: an element is a byte
+    aligned = (sb % 16 == 0 and db % 16 == 0 and not (g[:, 2] % 16).any() and not ((so * si) % 16).any()
+               and not (do % 16).any())
+    per = -(-cols // SEG)  # table rows a run takes
+    if int(per.max()) > 1:
+        r = np.repeat(np.arange(len(cols)), per)
+        off = (np.arange(len(r)) - np.repeat(np.cumsum(per) - per, per)) * SEG  # each row's start in its run
+        rows = np.stack([so[r] + off, do[r] + off, np.minimum(SEG, cols[r] - off), g[at[r], 8]], axis=1)
+    else:
+        rows = np.stack([so, do, cols, g[at, 8]], axis=1)
+    n_max = int(cols.max())
+    return rows, bool(aligned), min(n_max, SEG)
+
+
+def launch_sourced(src0: torch.Tensor, dst0: torch.Tensor, rows: torch.Tensor, aligned: bool, longest: int,
+                   weights: int) -> torch.Tensor:
+    """Queue the sourced kernels over `sourced_table`'s rows (on the host; copied to the device without a wait)
+    from the first piece's source and destination: the weights' amax, then their quantization. Returns the
+    weights' scales ([weights] on the device)."""
+    table = rows.to(src0.device, non_blocking=True)
+    amax = torch.zeros(weights, dtype=torch.float32, device=src0.device)
+    grid = (len(rows), -(-longest // _TILE))
+    salign = 16 // src0.element_size()
+    amax_k, quant_k = _sourced_kernels()
+    amax_k[grid](src0, table, amax, TILE=_TILE, BLOCK=_TBLOCK, ALIGNED=aligned, SALIGN=salign)
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    inv = torch.ones_like(scale) / scale
+    quant_k[grid](src0, dst0, table, inv, TILE=_TILE, BLOCK=_TBLOCK, ALIGNED=aligned, SALIGN=salign)
+    return scale
+
+
 def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor]
                     ) -> bool:
     from ...receiver.kernels import triton_imports
@@ -292,32 +350,13 @@ def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], sc
     src0, dst0, _ = pieces[0]
     if _broken or not src0.is_cuda or not triton_imports() or any(s.dtype != src0.dtype for s, _, _ in pieces):
         return False
-    si = src0.element_size()
-    sb, db = src0.data_ptr(), dst0.data_ptr()
-    rows: list[tuple[int, int, int, int]] = []
-    aligned = sb % 16 == 0 and db % 16 == 0
-    longest = 0
-    for src, dst, j in pieces:
-        runs = _runs(src, dst)
-        if runs is None or (src.data_ptr() - sb) % si:
-            return False
-        for s, d, n in runs:
-            aligned = aligned and (s - sb) % 16 == 0 and (d - db) % 16 == 0 and n % 16 == 0
-            longest = max(longest, min(n, SEG))
-            so, do = (s - sb) // si, d - db
-            rows.extend((so + k, do + k, min(SEG, n - k), j) for k in range(0, n, SEG))
-    device = src0.device
-    table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-    amax = torch.zeros(len(scales), dtype=torch.float32, device=device)
-    grid = (len(rows), -(-longest // _TILE))
-    amax_k, quant_k = _sourced_kernels()
+    built = sourced_table(pieces)
+    if built is None:
+        return False
     try:
-        with torch.cuda.device(device):
-            amax_k[grid](src0, table, amax, TILE=_TILE, BLOCK=_TBLOCK, ALIGNED=aligned, SALIGN=16 // si)
-            scale = amax / torch.full_like(amax, FP8_MAX)
-            inv = torch.ones_like(scale) / scale
-            quant_k[grid](src0, dst0, table, inv, TILE=_TILE, BLOCK=_TBLOCK, ALIGNED=aligned,
-                          SALIGN=16 // si)
+        with torch.cuda.device(src0.device):
+            scale = launch_sourced(src0, dst0, torch.from_numpy(built[0]).pin_memory(), built[1], built[2],
+                                   len(scales))
     except Exception as err:  # a Triton that cannot build it here: torch's passes
         _broken.append(f"{type(err).__name__}: {err}")
         logging.getLogger(__name__).warning("fp8 sourced kernel unavailable, using torch: %s", err)
