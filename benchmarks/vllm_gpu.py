@@ -352,6 +352,8 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
            "engine_calls": len(pushes[-1]["engine_calls"]),
            "direct_modules": [sum(r.get("direct_modules", 0) for r in p["engine_rounds"]) for p in pushes],
            "sourced_modules": [sum(r.get("sourced_modules", 0) for r in p["engine_rounds"]) for p in pushes],
+           "sourced_copied_bytes": [sum(r.get("sourced_copied_bytes", 0) for r in p["engine_rounds"])
+                                    for p in pushes],
            **({"predicted": predicted} if predicted else {}),
            **({"trainer_side": {**on_trainer, "one_copy_floor_ms": 2 * on_trainer["fp8_bytes"] / rate * 1e3}}
               if on_trainer else {}),
@@ -362,7 +364,8 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
            f"bit-exact {exact}; paths {sorted({str(p) for p in row['path']})}")
     if quant:
         bc.log(f"  modules quantized by streamsync's kernels per push: {row['direct_modules']}, of them from the "
-               f"pushed tensors: {row['sourced_modules']}")
+               f"pushed tensors: {row['sourced_modules']}, bytes of theirs copied out of the chunks first: "
+               f"{row['sourced_copied_bytes']}")
     if predicted:
         bc.log(f"  streamsync plan predicts {predicted['predicted_s'] * 1e3:.1f} ms ({predicted['bound']['kind']}); "
                f"measured / predicted {med / predicted['predicted_s']:.2f}")

@@ -72,7 +72,10 @@ class EngineRound:
     rebuilt_modules: modules whose kernels were derived again from their new tensors (`process_weights_after_loading`)
     direct_modules: of those, quantized by streamsync's kernels, not vLLM's processing (fp8 engines: the same
                     arithmetic, `vllm.worker.fastpath.direct.Direct`, `vllm.worker.quant`)
-    sourced_modules: of those, quantized from the pushed tensors where they lie, with no bf16 copy of the weight
+    sourced_modules: of those, quantized from the pushed tensors, with no fresh bf16 weight
+    sourced_copied_bytes: of what those modules received, the bytes copied out of the pushed chunks first (a
+                    piece the kernel cannot read where it lies, or a group a chunk left incomplete): 0 where every
+                    piece was read where it lies
     traced:         where each tensor goes was traced in this round (the engine's layout changed, or its first)
     phase_ms:       milliseconds per phase in the worker (`vllm.worker.stats`: map, arm, load, process, finish;
                     `call`: the calls that opened and ended the round, whole, around the others)
@@ -107,6 +110,7 @@ class EngineRound:
     draft_tensors: int = 0
     in_place_tensors: int = 0
     sourced_modules: int = 0
+    sourced_copied_bytes: int = 0
 
     @classmethod
     def from_wire(cls, engine: str, d: Mapping[str, Any]) -> EngineRound:
@@ -135,7 +139,8 @@ class EngineRound:
                    num("layerwise_bytes"), num("rebuilt_modules"), bool(d.get("traced")), ms,
                    extra if isinstance(extra, int) and not isinstance(extra, bool) else None,
                    str(d.get("memory") or ""), tuple(phases), num("replayed_chunks"), num("replayed_tensors"),
-                   num("direct_modules"), num("draft_tensors"), num("in_place_tensors"), num("sourced_modules"))
+                   num("direct_modules"), num("draft_tensors"), num("in_place_tensors"), num("sourced_modules"),
+                   num("sourced_copied_bytes"))
 
     def to_dict(self) -> dict[str, Any]:
         # shallow (every field but `phase_ms` is immutable): `asdict` deep-copies the phases only to drop them

@@ -198,6 +198,10 @@ def test_a_round_quantizes_each_expert_once_its_last_piece_arrived_even_when_chu
     assert torch.equal(live["w2_weight"].cpu().view(torch.uint8), want2.view(torch.uint8))
     assert torch.equal(live["w13_weight_scale"].cpu(), s13) and torch.equal(live["w2_weight_scale"].cpu(), s2)
     assert (rnd.rebuilt, rnd.direct, rnd.sourced, rnd.pending, rnd.done) == (1, 1, 1, {}, {0})
+    # copied out of a chunk first: on CUDA only expert 1's gate rows (their chunk did not complete expert 1);
+    # on the CPU every piece (torch's passes read copies)
+    everything = sum(t.numel() * 2 for t in tensors.values())
+    assert rnd.copied == (inter * hidden * 2 if device == "cuda" else everything), rnd.copied
 
 
 def test_experts_sharded_across_ranks_are_left_to_vllm_where_it_takes_their_amax_over_every_rank():

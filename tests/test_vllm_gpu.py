@@ -523,6 +523,7 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
         paths: list[Any] = []
         direct: list[list[int]] = []  # modules quantized by streamsync's kernels, per push
         sourced: list[list[int]] = []  # of those, quantized from the pushed tensors where they lie
+        copied: list[list[int]] = []  # bytes of their pieces copied out of a chunk first (split groups)
         for step in (21, 22):  # the second lands on layers already quantized by the first
             perturb(trainer, step)
             report = await sync.push(trainer)
@@ -530,6 +531,7 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
             paths.append((report.engine_paths, [r.rebuilt_modules for r in report.engine_rounds]))
             direct.append([r.direct_modules for r in report.engine_rounds])
             sourced.append([r.sourced_modules for r in report.engine_rounds])
+            copied.append([r.sourced_copied_bytes for r in report.engine_rounds])
         await sync.close()
         mcore = _megatron_trainer(model_dir)  # fused QKV and gate/up, split and requantized by the engine
         _perturb_all(mcore, 23)
@@ -540,6 +542,7 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
         paths.append((report.engine_paths, [r.rebuilt_modules for r in report.engine_rounds]))
         direct.append([r.direct_modules for r in report.engine_rounds])
         sourced.append([r.sourced_modules for r in report.engine_rounds])
+        copied.append([r.sourced_copied_bytes for r in report.engine_rounds])
         ckpt = save_checkpoint(await _hf_export(mcore, model_dir), like=model_dir, out=tmp_path / f"fp8-{label}",
                                dtype=torch.bfloat16)
         loaded_llm = vllm.LLM(model=str(ckpt), **fp8, **engine_kwargs())
@@ -555,7 +558,8 @@ async def test_a_bf16_push_into_an_fp8_engine_holds_what_vllm_makes_of_the_same_
         # per tensor: learned at connect (vLLM's processing of a random weight compared with its quantization
         # kernel), every quantized module is quantized by streamsync's kernels from the first push on; per block:
         # by vLLM's own processing, every push
-        print(f"fp8 {label}: modules quantized by streamsync per push {direct}, from the pushed tensors {sourced}")
+        print(f"fp8 {label}: modules quantized by streamsync per push {direct}, from the pushed tensors {sourced}, "
+              f"bytes of theirs copied out of a chunk first {copied}")
         if method == "fp8":
             assert all(n > 0 for d in direct for n in d), (direct, paths)
             # all of them from the pushed tensors (megatron's blocked Q too), each weight or expert as its last

@@ -377,9 +377,9 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             layerwise_bytes=self._counts["layerwise"][1],
             rebuilt_modules=rnd.rebuilt + len(rnd.plan.derive) if rnd is not None else 0,
             direct_modules=rnd.direct if rnd else 0, sourced_modules=rnd.sourced if rnd else 0,
-            traced=self._traced, fast_path=self.fast_path, replayed_chunks=self.graphs.replayed - self._replayed0,
-            replayed_tensors=self._counts["replayed"][0], draft_tensors=self.draft.tensors,
-            in_place_tensors=self._counts["in_place"][0])
+            sourced_copied_bytes=rnd.copied if rnd else 0, traced=self._traced, fast_path=self.fast_path,
+            replayed_chunks=self.graphs.replayed - self._replayed0, replayed_tensors=self._counts["replayed"][0],
+            draft_tensors=self.draft.tensors, in_place_tensors=self._counts["in_place"][0])
 
     def _count(self, path: str, tensors: list[torch.Tensor]) -> None:
         c = self._counts[path]

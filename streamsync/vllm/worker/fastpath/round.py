@@ -82,7 +82,8 @@ class FastRound:
     plan: Plan
     rebuilt: int = 0  # modules processed this round
     direct: int = 0  # of those, quantized without vLLM's processing (`Direct`, fp8 experts)
-    sourced: int = 0  # of those, quantized from the pushed tensors where they lie (no fresh bf16 weight)
+    sourced: int = 0  # of those, quantized from the pushed tensors (no fresh bf16 weight)
+    copied: int = 0  # bytes of those modules' pieces copied out of their chunk first (`_Piece.owned`)
     pending: dict[int, _Pending] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     #: sourced modules complete in this `load`, finished together before it returns (their sources are the chunk's)
@@ -172,6 +173,8 @@ class FastRound:
                         scales.append(scale)
                     pieces.append((p.src, p.dst, j))
                 else:
+                    if not p.owned:
+                        self.copied += p.src.numel() * p.src.element_size()
                     waiting.append(p if p.owned else _Piece(p.src.clone(), p.dst, p.tensor, p.group, True))
             pend.pieces = waiting
             for key in full:
@@ -238,6 +241,8 @@ class FastRound:
                     if owned:  # in the dtype the fresh tensor would hold it in, as that path would quantize it
                         part = torch.empty(into.shape, dtype=self._fresh_dtype(op.module, op.tensor),
                                            device=into.device).copy_(part, non_blocking=True)
+                    if owned:
+                        self.copied += part.numel() * part.element_size()
                     for a, b, g, own in _by_group(self.plan.rebuilt[op.module].direct, op.tensor, w, part, into,
                                                   owned):
                         pend.pieces.append(_Piece(a, b, op.tensor, g, own))
