@@ -226,9 +226,12 @@ def sourceable(src: torch.Tensor, dst: torch.Tensor) -> bool:
     contiguous copy to read)."""
     from ...receiver.kernels import rows_of
 
-    return (src.is_cuda and dst.device == src.device and src.numel() > 0 and writable(dst)
-            and src.dtype in (torch.bfloat16, torch.float16, torch.float32) and src.shape == dst.shape
-            and rows_of(src) is not None)
+    if not (src.is_cuda and dst.is_cuda and src.get_device() == dst.get_device() and src.numel() > 0
+            and src.dtype in (torch.bfloat16, torch.float16, torch.float32) and src.shape == dst.shape):
+        return False
+    if src.is_contiguous() and dst.is_contiguous():  # most pieces: no layout to walk (called once per write)
+        return dst.dtype == torch.float8_e4m3fn and not _broken
+    return writable(dst) and rows_of(src) is not None
 
 
 def writable(dst: torch.Tensor) -> bool:

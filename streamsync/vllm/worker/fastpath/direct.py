@@ -7,7 +7,6 @@ quantized once every one of its elements arrived."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,9 +92,11 @@ class Experts:
         """The expert a write of `size`/`stride` at element `offset` of `tensor` falls in; None where it spans
         experts (or has a negative stride)."""
         per = self.outs[tensor].stride(0)
-        if any(s < 0 for s in stride):
-            return None
-        last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) if math.prod(size) else offset
+        last = offset  # the last element it writes (called once per write: plain arithmetic)
+        for n, s in zip(size, stride, strict=True):
+            if s < 0:
+                return None
+            last += (n - 1) * s
         e = offset // per
         return e if last < (e + 1) * per else None
 

@@ -44,13 +44,9 @@ class _Pending:
 
 def _by_group(owner: Direct | Experts, tensor: str, w: Write, src: torch.Tensor, dst: torch.Tensor, owned: bool
               ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, bool]]:
-    """A sourced module's write as (source, destination, group, owned) pieces, one per group it falls in: a
+    """A sourced module's write that spans groups as (source, destination, group, owned) pieces, one per group: a
     contiguous write spanning groups (several experts' weights in one copy: a stacked checkpoint tensor, or
     copies the trace merged) is cut at the groups' boundaries (`direct.dense`)."""
-    g = owner.group(tensor, w.offset, w.size, w.stride)
-    if g is not None:
-        yield src, dst, g, owned
-        return
     per = owner.group_numel(tensor)
     flat_dst = dst.reshape(-1)  # a view: the write is dense (`_sourcing` checked)
     flat = src.reshape(-1)
@@ -157,20 +153,22 @@ class FastRound:
 
         pieces: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         scales: list[torch.Tensor] = []
-        index: dict[int, int] = {}  # a scale's address -> its place in `scales`
         for i, pend in list(self.pending.items()):
             if pend.pieces is None:
                 continue
             r = self.plan.rebuilt[i]
             owner = r.direct
-            full = {key for key, n in pend.groups.items() if n == owner.group_numel(key[0])}
+            sizes = {n: owner.group_numel(n) for n in owner.outs}
+            full = {key for key, n in pend.groups.items() if n == sizes[key[0]]}
+            index: dict[tuple[str, int], int] = {}  # a group -> its scale's place in `scales`
             waiting: list[_Piece] = []
             for p in pend.pieces:
-                if (p.tensor, p.group) in full:
-                    scale = owner.scale_of(p.tensor, p.group)
-                    j = index.setdefault(scale.data_ptr(), len(scales))
-                    if j == len(scales):
-                        scales.append(scale)
+                key = (p.tensor, p.group)
+                if key in full:
+                    j = index.get(key)
+                    if j is None:
+                        j = index[key] = len(scales)
+                        scales.append(owner.scale_of(p.tensor, p.group))
                     pieces.append((p.src, p.dst, j))
                 else:
                     if not p.owned:
@@ -208,7 +206,8 @@ class FastRound:
             flat: torch.Tensor | None = src if src.is_contiguous() else None
             for op in ops:
                 w = op.write
-                if w.numel == 0:  # a loader's empty write (no padding rows on this rank): nothing to do
+                n = w.numel
+                if n == 0:  # a loader's empty write (no padding rows on this rank): nothing to do
                     continue
                 piece = False
                 if op.dst is not None:
@@ -221,10 +220,10 @@ class FastRound:
                     dst = t.as_strided(w.size, w.stride, t.storage_offset() + w.offset)
                 if w.src_offset is None:
                     pair: tuple[torch.Tensor, torch.Tensor | None] = (dst, None)
-                elif op.whole and src.numel() != w.numel:  # the source's first rows only (a TP rank's slice)
+                elif op.whole and src.numel() != n:  # the source's first rows only (a TP rank's slice)
                     if flat is None:
                         flat = src.contiguous()
-                    pair = dst, flat.view(-1)[:w.numel].view(w.size)
+                    pair = dst, flat.view(-1)[:n].view(w.size)
                 elif op.whole and flat is not None:
                     pair = dst, flat.view(w.size)
                 elif op.whole and dst.is_contiguous():
@@ -234,22 +233,24 @@ class FastRound:
                         flat = src.contiguous()
                     pair = dst, flat.as_strided(w.size, w.src_stride, flat.storage_offset() + w.src_offset)
                 if piece:
-                    pend = self.pending[op.module]
                     into, part = pair
                     assert pend.pieces is not None and part is not None
                     owned = not sourceable(part, into)
                     if owned:  # in the dtype the fresh tensor would hold it in, as that path would quantize it
                         part = torch.empty(into.shape, dtype=self._fresh_dtype(op.module, op.tensor),
                                            device=into.device).copy_(part, non_blocking=True)
-                    if owned:
                         self.copied += part.numel() * part.element_size()
-                    for a, b, g, own in _by_group(self.plan.rebuilt[op.module].direct, op.tensor, w, part, into,
-                                                  owned):
-                        pend.pieces.append(_Piece(a, b, op.tensor, g, own))
-                        pend.groups[(op.tensor, g)] = pend.groups.get((op.tensor, g), 0) + a.numel()
+                    owner = self.plan.rebuilt[op.module].direct
+                    g = owner.group(op.tensor, w.offset, w.size, w.stride)
+                    if g is not None:  # the usual write: one weight or expert
+                        pend.pieces.append(_Piece(part, into, op.tensor, g, owned))
+                        pend.groups[(op.tensor, g)] = pend.groups.get((op.tensor, g), 0) + n
+                    else:
+                        for a, b, g, own in _by_group(owner, op.tensor, w, part, into, owned):
+                            pend.pieces.append(_Piece(a, b, op.tensor, g, own))
+                            pend.groups[(op.tensor, g)] = pend.groups.get((op.tensor, g), 0) + a.numel()
                 if op.dst is None:
-                    pend = self.pending[op.module]
-                    pend.filled += w.numel
+                    pend.filled += n
                     if pend.filled == self.plan.rebuilt[op.module].numel:
                         (self.ready if pend.pieces is not None else complete).append(op.module)
                 if not piece:
