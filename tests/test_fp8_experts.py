@@ -140,17 +140,22 @@ def test_experts_quantized_from_their_pieces_as_each_expert_arrives_equal_the_wh
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
-def test_a_round_quantizes_each_expert_once_its_last_piece_arrived_even_when_chunks_split_it(device):
+@pytest.mark.parametrize("batch", [None, 1], ids=["at-load-end", "as-completed"])
+def test_a_round_quantizes_each_expert_once_its_last_piece_arrived_even_when_chunks_split_it(device, batch,
+                                                                                              monkeypatch):
     """`FastRound` over a fused-MoE layer taken as `Experts`: the first chunk completes expert 0 and brings half of
     expert 1's w13; that half is kept in a copy (the chunk's buffer is then overwritten, as a reused buffer is)
     and expert 1 is quantized when the second chunk brings the rest. The live experts and scales equal the whole
     layer quantized at once, and the module is reported quantized from the pushed tensors. (On the CPU every piece
     is read from a copy; on CUDA the kernel reads them where they lie.)"""
+    from streamsync.vllm.worker.fastpath import round as fast_round
     from streamsync.vllm.worker.fastpath.direct import Experts
     from streamsync.vllm.worker.fastpath.plan import Plan, _Op, _Rebuilt
     from streamsync.vllm.worker.fastpath.round import FastRound
     from streamsync.vllm.worker.fastpath.trace import Write
 
+    if batch is not None:  # quantized as soon as modules complete, mid-load (`SOURCED_BATCH`)
+        monkeypatch.setattr(fast_round, "SOURCED_BATCH", batch)
     torch.manual_seed(3)
     e, inter, hidden = 3, 4, 16
     gate, up = torch.randn(e, inter, hidden).bfloat16().to(device), torch.randn(e, inter, hidden).bfloat16().to(device)
@@ -236,17 +241,21 @@ def test_experts_sharded_across_ranks_are_left_to_vllm_where_it_takes_their_amax
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
-def test_a_write_of_stacked_experts_is_cut_at_each_experts_boundary(device):
+@pytest.mark.parametrize("batch", [None, 1], ids=["at-load-end", "as-completed"])
+def test_a_write_of_stacked_experts_is_cut_at_each_experts_boundary(device, batch, monkeypatch):
     """One write may cover several experts: a stacked checkpoint tensor ([E, 2I, H] gate and up, [E, H, I] down,
     as transformers' fused experts hold them) or per-expert copies the trace merged into one run. Such a write is
     cut into one piece per expert, so the layer is still quantized from the pushed tensors, expert by expert: here
     the stacked down projection is split across two chunks 1.5 experts in, and expert 1 waits for its rest. A
     write spanning experts that is not one run (a strided one) is left to the fresh tensors' way."""
+    from streamsync.vllm.worker.fastpath import round as fast_round
     from streamsync.vllm.worker.fastpath.direct import Experts, _sourcing, dense
     from streamsync.vllm.worker.fastpath.plan import Plan, _Op, _Rebuilt
     from streamsync.vllm.worker.fastpath.round import FastRound
     from streamsync.vllm.worker.fastpath.trace import Write
 
+    if batch is not None:
+        monkeypatch.setattr(fast_round, "SOURCED_BATCH", batch)
     torch.manual_seed(4)
     cuda = device == "cuda"
     e, inter, hidden = 3, 4, 16
@@ -306,3 +315,45 @@ def test_a_write_of_stacked_experts_is_cut_at_each_experts_boundary(device):
     if cuda:
         strided = {"down": (_Op(None, 0, "w2_weight", Write(1, 0, (e, hidden), (per2, inter), 0), True),)}
         assert round_over(strided)[2].sourceable is False  # one column of every expert: not one run
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("bias_last", [False, True])
+def test_a_linear_layer_quantized_mid_load_gets_its_other_tensors_once_the_loads_copies_are_queued(
+        device, bias_last, monkeypatch):
+    """A sourced linear layer (`Direct`) with a bias, in a round that quantizes modules as they complete
+    (`SOURCED_BATCH` 1): its weight is quantized mid-load from its piece, and its bias, copied into a fresh tensor
+    by the load's batched copies, reaches the live bias only after those copies are queued (whichever of the two
+    arrives last)."""
+    from streamsync.vllm.worker import quant
+    from streamsync.vllm.worker.fastpath import round as fast_round
+    from streamsync.vllm.worker.fastpath.direct import Direct
+    from streamsync.vllm.worker.fastpath.plan import Plan, _Op, _Rebuilt
+    from streamsync.vllm.worker.fastpath.round import FastRound
+    from streamsync.vllm.worker.fastpath.trace import Write
+
+    monkeypatch.setattr(fast_round, "SOURCED_BATCH", 1)
+    torch.manual_seed(6)
+    rows, cols = 8, 32
+    weight = (torch.randn(rows, cols) * 0.1).bfloat16().to(device)
+    bias = torch.randn(rows).bfloat16().to(device)
+    out = torch.zeros(rows, cols, dtype=F8, device=device)
+    scale = torch.zeros((), device=device)
+    live_bias = torch.zeros(rows, dtype=torch.bfloat16, device=device)
+    direct = Direct(out, scale, (("bias", live_bias),))
+    fresh = {"weight": ((rows, cols), (cols, 1), torch.bfloat16, torch.device(device)),
+             "bias": ((rows,), (1,), torch.bfloat16, torch.device(device))}
+    r = _Rebuilt("proj", torch.nn.Module(), rows * cols + rows, fresh=fresh, direct=direct, sourceable=True)
+    ops = {"w": (_Op(None, 0, "weight", Write(0, 0, (rows, cols), (cols, 1), 0), True),),
+           "b": (_Op(None, 0, "bias", Write(1, 0, (rows,), (1,), 0), True),)}
+    plan = Plan(ops, {}, [r], [], frozenset(), {}, {}, [], [], {}, frozenset({"proj"}))
+    rnd = FastRound(plan)
+    order = ["w", "b"] if bias_last else ["b", "w"]
+    tensors = {"w": weight, "b": bias}
+    assert rnd.load([(ops[n], tensors[n].clone()) for n in order]) == []
+    want, want_scale = torch.empty(rows, cols, dtype=F8, device=device), torch.empty(1, device=device)
+    quant.quantize_sourced([(weight, want, 0)], [want_scale], kernel=False)
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)) and torch.equal(scale.view(1), want_scale)
+    assert torch.equal(live_bias, bias)
+    assert (rnd.rebuilt, rnd.direct, rnd.sourced, rnd.pending, rnd.done) == (1, 1, 1, {}, {0})

@@ -42,6 +42,10 @@ class _Pending:
     groups: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
+#: elements of completed sourced modules after which a load quantizes them, not waiting for its end
+SOURCED_BATCH = 1 << 29
+
+
 def _by_group(owner: Direct | Experts, tensor: str, w: Write, src: torch.Tensor, dst: torch.Tensor, owned: bool
               ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, bool]]:
     """A sourced module's write that spans groups as (source, destination, group, owned) pieces, one per group: a
@@ -84,6 +88,7 @@ class FastRound:
     done: set[int] = field(default_factory=set)
     #: sourced modules complete in this `load`, finished together before it returns (their sources are the chunk's)
     ready: list[int] = field(default_factory=list)
+    ready_numel: int = 0  # their elements
 
     def __post_init__(self) -> None:
         resolve(self.plan)  # what the last round's first processing by vLLM showed
@@ -145,10 +150,12 @@ class FastRound:
         self.quantize_ready()
         return complete
 
-    def quantize_ready(self) -> None:
+    def quantize_ready(self, final: bool = True) -> None:
         """Quantize every group of the sourced modules complete so far, all at once, while their sources are still
-        mapped; finish the modules completed. The pieces of a group still missing some elements are copied out of
-        the chunk (its buffer is reused once `load` returns) and wait for the rest."""
+        mapped. `final` (the chunk's load ends, its copies queued): also finish the modules completed, and copy the
+        pieces of a group still missing some elements out of the chunk (its buffer is reused once `load` returns)
+        to wait for the rest. Before that, `writes` calls it every `SOURCED_BATCH` elements of completed modules,
+        so that the kernels run while the host walks the rest of the chunk."""
         from ..quant import quantize_sourced
 
         pieces: list[tuple[torch.Tensor, torch.Tensor, int]] = []
@@ -170,22 +177,25 @@ class FastRound:
                         j = index[key] = len(scales)
                         scales.append(owner.scale_of(p.tensor, p.group))
                     pieces.append((p.src, p.dst, j))
+                elif final and not p.owned:
+                    self.copied += p.src.numel() * p.src.element_size()
+                    waiting.append(_Piece(p.src.clone(), p.dst, p.tensor, p.group, True))
                 else:
-                    if not p.owned:
-                        self.copied += p.src.numel() * p.src.element_size()
-                    waiting.append(p if p.owned else _Piece(p.src.clone(), p.dst, p.tensor, p.group, True))
+                    waiting.append(p)
             pend.pieces = waiting
             for key in full:
                 del pend.groups[key]
-        for i in self.ready:
-            pend = self.pending.pop(i)
-            assert not pend.pieces and not pend.groups
-            self.plan.rebuilt[i].direct.apply(pend.params, quantized=True)
-            self.done.add(i)
-        self.rebuilt += len(self.ready)
-        self.direct += len(self.ready)
-        self.sourced += len(self.ready)
-        self.ready.clear()
+        if final:  # the load's copies are queued (a module's other tensors come from its fresh ones)
+            for i in self.ready:
+                pend = self.pending.pop(i)
+                assert not pend.pieces and not pend.groups
+                self.plan.rebuilt[i].direct.apply(pend.params, quantized=True)
+                self.done.add(i)
+            self.rebuilt += len(self.ready)
+            self.direct += len(self.ready)
+            self.sourced += len(self.ready)
+            self.ready.clear()
+        self.ready_numel = 0
         quantize_sourced(pieces, scales)
 
     def writes(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]], complete: list[int]
@@ -252,7 +262,13 @@ class FastRound:
                 if op.dst is None:
                     pend.filled += n
                     if pend.filled == self.plan.rebuilt[op.module].numel:
-                        (self.ready if pend.pieces is not None else complete).append(op.module)
+                        if pend.pieces is None:
+                            complete.append(op.module)
+                        else:
+                            self.ready.append(op.module)
+                            self.ready_numel += pend.filled
+                            if self.ready_numel >= SOURCED_BATCH:  # counts each module once: then 0 again
+                                self.quantize_ready(final=False)
                 if not piece:
                     yield pair[0], pair[1], w.value
 
