@@ -221,17 +221,41 @@ def _sourced_kernels() -> tuple[Any, Any]:
     return sourced_amax, sourced_quant
 
 
-def sourceable(src: torch.Tensor, dst: torch.Tensor) -> bool:
-    """Whether `quantize_sourced`'s kernel reads the piece src -> dst where it lies (else its caller gives it a
-    contiguous copy to read)."""
+#: a piece's runs as `layout` gives them: (source address, destination address, elements a run, runs, source runs
+#: a row, source row stride, destination runs a row, destination row stride); run k starts at address +
+#: ((k // runs a row) * row stride + (k % runs a row) * elements a run) * element size, on each side
+Layout = tuple[int, int, int, int, int, int, int, int]
+
+
+def layout(src: torch.Tensor, dst: torch.Tensor) -> Layout | None:
+    """The piece src -> dst (same shape) as runs contiguous on both sides (`Layout`); None where either side is
+    not evenly spaced rows of contiguous elements, or it is empty. Called once per piece a push brings: where both
+    sides are contiguous (most pieces) it walks no layout."""
     from ...receiver.kernels import rows_of
 
-    if not (src.is_cuda and dst.is_cuda and src.get_device() == dst.get_device() and src.numel() > 0
-            and src.dtype in (torch.bfloat16, torch.float16, torch.float32) and src.shape == dst.shape):
-        return False
-    if src.is_contiguous() and dst.is_contiguous():  # most pieces: no layout to walk (called once per write)
-        return dst.dtype == torch.float8_e4m3fn and not _broken
-    return writable(dst) and rows_of(src) is not None
+    n = src.numel()
+    if not n or src.shape != dst.shape:
+        return None
+    ra = (1, n, n) if src.is_contiguous() else rows_of(src)
+    rb = (1, n, n) if dst.is_contiguous() else rows_of(dst)
+    if ra is None or rb is None:
+        return None
+    cols = math.gcd(ra[1], rb[1])
+    return src.data_ptr(), dst.data_ptr(), cols, n // cols, ra[1] // cols, ra[2], rb[1] // cols, rb[2]
+
+
+def sourced_layout(src: torch.Tensor, dst: torch.Tensor) -> Layout | None:
+    """The piece's `layout` where `quantize_sourced`'s kernel reads it where it lies (else its caller gives it a
+    contiguous copy to read): a bf16, fp16 or fp32 source into an fp8 destination on the same GPU."""
+    if not (src.is_cuda and dst.is_cuda and src.get_device() == dst.get_device() and not _broken
+            and src.dtype in (torch.bfloat16, torch.float16, torch.float32) and dst.dtype == torch.float8_e4m3fn):
+        return None
+    return layout(src, dst)
+
+
+def sourceable(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether `quantize_sourced`'s kernel reads the piece src -> dst where it lies."""
+    return sourced_layout(src, dst) is not None
 
 
 def writable(dst: torch.Tensor) -> bool:
@@ -255,14 +279,15 @@ def warm_sourced(device: torch.device) -> None:
 
 @torch.no_grad()
 def quantize_sourced(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor],
-                     kernel: bool = True) -> None:
+                     kernel: bool = True, layouts: Sequence[Layout | None] | None = None) -> None:
     """Quantize weights that arrive in pieces, as `ops.scaled_fp8_quant` makes each weight they make up: `pieces`
     are (source view, fp8 destination view of the same shape, weight index); weight j's scale is the amax of
-    all its pieces / 448, written to `scales[j]` (one element). One source dtype. `kernel=False`: torch's passes
-    (the reference; also where the kernel cannot run)."""
+    all its pieces / 448, written to `scales[j]` (one element). One source dtype. `layouts`: each piece's
+    `sourced_layout`, where the caller has them. `kernel=False`: torch's passes (the reference; also where the
+    kernel cannot run)."""
     if not pieces:
         return
-    if kernel and _sourced_kernel(pieces, scales):
+    if kernel and _sourced_kernel(pieces, scales, layouts):
         return
     hi = torch.tensor(FP8_MAX, dtype=torch.float32, device=pieces[0][0].device)
     amax = [torch.zeros((), dtype=torch.float32, device=hi.device) for _ in scales]
@@ -279,37 +304,30 @@ def quantize_sourced(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], s
         dst.copy_(x)
 
 
-def sourced_table(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[Any, bool, int] | None:
-    """The sourced kernels' table: one row (source element from the first source, fp8 element from the first
+def sourced_table(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
+                  layouts: Sequence[Layout | None] | None = None) -> tuple[Any, bool, int] | None:
+    """The sourced kernels' table: one row (source element from the first piece's source, fp8 element from its
     destination, elements, weight) per run of at most `SEG` elements contiguous on both sides, as an [R, 4] int64
     numpy array; whether every run is 16-byte aligned on both sides and a multiple of 16 elements long; the
-    longest row. None where a piece is not evenly spaced rows of contiguous elements on both sides. Python does a
-    few scalar operations per piece and numpy the arithmetic per run: a chunk's table has thousands of rows
-    (megatron's QKV views, an MoE's experts), and a Python loop over them took milliseconds of every load."""
+    longest row. None where a piece is not evenly spaced rows of contiguous elements on both sides. `layouts`:
+    each piece's `layout`, where the caller has them. The arithmetic per run is numpy's: a chunk's table has
+    thousands of rows (megatron's QKV views, an MoE's experts), and a Python loop over them took milliseconds of
+    every load."""
     import numpy as np
 
-    from ...receiver.kernels import rows_of
-
-    src0, dst0, _ = pieces[0]
-    si = src0.element_size()
-    sb, db = src0.data_ptr(), dst0.data_ptr()
-    # per piece, its runs' geometry (scalars only: the per-run arithmetic is vectorized over all pieces below):
-    # run k starts at base + (k // per_row) * row_stride + (k % per_row) * cols, on each side
-    geo: list[tuple[int, int, int, int, int, int, int, int, int]] = []
-    for src, dst, j in pieces:
-        n = src.numel()
-        if not n and src.shape == dst.shape:
-            continue
-        ra = (1, n, n) if src.is_contiguous() else rows_of(src)
-        rb = (1, n, n) if dst.is_contiguous() else rows_of(dst)
-        if ra is None or rb is None or src.shape != dst.shape or (src.data_ptr() - sb) % si:
-            return None
-        cols = math.gcd(ra[1], rb[1])
-        geo.append(((src.data_ptr() - sb) // si, dst.data_ptr() - db, cols, n // cols, ra[1] // cols, ra[2],
-                    rb[1] // cols, rb[2], j))
-    if not geo:
+    si = pieces[0][0].element_size()
+    if layouts is None:
+        layouts = [layout(src, dst) for src, dst, _ in pieces]
+    if any(x is None for x in layouts):
         return None
-    g = np.asarray(geo, dtype=np.int64)
+    g = np.asarray(layouts, dtype=np.int64)
+    sb, db = int(g[0, 0]), int(g[0, 1])
+    g[:, 0] -= sb
+    g[:, 1] -= db
+    if (g[:, 0] % si).any():
+        return None
+    g[:, 0] //= si
+    j = np.asarray([p[2] for p in pieces], dtype=np.int64)
     count = g[:, 3]
     at = np.repeat(np.arange(len(g)), count)  # each run's piece
     k = np.arange(len(at)) - np.repeat(np.cumsum(count) - count, count)  # each run's index in its piece
@@ -322,11 +340,10 @@ def sourced_table(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> t
     if int(per.max()) > 1:
         r = np.repeat(np.arange(len(cols)), per)
         off = (np.arange(len(r)) - np.repeat(np.cumsum(per) - per, per)) * SEG  # each row's start in its run
-        rows = np.stack([so[r] + off, do[r] + off, np.minimum(SEG, cols[r] - off), g[at[r], 8]], axis=1)
+        rows = np.stack([so[r] + off, do[r] + off, np.minimum(SEG, cols[r] - off), j[at[r]]], axis=1)
     else:
-        rows = np.stack([so, do, cols, g[at, 8]], axis=1)
-    n_max = int(cols.max())
-    return rows, bool(aligned), min(n_max, SEG)
+        rows = np.stack([so, do, cols, j[at]], axis=1)
+    return rows, bool(aligned), min(int(cols.max()), SEG)
 
 
 def launch_sourced(src0: torch.Tensor, dst0: torch.Tensor, rows: torch.Tensor, aligned: bool, longest: int,
@@ -346,14 +363,14 @@ def launch_sourced(src0: torch.Tensor, dst0: torch.Tensor, rows: torch.Tensor, a
     return scale
 
 
-def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor]
-                    ) -> bool:
+def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor],
+                    layouts: Sequence[Layout | None] | None) -> bool:
     from ...receiver.kernels import triton_imports
 
     src0, dst0, _ = pieces[0]
     if _broken or not src0.is_cuda or not triton_imports() or any(s.dtype != src0.dtype for s, _, _ in pieces):
         return False
-    built = sourced_table(pieces)
+    built = sourced_table(pieces, layouts)
     if built is None:
         return False
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,9 @@ from ....receiver.base_copy import aliased
 from .direct import Direct, Experts, _fp8_linear, _layout, _learn, _sourcing, resolve
 from .plan import Plan, _Op
 from .trace import _TB, Slots, Weights, Write, _expert_layout, _place, _tensors, materialize
+
+if TYPE_CHECKING:
+    from ..quant import Layout
 
 
 @dataclass(slots=True)
@@ -26,6 +29,7 @@ class _Piece:
     tensor: str
     group: int
     owned: bool = False
+    layout: Layout | None = None  # `quant.layout(src, dst)`: where the kernel finds its runs
 
 
 @dataclass
@@ -156,9 +160,10 @@ class FastRound:
         pieces of a group still missing some elements out of the chunk (its buffer is reused once `load` returns)
         to wait for the rest. Before that, `writes` calls it every `SOURCED_BATCH` elements of completed modules,
         so that the kernels run while the host walks the rest of the chunk."""
-        from ..quant import quantize_sourced
+        from ..quant import layout, quantize_sourced
 
         pieces: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        layouts: list[Layout | None] = []
         scales: list[torch.Tensor] = []
         for i, pend in list(self.pending.items()):
             if pend.pieces is None:
@@ -177,9 +182,11 @@ class FastRound:
                         j = index[key] = len(scales)
                         scales.append(owner.scale_of(p.tensor, p.group))
                     pieces.append((p.src, p.dst, j))
+                    layouts.append(p.layout)
                 elif final and not p.owned:
                     self.copied += p.src.numel() * p.src.element_size()
-                    waiting.append(_Piece(p.src.clone(), p.dst, p.tensor, p.group, True))
+                    src = p.src.clone()
+                    waiting.append(_Piece(src, p.dst, p.tensor, p.group, True, layout(src, p.dst)))
                 else:
                     waiting.append(p)
             pend.pieces = waiting
@@ -196,7 +203,7 @@ class FastRound:
             self.sourced += len(self.ready)
             self.ready.clear()
         self.ready_numel = 0
-        quantize_sourced(pieces, scales)
+        quantize_sourced(pieces, scales, layouts=layouts)
 
     def writes(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]], complete: list[int]
                ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, float]]:
@@ -210,7 +217,7 @@ class FastRound:
         A source may come *blocked* (`pack.fits`: Q as a (groups, rows, hidden) view of megatron's interleaved
         QKV, the same row-major order as its HF shape): a whole write into a contiguous destination reads it as
         it is, so no reshaped copy of it is ever made; any other write reads a contiguous copy."""
-        from ..quant import sourceable
+        from ..quant import layout, sourced_layout
 
         for ops, src in fast:
             flat: torch.Tensor | None = src if src.is_contiguous() else None
@@ -245,19 +252,21 @@ class FastRound:
                 if piece:
                     into, part = pair
                     assert pend.pieces is not None and part is not None
-                    owned = not sourceable(part, into)
+                    where = sourced_layout(part, into)
+                    owned = where is None
                     if owned:  # in the dtype the fresh tensor would hold it in, as that path would quantize it
                         part = torch.empty(into.shape, dtype=self._fresh_dtype(op.module, op.tensor),
                                            device=into.device).copy_(part, non_blocking=True)
                         self.copied += part.numel() * part.element_size()
+                        where = layout(part, into)
                     owner = self.plan.rebuilt[op.module].direct
                     g = owner.group(op.tensor, w.offset, w.size, w.stride)
                     if g is not None:  # the usual write: one weight or expert
-                        pend.pieces.append(_Piece(part, into, op.tensor, g, owned))
+                        pend.pieces.append(_Piece(part, into, op.tensor, g, owned, where))
                         pend.groups[(op.tensor, g)] = pend.groups.get((op.tensor, g), 0) + n
                     else:
                         for a, b, g, own in _by_group(owner, op.tensor, w, part, into, owned):
-                            pend.pieces.append(_Piece(a, b, op.tensor, g, own))
+                            pend.pieces.append(_Piece(a, b, op.tensor, g, own, layout(a, b)))
                             pend.groups[(op.tensor, g)] = pend.groups.get((op.tensor, g), 0) + a.numel()
                 if op.dst is None:
                     pend.filled += n
