@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ...receiver.kernels import rows_of, triton_imports
 from ..quantizations import FP8_PER_TENSOR
 
 FP8_MAX = 448.0
@@ -92,8 +93,6 @@ def _kernel() -> Any:
 
 def _kernel_quantize(w: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> bool:
     """The CUDA path of `quantize_experts`; False where it cannot run (the torch passes then do it)."""
-    from ...receiver.kernels import triton_imports
-
     if _broken or not w.is_cuda or not w.is_contiguous() or not out.is_contiguous() or not triton_imports():
         return False
     e = w.shape[0]
@@ -231,8 +230,6 @@ def layout(src: torch.Tensor, dst: torch.Tensor) -> Layout | None:
     """The piece src -> dst (same shape) as runs contiguous on both sides (`Layout`); None where either side is
     not evenly spaced rows of contiguous elements, or it is empty. Called once per piece a push brings: where both
     sides are contiguous (most pieces) it walks no layout."""
-    from ...receiver.kernels import rows_of
-
     n = src.numel()
     if not n or src.shape != dst.shape:
         return None
@@ -260,8 +257,6 @@ def sourceable(src: torch.Tensor, dst: torch.Tensor) -> bool:
 
 def writable(dst: torch.Tensor) -> bool:
     """Whether `quantize_sourced`'s kernel writes the fp8 view `dst` (evenly spaced rows of contiguous elements)."""
-    from ...receiver.kernels import rows_of
-
     return dst.is_cuda and dst.dtype == torch.float8_e4m3fn and rows_of(dst) is not None and not _broken
 
 
@@ -365,8 +360,6 @@ def launch_sourced(src0: torch.Tensor, dst0: torch.Tensor, rows: torch.Tensor, a
 
 def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor],
                     layouts: Sequence[Layout | None] | None) -> bool:
-    from ...receiver.kernels import triton_imports
-
     src0, dst0, _ = pieces[0]
     if _broken or not src0.is_cuda or not triton_imports() or any(s.dtype != src0.dtype for s, _, _ in pieces):
         return False
