@@ -138,6 +138,23 @@ def test_experts_quantized_from_their_pieces_as_each_expert_arrives_equal_the_wh
     assert torch.equal(live["w13_weight_scale"].cpu(), s13) and torch.equal(live["w2_weight_scale"].cpu(), s2)
 
 
+def _experts_module(e: int, inter: int, hidden: int, device: str, sourceable: bool | None):
+    """A fused-MoE layer's live fp8 experts (zeros), as `Experts` and as a plan's module of them."""
+    from streamsync.vllm.worker.fastpath.direct import Experts
+    from streamsync.vllm.worker.fastpath.plan import _Rebuilt
+
+    live = {"w13_weight": torch.zeros(e, 2 * inter, hidden, dtype=F8, device=device),
+            "w13_weight_scale": torch.zeros(e, device=device),
+            "w2_weight": torch.zeros(e, hidden, inter, dtype=F8, device=device),
+            "w2_weight_scale": torch.zeros(e, device=device)}
+    experts = Experts.of(torch.nn.Module(), live)
+    assert experts is not None
+    fresh = {n: (tuple(t.shape), tuple(t.stride()), torch.bfloat16, t.device) for n, t in live.items() if t.dim() == 3}
+    numel = sum(t.numel() for t in live.values() if t.dim() == 3)
+    return live, experts, _Rebuilt("mlp.experts", experts.layer, numel, fresh=fresh, direct=experts,
+                                   sourceable=sourceable)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 @pytest.mark.parametrize("batch", [None, 1], ids=["at-load-end", "as-completed"])
@@ -149,8 +166,7 @@ def test_a_round_quantizes_each_expert_once_its_last_piece_arrived_even_when_chu
     layer quantized at once, and the module is reported quantized from the pushed tensors. (On the CPU every piece
     is read from a copy; on CUDA the kernel reads them where they lie.)"""
     from streamsync.vllm.worker.fastpath import round as fast_round
-    from streamsync.vllm.worker.fastpath.direct import Experts
-    from streamsync.vllm.worker.fastpath.plan import Plan, _Op, _Rebuilt
+    from streamsync.vllm.worker.fastpath.plan import Plan, _Op
     from streamsync.vllm.worker.fastpath.round import FastRound
     from streamsync.vllm.worker.fastpath.trace import Write
 
@@ -160,16 +176,7 @@ def test_a_round_quantizes_each_expert_once_its_last_piece_arrived_even_when_chu
     e, inter, hidden = 3, 4, 16
     gate, up = torch.randn(e, inter, hidden).bfloat16().to(device), torch.randn(e, inter, hidden).bfloat16().to(device)
     down = torch.randn(e, hidden, inter).bfloat16().to(device)
-    layer = torch.nn.Module()
-    live = {"w13_weight": torch.zeros(e, 2 * inter, hidden, dtype=F8, device=device),
-            "w13_weight_scale": torch.zeros(e, device=device),
-            "w2_weight": torch.zeros(e, hidden, inter, dtype=F8, device=device),
-            "w2_weight_scale": torch.zeros(e, device=device)}
-    experts = Experts.of(layer, live)
-    assert experts is not None
-    fresh = {n: (tuple(t.shape), tuple(t.stride()), torch.bfloat16, t.device) for n, t in live.items() if t.dim() == 3}
-    numel = sum(t.numel() for n, t in live.items() if t.dim() == 3)
-    r = _Rebuilt("mlp.experts", layer, numel, fresh=fresh, direct=experts, sourceable=True)
+    live, _, r = _experts_module(e, inter, hidden, device, sourceable=True)
     per13, per2 = 2 * inter * hidden, hidden * inter
     ops: dict[str, tuple[_Op, ...]] = {}
     for x in range(e):
@@ -249,7 +256,7 @@ def test_a_write_of_stacked_experts_is_cut_at_each_experts_boundary(device, batc
     the stacked down projection is split across two chunks 1.5 experts in, and expert 1 waits for its rest. A
     write spanning experts that is not one run (a strided one) is left to the fresh tensors' way."""
     from streamsync.vllm.worker.fastpath import round as fast_round
-    from streamsync.vllm.worker.fastpath.direct import Experts, _sourcing, dense
+    from streamsync.vllm.worker.fastpath.direct import _sourcing, dense
     from streamsync.vllm.worker.fastpath.plan import Plan, _Op, _Rebuilt
     from streamsync.vllm.worker.fastpath.round import FastRound
     from streamsync.vllm.worker.fastpath.trace import Write
@@ -261,19 +268,9 @@ def test_a_write_of_stacked_experts_is_cut_at_each_experts_boundary(device, batc
     e, inter, hidden = 3, 4, 16
     gate_up = torch.randn(e, 2 * inter, hidden).bfloat16().to(device)
     down = (torch.randn(e, hidden, inter) * torch.logspace(-1, 1, e)[:, None, None]).bfloat16().to(device)
-    layer = torch.nn.Module()
 
     def round_over(ops: dict[str, tuple[_Op, ...]]) -> tuple[FastRound, dict[str, torch.Tensor], _Rebuilt]:
-        live = {"w13_weight": torch.zeros(e, 2 * inter, hidden, dtype=F8, device=device),
-                "w13_weight_scale": torch.zeros(e, device=device),
-                "w2_weight": torch.zeros(e, hidden, inter, dtype=F8, device=device),
-                "w2_weight_scale": torch.zeros(e, device=device)}
-        experts = Experts.of(layer, live)
-        assert experts is not None
-        fresh = {n: (tuple(t.shape), tuple(t.stride()), torch.bfloat16, t.device)
-                 for n, t in live.items() if t.dim() == 3}
-        numel = sum(t.numel() for t in live.values() if t.dim() == 3)
-        r = _Rebuilt("mlp.experts", layer, numel, fresh=fresh, direct=experts, sourceable=None if cuda else True)
+        live, _, r = _experts_module(e, inter, hidden, device, sourceable=None if cuda else True)
         plan = Plan(ops, {}, [r], [], frozenset(), {}, {}, [], [], {}, frozenset({"mlp.experts"}))
         _sourcing(plan)  # the kernel's checks: CUDA only (on the CPU the pieces are quantized by torch's passes)
         return FastRound(plan), live, r
