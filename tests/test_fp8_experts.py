@@ -3,12 +3,33 @@ per-expert arithmetic of vLLM's `scaled_fp8_quant` (the GPU test checks the engi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from streamsync.vllm.worker.quant import GROUP, quantize_experts
+from streamsync.vllm.worker.quant import GROUP, quantize_experts, quantize_sourced
 
 F8 = torch.float8_e4m3fn
+#: Triton interprets its kernels (`test_the_sourced_rounds_run_their_kernels_in_tritons_interpreter` runs the round
+#: tests so): the rounds' sourced pieces then go through the kernels on the CPU, as on a GPU
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _whole(w: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
+    """The reference for a round's experts: every expert of `w` quantized whole, by torch's passes; under Triton's
+    interpreter by the sourced kernels over each whole expert (the interpreter rounds to fp8 its own way)."""
+    if INTERPRETED:
+        quantize_sourced([(w[x], out[x], x) for x in range(w.shape[0])], list(scales.view(-1, 1).unbind(0)))
+    else:
+        quantize_experts(w, out, scales)
+
+
+def _sourced_here(device: str) -> bool:
+    """Whether a round's pieces are read where they lie on `device` (else from copies, by torch's passes)."""
+    return device == "cuda" or INTERPRETED
 
 
 def _one_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,8 +221,8 @@ def test_a_round_quantizes_each_expert_once_its_last_piece_arrived_even_when_chu
     load(["e0.gate", "e0.up", "e0.down", "e1.gate"])
     want13, want2 = torch.empty(e, 2 * inter, hidden, dtype=F8), torch.empty(e, hidden, inter, dtype=F8)
     s13, s2 = torch.empty(e), torch.empty(e)
-    quantize_experts(torch.cat([gate, up], dim=1).cpu(), want13, s13)
-    quantize_experts(down.cpu(), want2, s2)
+    _whole(torch.cat([gate, up], dim=1).cpu(), want13, s13)
+    _whole(down.cpu(), want2, s2)
     assert torch.equal(live["w13_weight"][0].cpu().view(torch.uint8), want13[0].view(torch.uint8))
     assert bool((live["w13_weight"][1:].view(torch.uint8) == 0).all())  # expert 1 waits for its up rows
     assert rnd.sourced == 0 and list(rnd.pending) == [0]
@@ -213,7 +234,7 @@ def test_a_round_quantizes_each_expert_once_its_last_piece_arrived_even_when_chu
     # copied out of a chunk first: on CUDA only expert 1's gate rows (their chunk did not complete expert 1);
     # on the CPU every piece (torch's passes read copies)
     everything = sum(t.numel() * 2 for t in tensors.values())
-    assert rnd.copied == (inter * hidden * 2 if device == "cuda" else everything), rnd.copied
+    assert rnd.copied == (inter * hidden * 2 if _sourced_here(device) else everything), rnd.copied
 
 
 def test_experts_sharded_across_ranks_are_left_to_vllm_where_it_takes_their_amax_over_every_rank():
@@ -298,8 +319,8 @@ def test_a_write_of_stacked_experts_is_cut_at_each_experts_boundary(device, batc
 
     want13, want2 = torch.empty(e, 2 * inter, hidden, dtype=F8), torch.empty(e, hidden, inter, dtype=F8)
     s13, s2 = torch.empty(e), torch.empty(e)
-    quantize_experts(gate_up.cpu(), want13, s13)
-    quantize_experts(down.cpu(), want2, s2)
+    _whole(gate_up.cpu(), want13, s13)
+    _whole(down.cpu(), want2, s2)
     load(["gate_up", "down.0"])
     assert torch.equal(live["w13_weight"].cpu().view(torch.uint8), want13.view(torch.uint8))
     assert torch.equal(live["w2_weight"][0].cpu().view(torch.uint8), want2[0].view(torch.uint8))
@@ -350,7 +371,21 @@ def test_a_linear_layer_quantized_mid_load_gets_its_other_tensors_once_the_loads
     tensors = {"w": weight, "b": bias}
     assert rnd.load([(ops[n], tensors[n].clone()) for n in order]) == []
     want, want_scale = torch.empty(rows, cols, dtype=F8, device=device), torch.empty(1, device=device)
-    quant.quantize_sourced([(weight, want, 0)], [want_scale], kernel=False)
+    quant.quantize_sourced([(weight.contiguous(), want, 0)], [want_scale], kernel=INTERPRETED)
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)) and torch.equal(scale.view(1), want_scale)
     assert torch.equal(live_bias, bias)
     assert (rnd.rebuilt, rnd.direct, rnd.sourced, rnd.pending, rnd.done) == (1, 1, 1, {}, {0})
+
+
+@pytest.mark.timeout(300)
+def test_the_sourced_rounds_run_their_kernels_in_tritons_interpreter():
+    """The round tests above again, with Triton interpreting its kernels (`TRITON_INTERPRET=1`): on the CPU every
+    piece is then read where it lies by the sourced kernels, as on a GPU (experts split across chunks, stacked
+    experts cut at their boundaries, a linear layer quantized mid-load), each against the same kernels over the
+    whole weights; without a GPU this is the only run of the kernels' table and grouping through a round."""
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "round_quantizes or stacked or linear_layer"], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "6 passed" in out.stdout, out.stdout[-2000:]

@@ -30,9 +30,11 @@ are such weights too, one per expert and projection (`fastpath.direct.Experts`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -244,10 +246,18 @@ def layout(src: torch.Tensor, dst: torch.Tensor) -> Layout | None:
 def sourced_layout(src: torch.Tensor, dst: torch.Tensor) -> Layout | None:
     """The piece's `layout` where `quantize_sourced`'s kernel reads it where it lies (else its caller gives it a
     contiguous copy to read): a bf16, fp16 or fp32 source into an fp8 destination on the same GPU."""
-    if not (src.is_cuda and dst.is_cuda and src.get_device() == dst.get_device() and not _broken
-            and src.dtype in (torch.bfloat16, torch.float16, torch.float32) and dst.dtype == torch.float8_e4m3fn):
+    if not (((src.is_cuda and dst.is_cuda and src.get_device() == dst.get_device()) or _interpreted(src, dst))
+            and not _broken and src.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and dst.dtype == torch.float8_e4m3fn):
         return None
     return layout(src, dst)
+
+
+def _interpreted(*tensors: torch.Tensor) -> bool:
+    """Whether Triton interprets its kernels (`TRITON_INTERPRET=1`, read at its import) and the tensors are on the
+    CPU: the sourced kernels then run there, which is how the tests check where they read and write without a GPU
+    (the interpreter's fp8 rounding is not the GPU's: only for tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)
 
 
 def sourceable(src: torch.Tensor, dst: torch.Tensor) -> bool:
@@ -257,7 +267,8 @@ def sourceable(src: torch.Tensor, dst: torch.Tensor) -> bool:
 
 def writable(dst: torch.Tensor) -> bool:
     """Whether `quantize_sourced`'s kernel writes the fp8 view `dst` (evenly spaced rows of contiguous elements)."""
-    return dst.is_cuda and dst.dtype == torch.float8_e4m3fn and rows_of(dst) is not None and not _broken
+    return ((dst.is_cuda or _interpreted(dst)) and dst.dtype == torch.float8_e4m3fn and rows_of(dst) is not None
+            and not _broken)
 
 
 @torch.no_grad()
@@ -361,15 +372,17 @@ def launch_sourced(src0: torch.Tensor, dst0: torch.Tensor, rows: torch.Tensor, a
 def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor],
                     layouts: Sequence[Layout | None] | None) -> bool:
     src0, dst0, _ = pieces[0]
-    if _broken or not src0.is_cuda or not triton_imports() or any(s.dtype != src0.dtype for s, _, _ in pieces):
+    cuda = src0.is_cuda
+    if (_broken or not (cuda or _interpreted(src0, dst0)) or not triton_imports()
+            or any(s.dtype != src0.dtype for s, _, _ in pieces)):
         return False
     built = sourced_table(pieces, layouts)
     if built is None:
         return False
+    rows = torch.from_numpy(built[0])
     try:
-        with torch.cuda.device(src0.device):
-            scale = launch_sourced(src0, dst0, torch.from_numpy(built[0]).pin_memory(), built[1], built[2],
-                                   len(scales))
+        with torch.cuda.device(src0.device) if cuda else contextlib.nullcontext():
+            scale = launch_sourced(src0, dst0, rows.pin_memory() if cuda else rows, built[1], built[2], len(scales))
     except Exception as err:  # a Triton that cannot build it here: torch's passes
         _broken.append(f"{type(err).__name__}: {err}")
         logging.getLogger(__name__).warning("fp8 sourced kernel unavailable, using torch: %s", err)
