@@ -235,8 +235,11 @@ def layout(src: torch.Tensor, dst: torch.Tensor) -> Layout | None:
     n = src.numel()
     if not n or src.shape != dst.shape:
         return None
-    ra = (1, n, n) if src.is_contiguous() else rows_of(src)
-    rb = (1, n, n) if dst.is_contiguous() else rows_of(dst)
+    a, b = src.is_contiguous(), dst.is_contiguous()
+    if a and b:  # one run
+        return src.data_ptr(), dst.data_ptr(), n, 1, 1, n, 1, n
+    ra = (1, n, n) if a else rows_of(src)
+    rb = (1, n, n) if b else rows_of(dst)
     if ra is None or rb is None:
         return None
     cols = math.gcd(ra[1], rb[1])
