@@ -12,7 +12,6 @@ reference arithmetic). Each the median of 10 after one not counted, synchronized
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.report import commit, write_json
+from benchmarks.report import commit, median_ms, write_json
 from streamsync.vllm.worker import quant
 
 #: an 8B layer's linear weights (rows, cols): QKV, O, gate and up, down
@@ -28,16 +27,7 @@ LAYER = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
 
 
 def _median_ms(fn: Callable[[], Any], n: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    return median_ms(fn, n, torch.cuda.synchronize)
 
 
 def main() -> None:

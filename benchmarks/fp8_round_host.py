@@ -14,16 +14,14 @@ pieces), and 6 layers of a Qwen3-30B-A3B's experts (each an `Experts` module, 12
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.report import commit, write_json
+from benchmarks.report import commit, median_ms, write_json
 from streamsync.vllm.worker import quant
 from streamsync.vllm.worker.fastpath.direct import Direct, Experts
 from streamsync.vllm.worker.fastpath.plan import Plan, _Op, _Rebuilt
@@ -116,16 +114,6 @@ def host_only() -> Iterator[None]:
          torch._foreach_copy_, ops.scaled_fp8_quant) = saved
 
 
-def _median_ms(fn: Callable[[], Any], n: int) -> float:
-    fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=9)
@@ -143,7 +131,7 @@ def main() -> None:
                     rnd.load(chunk, process=None if sourced else rnd.process)
                     assert rnd.direct == len(plan.rebuilt) and rnd.sourced == (len(plan.rebuilt) if sourced else 0)
 
-                row[f"{way}_ms"] = _median_ms(load, args.repeat)
+                row[f"{way}_ms"] = median_ms(load, args.repeat)
                 row["writes"] = len(chunk)
             row["sourced_us_per_write"] = row["sourced_ms"] / row["writes"] * 1e3
             row["fresh_us_per_write"] = row["fresh_ms"] / row["writes"] * 1e3

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,22 @@ def commit() -> str | None:
                               check=True).stdout.strip() or None
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def median_ms(fn: Callable[[], Any], repeat: int, sync: Callable[[], Any] | None = None) -> float:
+    """The median wall clock of `repeat` calls of `fn` after one not counted, in milliseconds; `sync` (a device's
+    synchronize) is called before each call and inside its timing, so queued device work counts."""
+    fn()
+    ts = []
+    for _ in range(repeat):
+        if sync is not None:
+            sync()
+        t = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
 
 
 def write_json(path: Path | None, result: dict[str, Any]) -> None:
