@@ -3,6 +3,7 @@ per-expert arithmetic of vLLM's `scaled_fp8_quant` (the GPU test checks the engi
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -389,3 +390,97 @@ def test_the_sourced_rounds_run_their_kernels_in_tritons_interpreter():
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "6 passed" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("primed", [False, True], ids=["captured-at-second-push", "primed-at-connect"])
+@pytest.mark.parametrize("split", [False, True], ids=["one-chunk", "experts-split-across-chunks"])
+def test_a_chunk_of_sourced_modules_loads_by_one_graph_from_then_on_and_each_push_stays_exact(primed, split):
+    """`CapturedLoads` over chunks whose rebuilt modules are quantized from their pieces (fused-MoE experts and a
+    linear layer, beside a COPY tensor): the second push (or, primed as at connect, the first) records a chunk's
+    copies and quantization kernels as one CUDA graph, and every later push replays it. Split across two chunks,
+    the experts are loaded plainly beside the first chunk's graph (and the second chunk, all experts, plainly).
+    The chunks' buffers are reused with new values every push (scales change too), and after each push every fp8
+    weight, scale and copied tensor equals the weights quantized whole, and the round counts the modules
+    quantized from the pushed tensors."""
+    from streamsync.vllm.worker import quant
+    from streamsync.vllm.worker.fastpath.captured import CapturedLoads
+    from streamsync.vllm.worker.fastpath.direct import Direct
+    from streamsync.vllm.worker.fastpath.plan import Plan, _Op, _Rebuilt
+    from streamsync.vllm.worker.fastpath.round import FastRound
+    from streamsync.vllm.worker.fastpath.trace import Write
+
+    dev = "cuda"
+    torch.manual_seed(7)
+    e, inter, hidden, rows = 4, 32, 64, 48
+    live, _, rx = _experts_module(e, inter, hidden, dev, sourceable=True)
+    out, scale = torch.zeros(rows, hidden, dtype=F8, device=dev), torch.zeros((), device=dev)
+    rl = _Rebuilt("proj", torch.nn.Module(), rows * hidden,
+                  fresh={"weight": ((rows, hidden), (hidden, 1), torch.bfloat16, torch.device(dev))},
+                  direct=Direct(out, scale, ()), sourceable=True)
+    norm = torch.zeros(hidden, dtype=torch.bfloat16, device=dev)
+    per13, per2 = 2 * inter * hidden, hidden * inter
+    ops: dict[str, tuple[_Op, ...]] = {}
+    shapes: dict[str, tuple[int, ...]] = {"norm": (hidden,), "proj": (rows, hidden)}
+    ops["norm"] = (_Op(norm, 0, "", Write(0, 0, (hidden,), (1,), 0), True),)
+    ops["proj"] = (_Op(None, 1, "weight", Write(0, 0, (rows, hidden), (hidden, 1), 0), True),)
+    for x in range(e):
+        ops[f"e{x}.gate"] = (_Op(None, 0, "w13_weight", Write(0, x * per13, (inter, hidden), (hidden, 1), 0), True),)
+        ops[f"e{x}.up"] = (_Op(None, 0, "w13_weight",
+                                Write(0, x * per13 + inter * hidden, (inter, hidden), (hidden, 1), 0), True),)
+        ops[f"e{x}.down"] = (_Op(None, 0, "w2_weight", Write(1, x * per2, (hidden, inter), (inter, 1), 0), True),)
+        shapes |= {f"e{x}.gate": (inter, hidden), f"e{x}.up": (inter, hidden), f"e{x}.down": (hidden, inter)}
+    plan = Plan(ops, {}, [rx, rl], [], frozenset(), {}, {}, [], [], {}, frozenset({"mlp.experts", "proj"}))
+    names = list(shapes)
+    cut = names.index("e2.gate") if split else len(names)
+    chunks = []  # (key, weights): views of one buffer each, at the same addresses every push
+    for c, part in enumerate((names[:cut], names[cut:])):
+        if not part:
+            continue
+        buffer = torch.empty(sum(math.prod(shapes[n]) for n in part), dtype=torch.bfloat16, device=dev)
+        weights, at = [], 0
+        for n in part:
+            weights.append((n, buffer[at:at + math.prod(shapes[n])].view(shapes[n])))
+            at += math.prod(shapes[n])
+        chunks.append((("refs", f"chunk-{c}"), weights))
+    graphs = CapturedLoads()
+    if primed:
+        for key, weights in chunks:
+            graphs.prime(key, FastRound(plan), FastRound(plan).split(weights)[0])
+        assert graphs.captured == 1 and torch.equal(norm, torch.zeros_like(norm))  # priming loads nothing
+
+    for push in range(4):
+        values = {n: torch.randn(s, device=dev).bfloat16() * (push + 1) for n, s in shapes.items()}
+        values["proj"][0, 0] = float("nan")  # passed over by the amax, 448 where it lands
+        rnd = FastRound(plan)
+        for key, weights in chunks:
+            for (n, t) in weights:
+                t.copy_(values[n])
+            ready = graphs.ready(key, rnd, weights)  # as the worker loads a chunk's part
+            rest = weights
+            if ready is not None:
+                graphs.replay(ready, rnd)
+                rest = [weights[k] for k in ready.rest]
+            fast, slow = rnd.split(rest)
+            assert not slow
+            if fast and (ready is not None or not graphs.load(key, rnd, fast)):
+                assert rnd.load(fast) == []
+            torch.cuda.synchronize()
+            for _, t in weights:  # the buffer is reused once the chunk's load returned
+                t.fill_(float("nan"))
+        assert rnd.drop() == [] and (rnd.rebuilt, rnd.direct, rnd.sourced) == (2, 2, 2), push
+        torch.cuda.synchronize()
+        cpu = {n: v.cpu() for n, v in values.items()}
+        want13, want2 = torch.empty(e, 2 * inter, hidden, dtype=F8), torch.empty(e, hidden, inter, dtype=F8)
+        s13, s2 = torch.empty(e), torch.empty(e)
+        _whole(torch.stack([torch.cat([cpu[f"e{x}.gate"], cpu[f"e{x}.up"]]) for x in range(e)]), want13, s13)
+        _whole(torch.stack([cpu[f"e{x}.down"] for x in range(e)]), want2, s2)
+        want, want_scale = torch.empty(rows, hidden, dtype=F8), torch.empty(1)
+        quant.quantize_sourced([(cpu["proj"], want, 0)], [want_scale], kernel=False)
+        assert torch.equal(live["w13_weight"].cpu().view(torch.uint8), want13.view(torch.uint8)), push
+        assert torch.equal(live["w2_weight"].cpu().view(torch.uint8), want2.view(torch.uint8)), push
+        assert torch.equal(live["w13_weight_scale"].cpu(), s13) and torch.equal(live["w2_weight_scale"].cpu(), s2)
+        assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)), push
+        assert torch.equal(scale.view(1).cpu(), want_scale) and torch.equal(norm.cpu(), cpu["norm"]), push
+    assert (graphs.captured, graphs.replayed) == ((1, 4) if primed else (1, 2)), (graphs.captured, graphs.replayed)

@@ -243,13 +243,15 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             if rnd is not None and key is not None:
                 with self.log.phase("map", chunk):
                     ready = self.graphs.ready(key, rnd, weights)
-                if ready is not None:  # every tensor of the part copied by the graph's one launch
+                if ready is not None:  # the part's tensors loaded by the graph's one launch
                     with self.log.phase("load", chunk):
-                        n, nbytes = self.graphs.replay(ready)
+                        n, nbytes = self.graphs.replay(ready, rnd)
                     self._counts["fast"][0] += n
                     self._counts["fast"][1] += nbytes
                     self._counts["replayed"][0] += n
-                    return []
+                    if not ready.rest:
+                        return []
+                    weights, key = [weights[k] for k in ready.rest], None  # split modules', loaded plainly
             with self.log.phase("map", chunk):
                 fast: list[Any]
                 if rnd is None:

@@ -283,6 +283,8 @@ def warm_sourced(device: torch.device) -> None:
     scale = torch.empty(1, dtype=torch.float32, device=device)
     for s, d in ((src, dst), (src[:, 1:17], dst[:, :16]), (src[:, :16], dst[:, 1:17]), (src[:, 1:17], dst[:, 1:17])):
         quantize_sourced([(s, d, 0)], [scale])
+    # the first piece aligned, a later one not: the kernels' unaligned build from aligned first addresses
+    quantize_sourced([(src[0, :16], dst[0, :16], 0), (src[1, 1:17], dst[1, 1:17], 0)], [scale])
     torch.cuda.synchronize(device)
 
 
@@ -370,6 +372,36 @@ def launch_sourced(src0: torch.Tensor, dst0: torch.Tensor, rows: torch.Tensor, a
     inv = torch.ones_like(scale) / scale
     quant_k[grid](src0, dst0, table, inv, TILE=_TILE, BLOCK=_TBLOCK, ALIGNED=aligned, SALIGN=salign)
     return scale
+
+
+class SourcedLaunch:
+    """`quantize_sourced`'s kernels over a set of pieces, ready to launch: the call queues them and nothing else
+    (no host work, no upload: `table` is on the device), for a CUDA graph to record. It holds the pieces' first
+    source and destination: keep `table` (which the graph reads), not the call."""
+
+    def __init__(self, src0: torch.Tensor, dst0: torch.Tensor, built: tuple[Any, bool, int],
+                 scales: Sequence[torch.Tensor]) -> None:
+        self.src0, self.dst0 = src0, dst0
+        self.table = torch.from_numpy(built[0]).to(src0.device)
+        self.aligned, self.longest = built[1], built[2]
+        self.outs = [s.view(1) for s in scales]
+
+    def __call__(self) -> None:
+        with torch.cuda.device(self.src0.device):
+            scale = launch_sourced(self.src0, self.dst0, self.table, self.aligned, self.longest, len(self.outs))
+        torch._foreach_copy_(self.outs, list(scale.view(-1, 1).unbind(0)))
+
+
+def sourced_launcher(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor],
+                     layouts: Sequence[Layout | None]) -> SourcedLaunch | None:
+    """`quantize_sourced` of these pieces as a `SourcedLaunch`; None where its kernels do not take them on a GPU
+    (`quantize_sourced` then quantizes them otherwise)."""
+    src0, dst0, _ = pieces[0]
+    if (_broken or not src0.is_cuda or not triton_imports()
+            or any(s.dtype != src0.dtype for s, _, _ in pieces)):
+        return None
+    built = sourced_table(pieces, layouts)
+    return None if built is None else SourcedLaunch(src0, dst0, built, scales)
 
 
 def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor],

@@ -93,6 +93,7 @@ class FastRound:
     #: sourced modules complete in this `load`, finished together before it returns (their sources are the chunk's)
     ready: list[int] = field(default_factory=list)
     ready_numel: int = 0  # their elements
+    temps: int = 0  # copies of sources `writes` made (a graph of the load would read them after they are freed)
 
     def __post_init__(self) -> None:
         resolve(self.plan)  # what the last round's first processing by vLLM showed
@@ -160,7 +161,16 @@ class FastRound:
         pieces of a group still missing some elements out of the chunk (its buffer is reused once `load` returns)
         to wait for the rest. Before that, `writes` calls it every `SOURCED_BATCH` elements of completed modules,
         so that the kernels run while the host walks the rest of the chunk."""
-        from ..quant import layout, quantize_sourced
+        from ..quant import quantize_sourced
+
+        pieces, scales, layouts = self.take_ready(final)
+        quantize_sourced(pieces, scales, layouts=layouts)
+
+    def take_ready(self, final: bool = True) -> tuple[list[tuple[torch.Tensor, torch.Tensor, int]],
+                                                      list[torch.Tensor], list[Layout | None]]:
+        """`quantize_ready` up to its launch: the complete groups' pieces, scales and layouts, for
+        `quant.quantize_sourced` (or a graph of it: `captured.CapturedLoads`)."""
+        from ..quant import layout
 
         pieces: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         layouts: list[Layout | None] = []
@@ -203,14 +213,15 @@ class FastRound:
             self.sourced += len(self.ready)
             self.ready.clear()
         self.ready_numel = 0
-        quantize_sourced(pieces, scales, layouts=layouts)
+        return pieces, scales, layouts
 
-    def writes(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]], complete: list[int]
+    def writes(self, fast: Sequence[tuple[tuple[_Op, ...], torch.Tensor]], complete: list[int], batch: bool = True
                ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, float]]:
         """Each copy as (destination view, source view, 0) and each constant fill as (destination, None, value),
         REBUILD modules' fresh tensors made on first write; appends to `complete` the modules it completes. A
         sourced module's weight writes are kept as its pieces instead (`_Pending.pieces`) and the module, once
-        complete, goes to `ready`.
+        complete, goes to `ready` (quantized every `SOURCED_BATCH` elements where `batch`, else left to the caller).
+        Every copy of a source it makes (a contiguous one, an owned piece) counts in `temps`.
 
         A piece its kernel cannot read (`quant.sourceable`) is read from a contiguous copy of it.
 
@@ -239,7 +250,7 @@ class FastRound:
                     pair: tuple[torch.Tensor, torch.Tensor | None] = (dst, None)
                 elif op.whole and src.numel() != n:  # the source's first rows only (a TP rank's slice)
                     if flat is None:
-                        flat = src.contiguous()
+                        flat = self._contiguous(src)
                     pair = dst, flat.view(-1)[:n].view(w.size)
                 elif op.whole and flat is not None:
                     pair = dst, flat.view(w.size)
@@ -247,7 +258,7 @@ class FastRound:
                     pair = dst.view(src.shape), src
                 else:
                     if flat is None:
-                        flat = src.contiguous()
+                        flat = self._contiguous(src)
                     pair = dst, flat.as_strided(w.size, w.src_stride, flat.storage_offset() + w.src_offset)
                 if piece:
                     into, part = pair
@@ -258,6 +269,7 @@ class FastRound:
                         part = torch.empty(into.shape, dtype=self._fresh_dtype(op.module, op.tensor),
                                            device=into.device).copy_(part, non_blocking=True)
                         self.copied += part.numel() * part.element_size()
+                        self.temps += 1
                         where = layout(part, into)
                     owner = self.plan.rebuilt[op.module].direct
                     g = owner.group(op.tensor, w.offset, w.size, w.stride)
@@ -268,6 +280,7 @@ class FastRound:
                         for a, b, g, own in _by_group(owner, op.tensor, w, part, into, owned):
                             pend.pieces.append(_Piece(a, b, op.tensor, g, own, layout(a, b)))
                             pend.groups[(op.tensor, g)] = pend.groups.get((op.tensor, g), 0) + a.numel()
+                        self.temps += own and not owned  # reshaped into a copy
                 if op.dst is None:
                     pend.filled += n
                     if pend.filled == self.plan.rebuilt[op.module].numel:
@@ -276,10 +289,28 @@ class FastRound:
                         else:
                             self.ready.append(op.module)
                             self.ready_numel += pend.filled
-                            if self.ready_numel >= SOURCED_BATCH:  # counts each module once: then 0 again
+                            if batch and self.ready_numel >= SOURCED_BATCH:  # each module once: then 0 again
                                 self.quantize_ready(final=False)
                 if not piece:
                     yield pair[0], pair[1], w.value
+
+    def replayable(self, modules: Sequence[int]) -> bool:
+        """Whether none of `modules` was started or finished this round (a graph of their loads may replay)."""
+        return not any(i in self.pending or i in self.done or i in self.ready for i in modules)
+
+    def replayed(self, modules: Sequence[int]) -> None:
+        """Count sourced `modules` whose whole load a graph replayed as finished (`captured.CapturedLoads`)."""
+        for i in modules:
+            self.plan.rebuilt[i].direct.apply({}, quantized=True)  # host work only (no fresh tensors)
+            self.done.add(i)
+        self.rebuilt += len(modules)
+        self.direct += len(modules)
+        self.sourced += len(modules)
+
+    def _contiguous(self, src: torch.Tensor) -> torch.Tensor:
+        if not src.is_contiguous():
+            self.temps += 1
+        return src.contiguous()
 
     def _pending(self, i: int) -> _Pending:
         pend = self.pending.get(i)
