@@ -484,3 +484,54 @@ def test_a_chunk_of_sourced_modules_loads_by_one_graph_from_then_on_and_each_pus
         assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)), push
         assert torch.equal(scale.view(1).cpu(), want_scale) and torch.equal(norm.cpu(), cpu["norm"]), push
     assert (graphs.captured, graphs.replayed) == ((1, 4) if primed else (1, 2)), (graphs.captured, graphs.replayed)
+
+
+def test_which_modules_of_a_chunk_a_graph_may_quantize_and_which_tensors_it_leaves_to_a_plain_load():
+    """`captured._sourced_modules`, the rule a chunk's graph is recorded by (`CapturedLoads`): the sourced fp8
+    modules whole within the chunk and not started this round go into the graph; the tensors of a module split
+    across chunks are left out (loaded plainly beside it); a chunk with none whole may be recorded in a later
+    round, one whose module has other tensors (a bias) or is not settled never or not yet."""
+    from streamsync.vllm.worker.fastpath.captured import _sourced_modules
+    from streamsync.vllm.worker.fastpath.direct import Direct
+    from streamsync.vllm.worker.fastpath.plan import Plan, _Op, _Rebuilt
+    from streamsync.vllm.worker.fastpath.round import FastRound
+    from streamsync.vllm.worker.fastpath.trace import Write
+
+    e, inter, hidden, rows = 4, 4, 16, 8
+    _, _, rx = _experts_module(e, inter, hidden, "cpu", sourceable=True)
+    out, scale = torch.zeros(rows, hidden, dtype=F8), torch.zeros(())
+    weight = ((rows, hidden), (hidden, 1), torch.bfloat16, torch.device("cpu"))
+    rl = _Rebuilt("proj", torch.nn.Module(), rows * hidden, fresh={"weight": weight}, direct=Direct(out, scale, ()),
+                  sourceable=True)
+    per13, per2 = 2 * inter * hidden, hidden * inter
+    ops: dict[str, tuple[_Op, ...]] = {
+        "norm": (_Op(torch.zeros(hidden, dtype=torch.bfloat16), 0, "", Write(0, 0, (hidden,), (1,), 0), True),),
+        "proj": (_Op(None, 1, "weight", Write(0, 0, (rows, hidden), (hidden, 1), 0), True),)}
+    for x in range(e):
+        ops[f"e{x}.gate"] = (_Op(None, 0, "w13_weight", Write(0, x * per13, (inter, hidden), (hidden, 1), 0), True),)
+        ops[f"e{x}.up"] = (_Op(None, 0, "w13_weight",
+                                Write(0, x * per13 + inter * hidden, (inter, hidden), (hidden, 1), 0), True),)
+        ops[f"e{x}.down"] = (_Op(None, 0, "w2_weight", Write(1, x * per2, (hidden, inter), (inter, 1), 0), True),)
+    plan = Plan(ops, {}, [rx, rl], [], frozenset(), {}, {}, [], [], {}, frozenset({"mlp.experts", "proj"}))
+    shape = {"norm": (hidden,), "proj": (rows, hidden)} | {
+        f"e{x}.{p}": (hidden, inter) if p == "down" else (inter, hidden)
+        for x in range(e) for p in ("gate", "up", "down")}
+
+    def chunk(names: list[str]) -> list[tuple[tuple[_Op, ...], torch.Tensor]]:
+        return [(ops[n], torch.randn(shape[n]).bfloat16()) for n in names]
+
+    first = ["norm", "proj"] + [f"e{x}.{p}" for x in range(2) for p in ("gate", "up", "down")]
+    second = [f"e{x}.{p}" for x in range(2, e) for p in ("gate", "up", "down")]
+    rnd = FastRound(plan)
+    assert _sourced_modules(rnd, chunk(first + second)) == ([0, 1], [])  # every module whole: all in the graph
+    assert _sourced_modules(rnd, chunk(first)) == ([1], list(range(2, 8)))  # the experts' first half left out
+    assert _sourced_modules(rnd, chunk(second)) is True  # none whole here: a later round may differ
+    rnd = FastRound(plan)
+    assert rnd.load(chunk(["e0.gate", "e0.up", "e0.down"])) == [] and list(rnd.pending) == [0]  # experts started
+    rest = ["norm", "proj", "e1.gate", "e1.up", "e1.down", *second]
+    assert _sourced_modules(rnd, chunk(rest)) == ([1], list(range(2, 11)))  # ... so they load plainly
+    rl.direct, rl.sourceable = None, None  # not settled yet (learned by its first round)
+    assert _sourced_modules(FastRound(plan), chunk(first)) is True
+    rl.direct, rl.sourceable = Direct(out, scale, ()), True
+    rl.fresh = {"weight": weight, "bias": ((rows,), (1,), torch.bfloat16, torch.device("cpu"))}  # other tensors
+    assert _sourced_modules(FastRound(plan), chunk(first)) is False

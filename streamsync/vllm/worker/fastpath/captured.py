@@ -65,11 +65,9 @@ def _sourced_modules(rnd: FastRound, fast: Sequence[tuple[tuple[_Op, ...], torch
     write one of a quantized tensor) whose every element this chunk brings, none started this round yet; and the
     chunk's tensors that write any other module (one split across chunks: loaded plainly, beside the graph). Else
     a bool: whether a later round may find otherwise (a module not settled yet, none whole in this chunk); a
-    module's other tensors (a bias) or a source off the GPU rule a graph out for good."""
+    module's other tensors (a bias) rule a graph out for good."""
     filled: dict[int, int] = {}
-    for ops, src in fast:
-        if not src.is_cuda:
-            return False
+    for ops, _ in fast:
         for op in ops:
             if op.dst is not None:
                 continue
@@ -238,7 +236,7 @@ class CapturedLoads:
         from ....receiver import kernels
         from ..quant import quantize_sourced, sourced_launcher
 
-        found = _sourced_modules(rnd, fast)
+        found = _sourced_modules(rnd, fast) if all(src.is_cuda for _, src in fast) else False
         if isinstance(found, bool):
             self._seen[key] = _Capture(rnd.plan, sources, None, failed=not found)
             return False
