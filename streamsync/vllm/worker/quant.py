@@ -375,52 +375,51 @@ def launch_sourced(src0: torch.Tensor, dst0: torch.Tensor, rows: torch.Tensor, a
 
 
 class SourcedLaunch:
-    """`quantize_sourced`'s kernels over a set of pieces, ready to launch: the call queues them and nothing else
-    (no host work, no upload: `table` is on the device), for a CUDA graph to record. It holds the pieces' first
-    source and destination: keep `table` (which the graph reads), not the call."""
+    """`quantize_sourced`'s kernels over a set of pieces, their table built: the call queues the kernels and the
+    scales' copies and does no host work. With the table on the device (`sourced_launcher(upload=True)`) it
+    uploads nothing either, so a CUDA graph may record it. It holds the pieces' first source and destination:
+    keep `table` (which a graph reads), not the call."""
 
-    def __init__(self, src0: torch.Tensor, dst0: torch.Tensor, built: tuple[Any, bool, int],
+    def __init__(self, src0: torch.Tensor, dst0: torch.Tensor, table: torch.Tensor, aligned: bool, longest: int,
                  scales: Sequence[torch.Tensor]) -> None:
-        self.src0, self.dst0 = src0, dst0
-        self.table = torch.from_numpy(built[0]).to(src0.device)
-        self.aligned, self.longest = built[1], built[2]
+        self.src0, self.dst0, self.table, self.aligned, self.longest = src0, dst0, table, aligned, longest
         self.outs = [s.view(1) for s in scales]
 
     def __call__(self) -> None:
-        with torch.cuda.device(self.src0.device):
-            scale = launch_sourced(self.src0, self.dst0, self.table, self.aligned, self.longest, len(self.outs))
+        src0 = self.src0
+        with torch.cuda.device(src0.device) if src0.is_cuda else contextlib.nullcontext():
+            scale = launch_sourced(src0, self.dst0, self.table, self.aligned, self.longest, len(self.outs))
         torch._foreach_copy_(self.outs, list(scale.view(-1, 1).unbind(0)))
 
 
 def sourced_launcher(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor],
-                     layouts: Sequence[Layout | None]) -> SourcedLaunch | None:
-    """`quantize_sourced` of these pieces as a `SourcedLaunch`; None where its kernels do not take them on a GPU
-    (`quantize_sourced` then quantizes them otherwise)."""
-    src0, dst0, _ = pieces[0]
-    if (_broken or not src0.is_cuda or not triton_imports()
-            or any(s.dtype != src0.dtype for s, _, _ in pieces)):
-        return None
-    built = sourced_table(pieces, layouts)
-    return None if built is None else SourcedLaunch(src0, dst0, built, scales)
-
-
-def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor],
-                    layouts: Sequence[Layout | None] | None) -> bool:
+                     layouts: Sequence[Layout | None] | None, upload: bool = False) -> SourcedLaunch | None:
+    """`quantize_sourced` of these pieces by its kernels, as a `SourcedLaunch` (`upload`: its table on the device
+    now, else in pinned host memory, copied at launch without a wait); None where the kernels do not take them
+    (`quantize_sourced` then quantizes them by torch's passes)."""
     src0, dst0, _ = pieces[0]
     cuda = src0.is_cuda
     if (_broken or not (cuda or _interpreted(src0, dst0)) or not triton_imports()
             or any(s.dtype != src0.dtype for s, _, _ in pieces)):
-        return False
+        return None
     built = sourced_table(pieces, layouts)
     if built is None:
-        return False
+        return None
     rows = torch.from_numpy(built[0])
+    if cuda:
+        rows = rows.to(src0.device) if upload else rows.pin_memory()
+    return SourcedLaunch(src0, dst0, rows, built[1], built[2], scales)
+
+
+def _sourced_kernel(pieces: Sequence[tuple[torch.Tensor, torch.Tensor, int]], scales: Sequence[torch.Tensor],
+                    layouts: Sequence[Layout | None] | None) -> bool:
+    launch = sourced_launcher(pieces, scales, layouts)
+    if launch is None:
+        return False
     try:
-        with torch.cuda.device(src0.device) if cuda else contextlib.nullcontext():
-            scale = launch_sourced(src0, dst0, rows.pin_memory() if cuda else rows, built[1], built[2], len(scales))
+        launch()
     except Exception as err:  # a Triton that cannot build it here: torch's passes
         _broken.append(f"{type(err).__name__}: {err}")
         logging.getLogger(__name__).warning("fp8 sourced kernel unavailable, using torch: %s", err)
         return False
-    torch._foreach_copy_([s.view(1) for s in scales], list(scale.view(-1, 1).unbind(0)))
     return True

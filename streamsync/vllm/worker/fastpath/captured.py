@@ -256,7 +256,7 @@ class CapturedLoads:
                 srcs.append(src)
         pieces, scales, layouts = rnd.take_ready(final=True)
         assert not complete  # `_sourced_modules`: nothing for vLLM's processing
-        launch = sourced_launcher(pieces, scales, layouts) if pieces and rnd.temps == temps else None
+        launch = sourced_launcher(pieces, scales, layouts, upload=True) if pieces and rnd.temps == temps else None
         graph = table = None
         if launch is not None:
             copies = kernels.SegmentCopy(dsts, srcs) if dsts and self.kernel and kernels.available() else None
