@@ -195,19 +195,26 @@ def measured_two_copies(tensors: list[torch.Tensor], repeat: int = 3) -> float:
 _dist_ready = False
 
 
-def _init_megatron() -> None:
-    global _dist_ready
-    if _dist_ready:
-        return
+def _init_dist() -> None:
+    """This process as the one rank of a process group (NCCL on a GPU, gloo elsewhere)."""
     import torch.distributed as dist
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from streamsync.models.megatron import init_parallel
     from streamsync.testing.megatron import free_port
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if _cuda() else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+
+
+def _init_megatron() -> None:
+    global _dist_ready
+    if _dist_ready:
+        return
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from streamsync.models.megatron import init_parallel
+
+    _init_dist()
     init_parallel(1, 1, 1)
     if _cuda():
         model_parallel_cuda_manual_seed(1234)
@@ -259,6 +266,23 @@ def build_module(shape: dict[str, Any]) -> torch.nn.Module:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
+    return model
+
+
+def build_fsdp2(shape: dict[str, Any]) -> torch.nn.Module:
+    """The HF-named module of `build_module` sharded by FSDP2 (`fully_shard`, one unit per decoder layer and
+    one for the rest) over this process's one rank: its parameters are DTensors, which a push gathers
+    (`ModuleSource`: each tensor's `full_tensor`, then packed) instead of sending them by reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init_dist()
+    model = build_module(shape)
+    mesh = init_device_mesh(_DEV.type, (1,))
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    for layer in layers.children() if layers is not None else ():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

