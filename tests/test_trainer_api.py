@@ -96,6 +96,52 @@ async def test_push_takes_state_dicts_pairs_and_wrapped_modules_bit_exact(served
         assert await engine.checksums() == want
 
 
+def _fsdp2_one_rank(module):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    for layer in module.model.layers.children():
+        fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+    return fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+
+
+async def test_an_fsdp2_model_on_one_rank_is_pushed_as_its_local_pieces_without_a_gather_and_followed_when_they_move(
+        served):
+    """FSDP2 on one GPU (one rank): every parameter is a DTensor whose local piece is the whole tensor. It goes as
+    a plain module's tensor does (no `full_tensor` gather, its storage eligible to go by reference), bit-exact;
+    and where FSDP2 puts a parameter's piece in new memory (its lazy init may), the next push reads the new."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from streamsync.checksum import digests
+
+    rp, module = served
+    want = digests(module.state_dict().items())
+    model = _fsdp2_one_rank(module)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    source = ModuleSource(model)
+    assert source.gathers_here and source.is_sender
+    assert len(source.local_addresses(torch.device("cpu"))) == len(want)  # each piece's own storage
+    engine = rp.engine()
+    async with WeightSync([engine], metrics=None) as sync:
+        await sync.push(model)
+        assert await engine.checksums() == want
+        name, p = next(iter(model.named_parameters()))
+        was = p.to_local().data_ptr()
+        with torch.no_grad():
+            p._local_tensor = p._local_tensor + 1  # new memory under the same DTensor
+        for q in model.parameters():
+            with torch.no_grad():
+                q.add_(0.5)  # and a step's in-place update of every piece
+        local = {n: t.to_local() for n, t in model.state_dict().items()}
+        assert local[name].data_ptr() != was
+        await sync.push(model)
+        assert await engine.checksums() == digests(local.items())
+
+
 async def test_a_dtype_mismatch_is_cast_by_default_and_strict_dtypes_names_the_option(served):
     import torch
 

@@ -22,6 +22,18 @@ def _dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+def _one_rank(t: torch.Tensor) -> bool:
+    """A DTensor on a mesh of one rank (FSDP2 or TP on one GPU): its local piece is the whole tensor."""
+    return _dtensor(t) and t.device_mesh.size() == 1  # type: ignore[attr-defined]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece, read as the attribute it is kept in: `to_local()` is an autograd function call,
+    tens of microseconds, and a push reads every tensor's piece to see whether it moved."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()  # type: ignore[attr-defined]
+
+
 def _local_box(t: torch.Tensor) -> tuple[Box, torch.Tensor]:
     """The box of the full tensor this rank's piece of DTensor `t` is, and the piece (FSDP2 shards follow
     torch.chunk, so a trailing rank may hold fewer rows or none; TP+FSDP strided shards still give one box)."""
@@ -66,7 +78,8 @@ class ModuleSource(Source):
     DTensor parameters (FSDP2, tensor parallel DTensors): through a single sender, each tensor is gathered
     whole (`full_tensor()`, a collective of its mesh: every rank pushes, global rank 0 sends, the others take
     part in the gathers with `engines=[]`); through sharded sending (`transport="p2p"`) each rank sends its
-    own piece (`shards`).
+    own piece (`shards`). A DTensor on a mesh of one rank (FSDP2 on one GPU) is its local piece: it goes as a
+    plain tensor does, by reference where the transport sends references, with no gather.
     """
 
     def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor], *,
@@ -119,7 +132,9 @@ class ModuleSource(Source):
                         tensors.update((n, t.detach()[e, r0:r1]) for n, e, r0, r1 in views)
             self._tensors = tensors
             self._fresh()
-        self._distributed = {n for n, t in self._tensors.items() if _dtensor(t)}
+        #: DTensors on a mesh of one rank: their local pieces are the tensors (`_one_rank`)
+        self._whole = {n for n, t in self._tensors.items() if _one_rank(t)}
+        self._distributed = {n for n, t in self._tensors.items() if _dtensor(t)} - self._whole
         devices = {t.device for t in self._tensors.values()}
         if len(devices) > 1:
             raise ValidationError(f"model tensors span several devices {sorted(map(str, devices))}")
@@ -143,19 +158,26 @@ class ModuleSource(Source):
     def _own(self, name: str) -> torch.Tensor:
         """This rank's data of a tensor: its local piece for a DTensor."""
         t = self._tensors[name].detach()
-        return t.to_local() if name in self._distributed else t  # type: ignore[attr-defined]
+        return t.to_local() if name in self._distributed or name in self._whole else t  # type: ignore[attr-defined]
+
+    def _current(self) -> list[torch.Tensor]:
+        """Every tensor as a push reads it now: a one-rank DTensor's local piece (which moves when FSDP2
+        reallocates it, the DTensor object staying), else the tensor."""
+        if not self._whole:
+            return list(self._tensors.values())
+        return [_local(t) if n in self._whole else t for n, t in self._tensors.items()]
 
     def local_tensors(self) -> Sequence[tuple[str, torch.Tensor]]:
         self._fresh()
         if self._distributed:  # a DTensor's local piece is asked for each time
             return [(n, self._own(n)) for n in self._tensors]
-        return self._detached.get(list(self._tensors), list(self._tensors.values()), lambda n, _: self._own(n))
+        return self._detached.get(list(self._tensors), self._current(), lambda _, t: t.detach())
 
     def local_addresses(self, device: torch.device) -> set[int]:
         if self._distributed:  # pieces of gathered tensors are never sent by reference
             return set()
         self._fresh()
-        return self._addresses.get(list(self._tensors.values()), device)
+        return self._addresses.get(self._current(), device)
 
     @property
     def gathers_here(self) -> bool:
@@ -233,7 +255,9 @@ class ModuleSource(Source):
         # contiguity (checked each push), as a megatron source's does: an MoE chunk has thousands of tensors,
         # making new tensor objects for them was most of the push's host time, and transports key their
         # per-chunk caches on the list.
-        ts = [self._tensors[k if isinstance(k, str) else k[0]] for k in chunk.keys]  # type: ignore[index]
+        names = [k if isinstance(k, str) else k[0] for k in chunk.keys]  # type: ignore[index]
+        ts = ([_local(self._tensors[n]) if n in self._whole else self._tensors[n] for n in names] if self._whole
+              else [self._tensors[n] for n in names])
         T = torch.Tensor
         key = (list(map(T.data_ptr, ts)), list(map(T.numel, ts)), [t.shape for t in ts], [t.dtype for t in ts],
                list(map(T.is_contiguous, ts)))
