@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks import cuda as bc
+from benchmarks.report import commit
 from streamsync.cache import StableList
 from streamsync.plan.finite import nonfinite
 
@@ -60,7 +61,8 @@ def run(models: list[str], repeat: int) -> dict[str, Any]:
                f"norms {row['norms_ms']:.2f} ms, one-copy floor {floor * 1e3:.2f} ms; found {row['found_kernel']}")
         del model, named
         bc._free_cached()
-    return {"machine": torch.cuda.get_device_name() if bc._cuda() else "cpu", "torch": torch.__version__,
+    return {"commit": commit(), "machine": torch.cuda.get_device_name() if bc._cuda() else "cpu",
+            "torch": torch.__version__,
             "copy_rate_Bps": rate, "repeat": repeat, "rows": rows}
 
 
