@@ -102,7 +102,15 @@ async def _bit_exact(engine: Any, model: torch.nn.Module, kind: str, shape: dict
         return None
     # an HF-named module's state is its export; a megatron model's goes through the converter
     inner = getattr(model, "module", model)  # Megatron's DDP holds the GPTModel
-    hf = ((await export_hf_async(inner, dtype=torch.bfloat16) or {}) if kind.startswith("megatron")
+    # The trainer, its HF export and the engine share one GPU: on an 80 GB card a second copy of a 16 GB model
+    # beside a trainer in Megatron's DDP (its grads a second 16 GB) does not fit, and stacking an MoE's experts
+    # there neither. Such an export is kept on the host and each (stacked) tensor digested on the GPU;
+    # device_digest is an exact integer sum, so where it runs does not change it.
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    on_host = bc._DEV.type == "cuda" and shape is not None and (
+        bool(shape.get("experts")) or torch.cuda.mem_get_info()[0] < 1.25 * nbytes)
+    hf = ((await export_hf_async(inner, dtype=torch.bfloat16, device="cpu" if on_host else None) or {})
+          if kind.startswith("megatron")
           else {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in model.state_dict().items()})
     tied = False  # every case here is untied (vLLM would compare a tied head with the embedding)
 
@@ -110,15 +118,10 @@ async def _bit_exact(engine: Any, model: torch.nn.Module, kind: str, shape: dict
         return device_digest(t.to(bc._DEV))
 
     def to_host() -> None:
-        # The trainer, its HF export and the engine share one GPU: on an 80 GB card stacking the experts'
-        # reference there (or, after an earlier case, holding a dense export) runs out of memory. Keep the export
-        # on the host and digest each (stacked) tensor on the GPU; device_digest is an exact integer sum, so
-        # where it runs does not change it.
         for n in list(hf):
             hf[n] = hf[n].to("cpu")
         torch.cuda.empty_cache()
 
-    on_host = bc._DEV.type == "cuda" and shape is not None and bool(shape.get("experts"))
     if on_host:
         to_host()
     got = await engine.weight_digests(device=True)

@@ -309,6 +309,11 @@ async def test_megatrons_interleaved_qkv_by_reference_goes_straight_into_a_vllm_
             assert state is not None
             got = await engine.weight_digests()
             assert got == expected_digests(state, await engine.packed_modules()), step
+        # the export's copies go where asked (a GPU benchmark keeps a large model's export on the host)
+        elsewhere = await export_hf_async(trainer, dtype=torch.bfloat16, hf_config=hf_config(model_dir),
+                                          device="meta")
+        assert elsewhere is not None and {n: (t.device.type, t.shape) for n, t in elsewhere.items()} == {
+            n: ("meta", t.shape) for n, t in state.items()}
     finally:
         await sync.close()
         if owns_group:  # later tests expect this process's torch.distributed untouched

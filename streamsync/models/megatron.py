@@ -65,13 +65,14 @@ def load_hf_weights(model: object, hf_state: Mapping[str, torch.Tensor], *, arch
     return n
 
 
-async def export_hf_async(model: object, *, chunk_bytes: int = 256 << 20,
+async def export_hf_async(model: object, *, chunk_bytes: int = 256 << 20, device: torch.device | str | None = None,
                           **options: Any) -> dict[str, torch.Tensor] | None:
     """The full HF state dict of a (sharded) megatron model, through the same gathers and conversions as a push.
 
-    Collective: every rank of the default group calls it. Returns the tensors (copies, on the model's device)
-    on the sender, global rank 0, and None elsewhere. `options` go to MegatronSource (arch, dtype,
-    hf_config, vocab_size, ...).
+    Collective: every rank of the default group calls it. Returns the tensors (copies, on `device`: by default
+    the model's; "cpu" keeps the export of a large model off a GPU that has no room for a second copy) on the
+    sender, global rank 0, and None elsewhere. `options` go to MegatronSource (arch, dtype, hf_config,
+    vocab_size, ...).
     """
     from ..sources.megatron import MegatronSource
 
@@ -81,7 +82,8 @@ async def export_hf_async(model: object, *, chunk_bytes: int = 256 << 20,
         gathered = await source.gather(plan)
         if source.is_sender:
             tensors = await source.convert(plan, gathered)
-            out.update((s.name, t.reshape(s.shape).clone()) for s, t in zip(plan.specs, tensors, strict=True))
+            out.update((s.name, t.reshape(s.shape).to(device or t.device, copy=True))
+                       for s, t in zip(plan.specs, tensors, strict=True))
     return out if source.is_sender else None
 
 
