@@ -196,6 +196,27 @@ async def test_a_cast_tensor_goes_packed_in_the_same_push_as_the_references(rx):
     await sync.close()
 
 
+def test_a_reference_set_is_alive_at_once_while_every_held_storage_lies_where_it_was_exported():
+    """CUDA IPC asks a chunk's whole reference set at once (one pass over its storages' data pointers, an MoE
+    chunk's thousands each push) where no allocator segment went back to the driver since the last push, and
+    answers as `alive` answers each export: a storage resized away under its export (FSDP-style) kills the set.
+    The storages here are host memory: the answer reads only their data pointers."""
+    from streamsync.transports.cuda_ipc import CudaIpcTransport
+    from streamsync.transports.cuda_ipc.driver import Held
+    from streamsync.transports.refs import Export, RefSet
+
+    transport = CudaIpcTransport()
+    transport._segments_freed = False
+    storages = [torch.empty(64, dtype=torch.uint8).untyped_storage() for _ in range(3)]
+    exports = [(st.data_ptr(), Export(f"t{i}", {}, 0, keep=Held(st, 0))) for i, st in enumerate(storages)]
+    exports.append((4096, Export("shared", {}, 0)))  # PyTorch's sharing: the allocator keeps it from reuse
+    rs = RefSet("set", [], exports)
+    assert transport.all_alive(rs) and all(transport.alive(ex, a) for a, ex in exports)
+    storages[1].resize_(0)
+    assert not transport.all_alive(rs)
+    assert [transport.alive(ex, a) for a, ex in exports] == [True, False, True, True]
+
+
 def test_the_receiver_refuses_references_outside_a_storage_and_exports_naming_another_file(tmp_path):
     a = torch.arange(64, dtype=torch.float32)
     b = torch.zeros(64, dtype=torch.float32)

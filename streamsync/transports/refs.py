@@ -82,6 +82,8 @@ class RefSet:
     exports: list[tuple[int, Export]]  # (storage address, export)
     known: bool = False
     gen: int = -1  # the sender's export generation when every export it names was last seen alive
+    checked: int = -1  # the push serial that last found every export it names alive
+    memo: Any = None  # the exporter's own, for `StorageExporter.all_alive`
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,12 @@ class StorageExporter(Protocol):
         per export before it is used again)."""
         ...
 
+    def all_alive(self, rs: RefSet) -> bool:
+        """`alive` of every export of a reference set, answered at once where the transport can (an MoE chunk's
+        set names thousands of storages, and each push asks); `rs.memo` is the transport's to keep what makes
+        the answer quick."""
+        ...
+
 
 class References:
     """The sending half's reference machinery (module doc).
@@ -144,6 +152,10 @@ class References:
         self._exports: dict[tuple[int, int], Export] = {}  # (engine, storage address) -> export
         self._serial = 0
         self._gen = 0  # bumped whenever exports are dropped: a reference set checked since is alive
+        self._made = 0  # exports made, ever
+        #: the reference sets this push's handles carried, and the last push's with `_gen` and `_made` at its end
+        self._used: list[RefSet] = []
+        self._last: tuple[list[RefSet], int, int] = ([], -1, -1)
         self._compact: BoundedCache[tuple[str, tuple[bool, ...]], Compact] = BoundedCache(4096)
         self._refsets: BoundedCache[tuple[int, str, tuple], RefSet] = BoundedCache(4096)
         # layout key -> (the source's tensor list, the push serial, its mask): see `chunk`
@@ -170,6 +182,7 @@ class References:
         self._serial += 1
         self.persistent = addresses
         self.counts = defaultdict(float)
+        self._used = []
 
     def end_push(self, ok: bool) -> None:
         """Receivers drop the storages a round did not reference (`ReferenceViews.end_round`); so does the
@@ -177,12 +190,22 @@ class References:
         if not ok:
             self.drop_all()
             return
-        kept = {k: v for k, v in self._exports.items() if v.used == self._serial}
-        if len(kept) != len(self._exports):
-            self._gen += 1
-            self._exports = kept
-            for k in [k for k, v in self._refsets.items() if any(ex.used != self._serial for _, ex in v.exports)]:
-                del self._refsets[k]
+        sets, (last, gen, made) = self._used, self._last
+        # The same reference sets as the last push, and no export made or dropped since: every export (each one
+        # the last push used) was used again. A steady push ends here, without a pass over thousands of exports.
+        if not (gen == self._gen and made == self._made and len(sets) == len(last)
+                and all(a is b for a, b in zip(sets, last, strict=True))):
+            for rs in sets:  # what the sets carried was used (`_fields` marks only the sets it makes)
+                for _, ex in rs.exports:
+                    ex.used = self._serial
+            kept = {k: v for k, v in self._exports.items() if v.used == self._serial}
+            if len(kept) != len(self._exports):
+                self._gen += 1
+                self._exports = kept
+                for k in [k for k, v in self._refsets.items()
+                          if any(ex.used != self._serial for _, ex in v.exports)]:
+                    del self._refsets[k]
+        self._last = (sets, self._gen, self._made)
 
     def forget_engine(self, index: int) -> None:
         """A (re)connected engine maps nothing yet: every storage is exported to it afresh."""
@@ -251,7 +274,13 @@ class References:
                 if not all(self._exports.get((engine, a)) is ex for a, ex in rs.exports):
                     return False
                 rs.gen = self._gen
-            return all(self._valid(engine, a, ex) for a, ex in rs.exports)
+            if rs.checked != self._serial:
+                # a dead export makes the set invalid; the chunk's references are then looked up one by one
+                # (`export_ahead`), which drops the dead exports and makes new ones
+                if not self.exporter.all_alive(rs):
+                    return False
+                rs.checked = self._serial
+            return True
 
         fast = self._fast.get((engine, cr.plan.layout_key))
         if fast is not None and fast[0] is tensors and alive(fast[1]):  # a source's cached views: same addresses
@@ -283,6 +312,7 @@ class References:
             data, keep = self.exporter.export(t)
             ex = self._exports[(engine, addr)] = Export(secrets.token_hex(8), data, self._serial, keep=keep,
                                                         checked=self._serial)
+            self._made += 1
             self.counts["exports"] += 1
             self.counts["export_ms"] += (time.perf_counter() - t0) * 1e3
         return ex
@@ -320,10 +350,7 @@ class References:
         them from an earlier push."""
         looked = cr.looked_up.pop(engine, None)
         rs, key = looked if looked is not None else self._cached(cr, engine)
-        if rs is not None:
-            for _, ex in rs.exports:
-                ex.used = self._serial
-        else:
+        if rs is None:
             refs: list[list[Any]] = []
             exports: list[tuple[int, Export]] = []
             for i in cr.compact.refs:
@@ -339,6 +366,7 @@ class References:
                     ref.append(list(spec.part))
                 refs.append(ref)
             rs = self._refsets[key] = RefSet(secrets.token_hex(8), refs, exports)
+        self._used.append(rs)
         self._fast[(engine, cr.plan.layout_key)] = (cr.tensors, rs, key)
         cr.carried[engine] = rs
         if rs.known:
@@ -350,7 +378,7 @@ class References:
         """Engine `engine` returned from a chunk's update: it holds every export and the reference set it
         carried."""
         rs = cr.carried.get(engine)
-        if rs is not None:
+        if rs is not None and not rs.known:  # a set known before: its exports were marked sent then
             rs.known = True
             for _, ex in rs.exports:
                 ex.sent = True

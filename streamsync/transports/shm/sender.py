@@ -17,7 +17,7 @@ from ...pack import ALIGN, Layout
 from ...plan.chunk import ChunkPlan
 from ..base import Primes, SendBuffer, Transport
 from ..pool import BufferPool
-from ..refs import Export, References, deliver, handles_with_refs, prime_chunk, storage_address
+from ..refs import Export, References, RefSet, deliver, handles_with_refs, prime_chunk, storage_address
 from .segments import TORCH_SHM_LINK, Segment, create_segment, destroy_segment
 
 if TYPE_CHECKING:
@@ -186,6 +186,9 @@ class ShmTransport(Transport, Primes):
 
     def alive(self, export: Export, addr: int) -> bool:
         return True  # a file swapped under an address is found before each push (`_shareable`)
+
+    def all_alive(self, rs: RefSet) -> bool:
+        return True
 
     @property
     def segments(self) -> int:
