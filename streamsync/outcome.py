@@ -83,6 +83,8 @@ class Outcome:
     def not_loaded(self, plans: Sequence[ChunkPlan]) -> dict[str, list[str]]:
         """Engine -> the tensors of this push it does not load (`Family.declined_layers`), said once per engine."""
         out: dict[str, list[str]] = {}
+        if not self.sync.planner.declined:  # every engine loads every layer (no set of an MoE's thousands of names)
+            return out
         pushed = {s.name for p in plans for s in p.specs}
         for engine, declined in self.sync.planner.declined.items():
             names = sorted(n for n in pushed if declined.declines(n))
