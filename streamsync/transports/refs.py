@@ -195,7 +195,7 @@ class References:
         # the last push used) was used again. A steady push ends here, without a pass over thousands of exports.
         if not (gen == self._gen and made == self._made and len(sets) == len(last)
                 and all(a is b for a, b in zip(sets, last, strict=True))):
-            for rs in sets:  # what the sets carried was used (`_fields` marks only the sets it makes)
+            for rs in sets:  # the exports this push's sets carried are the ones it used
                 for _, ex in rs.exports:
                     ex.used = self._serial
             kept = {k: v for k, v in self._exports.items() if v.used == self._serial}
@@ -358,7 +358,6 @@ class References:
                 spec = cr.plan.specs[i]
                 addr = storage_address(t)
                 ex = self._export(engine, addr, t)
-                ex.used = self._serial
                 exports.append((addr, ex))
                 ref = [spec.name, dtype_name(spec.dtype), list(spec.shape), ex.token,
                        t.storage_offset() * t.element_size(), list(t.shape), list(t.stride())]
