@@ -443,7 +443,8 @@ def test_a_chunk_of_sourced_modules_loads_by_one_graph_from_then_on_and_each_pus
         for n in part:
             weights.append((n, buffer[at:at + math.prod(shapes[n])].view(shapes[n])))
             at += math.prod(shapes[n])
-        chunks.append((("refs", f"chunk-{c}"), weights))
+        # keyed as the worker keys a reference set's views (with their serial number): replayed by the key alone
+        chunks.append((("refs", f"chunk-{c}", c), weights))
     graphs = CapturedLoads()
     if primed:
         for key, weights in chunks:

@@ -253,6 +253,40 @@ def test_the_receiver_refuses_references_outside_a_storage_and_exports_naming_an
     other.close()
 
 
+def test_a_reference_sets_serial_number_stays_while_its_views_stay_and_changes_when_it_is_mapped_again():
+    """The worker keys a chunk's captured load of its references by the set's id and the serial number of the
+    views the receiver made for it (`ReferenceViews.serial`), and replays it without asking each view where it
+    lies: so the number must stay exactly while the views (and the storages under them) do, and change once the
+    set is mapped anew."""
+    from streamsync.vllm.worker.fastpath import chunk_parts
+
+    a = torch.arange(64, dtype=torch.float32)
+    a.untyped_storage().share_memory_()
+    fd, size = a.untyped_storage()._share_fd_cpu_()
+    export = {"pid": os.getpid(), "fd": fd, "size": size, "link": os.readlink(f"/proc/self/fd/{fd}")}
+    rx = ShmReceiver({"transport": "shm"})
+    rid, token = "0123456789abcdef", "00000000000000aa"
+    full = {"refs_id": rid, "refs": [["w", "float32", [16], token, 64, [16], [1]]], "storages": {token: export}}
+    assert rx.refs.serial(rid) is None
+    views = rx.ref_views({"handle": full})
+    first = rx.refs.serial(rid)
+    assert first is not None
+    for _ in range(2):  # pushes naming the set by id: the same views, the same number
+        assert rx.ref_views({"handle": {"refs_id": rid}}) is views and rx.refs.serial(rid) == first
+        rx.refs.end_round()
+    rx.refs.end_round()  # a round that did not reference it: its storage unmapped, the set forgotten
+    assert rx.refs.serial(rid) is None
+    again = rx.ref_views({"handle": full})  # sent again under the same id: mapped anew
+    assert again is not views and rx.refs.serial(rid) not in (None, first)
+    assert torch.equal(again[0][1], a[16:32])
+
+    weights = [("norm", torch.zeros(4)), ("w", again[0][1])]
+    info = {"layout_key": "L", "handle": {"token": "buf", "refs_id": rid}}
+    serial = rx.refs.serial(rid)
+    assert [k for k, _ in chunk_parts(info, (1, 1), weights, serial)] == [("packed", "L", "buf"), ("refs", rid, serial)]
+    assert [k for k, _ in chunk_parts(info, None, weights, serial)] == [("L", "buf", rid)]  # one part: by address
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 async def test_one_copy_into_a_vllm_cpu_engine_is_bit_exact_and_generates(llm, model_dir):

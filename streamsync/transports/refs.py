@@ -467,9 +467,10 @@ class ReferenceViews:
         self._map = map_storage
         self._storages: dict[str, MappedStorage] = {}  # token -> mapped trainer storage
         self._round: set[str] = set()  # storage tokens this round referenced
-        # reference set id -> (its views, the storage tokens they lie on)
-        self._refsets: BoundedCache[str, tuple[list[tuple[TensorMeta, torch.Tensor]], frozenset[str]]] = \
+        # reference set id -> (its views, the storage tokens they lie on, the serial number its views were made as)
+        self._refsets: BoundedCache[str, tuple[list[tuple[TensorMeta, torch.Tensor]], frozenset[str], int]] = \
             BoundedCache(4096)
+        self._serial = 0
         #: host seconds spent mapping trainer storages (part of a receiver's time on a first push)
         self.map_seconds = 0.0
 
@@ -532,8 +533,17 @@ class ReferenceViews:
                 hit = st.views[key] = reference_view(ref, st.tensor, kind, st.typed)
             out.append(hit)
         if rid is not None:
-            self._refsets[rid] = (out, frozenset(r[3] for r in refs))
+            self._serial += 1
+            self._refsets[rid] = (out, frozenset(r[3] for r in refs), self._serial)
         return out
+
+    def serial(self, rid: object) -> int | None:
+        """The serial number of the views reference set `rid` names here, None where it is not known. Views are
+        made once per serial number and lie on storages mapped while it lasts, so while a set's serial stays the
+        same so does every address its views read: a graph captured from them can be replayed without asking
+        each view where it lies. A set sent again (its storages mapped anew) gets a new serial number."""
+        known = self._refsets.get(rid) if isinstance(rid, str) else None
+        return None if known is None else known[2]
 
     def end_round(self) -> None:
         """Trainer storages this round did not reference are unmapped (the sender frees or reuses them once

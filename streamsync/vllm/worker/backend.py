@@ -33,6 +33,7 @@ from ...plan.chunking import layer_index
 from ...receiver import kernels
 from ...receiver.loaders import FunctionLoader
 from ...receiver.state import WeightReceiver
+from ...transports.refs import ReferenceViews
 from .. import compat
 from .checkpoint import engine_weights, mtp_layers
 from .draft import Draft
@@ -207,6 +208,10 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         hold = set(info.get("hold") or ())
         chunk = info.get("chunk")
         chunk = chunk if isinstance(chunk, int) else None
+        # Where this worker knows every tensor's HF shape, blocked views (Q of megatron's interleaved QKV, sent by
+        # reference) come as they are: the fast path copies them straight into the engine's tensors, and only the
+        # layerwise rest is reshaped (`_hf`). Otherwise the receiver reshapes them all.
+        blocked = self._takes_blocked()
 
         def keep(name: str) -> bool:
             # Layerwise reload buffers a layer's tensors until the layer is complete, and defers some layers
@@ -230,7 +235,11 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
             rnd = self._round
             on_gpu = rnd is not None and self.device.type == "cuda"
             slow: list[tuple[str, torch.Tensor]] = []
-            for key, part in (chunk_parts(info, self.rx.joined_split, weights) if on_gpu else [(None, weights)]):
+            # taken as they are, a chunk's references are its reference set's views, as the receiver made them
+            # for this update: their serial number pins them
+            serial = self._refs_serial(info) if on_gpu and blocked else None
+            parts = chunk_parts(info, self.rx.joined_split, weights, serial) if on_gpu else [(None, weights)]
+            for key, part in parts:
                 slow += load_part(rnd, key, part)
             if slow:
                 with self.log.phase("load", chunk):
@@ -276,10 +285,6 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
                         rnd.load(fast, process)
             return slow
 
-        # Where this worker knows every tensor's HF shape, blocked views (Q of megatron's interleaved QKV, sent by
-        # reference) come as they are: the fast path copies them straight into the engine's tensors, and only the
-        # layerwise rest is reshaped (`_hf`). Otherwise the receiver reshapes them all.
-        blocked = self.fast.specs is not None and (self.draft.model is None or self.draft.shapes is not None)
         self.rx.update(update_info.streamsync, (_TakesBlocked if blocked else FunctionLoader)(load, self._direct))
         placed = self.rx.base.placed  # tensors a delta was decoded into in place: on the fast path, not loaded
         if placed:
@@ -316,9 +321,21 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         rnd = FastRound(plan)
         fast, slow = rnd.split([(m.name, t) for m, t in refs])
         rid = info.get("handle", {}).get("refs_id")
-        if fast and not slow and isinstance(rid, str):
-            self.graphs.prime(("refs", rid), rnd, fast)
+        if fast and not slow and isinstance(rid, str):  # keyed as `receive_weights` keys the set's pushes
+            self.graphs.prime(("refs", rid, self._refs_serial(info) if self._takes_blocked() else None), rnd, fast)
         return True
+
+    def _takes_blocked(self) -> bool:
+        return self.fast.specs is not None and (self.draft.model is None or self.draft.shapes is not None)
+
+    def _refs_serial(self, info: dict[str, Any]) -> int | None:
+        """The serial number of the views the receiver made for this chunk's reference set
+        (`ReferenceViews.serial`); None where it has none."""
+        handle = info.get("handle")
+        refs = getattr(self.rx.transport, "refs", None)
+        if not isinstance(handle, dict) or not isinstance(refs, ReferenceViews):
+            return None
+        return refs.serial(handle.get("refs_id"))
 
     def _hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """`t` in its HF shape: a blocked view reshaped (a copy where its strides allow no view)."""

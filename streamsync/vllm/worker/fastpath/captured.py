@@ -17,13 +17,15 @@ from .trace import _TB
 Weights = list[tuple[str, torch.Tensor]]
 
 
-def chunk_parts(info: dict[str, Any], split: tuple[int, int] | None, weights: Weights
+def chunk_parts(info: dict[str, Any], split: tuple[int, int] | None, weights: Weights, serial: int | None = None
                 ) -> list[tuple[tuple | None, Weights]]:
     """A chunk's tensors in the parts its captured loads are kept by, each with its key: the packed part by its
     layout and the buffer it arrived in, the referenced part by its reference set (the trainer storages it
     names), so a graph captured for the references at connect serves whichever buffer the packed part comes in.
-    `split`: (packed, referenced) tensor counts of the chunk as the receiver joined it. A chunk loaded otherwise
-    (a delta, split tensors) is one part, keyed by all three."""
+    `split`: (packed, referenced) tensor counts of the chunk as the receiver joined it. `serial`: the set's
+    serial number where the referenced part is the set's views as the receiver made them
+    (`ReferenceViews.serial`): its key then pins their addresses (`CapturedLoads.ready`). A chunk loaded
+    otherwise (a delta, split tensors) is one part, keyed by all three."""
     handle = info.get("handle")
     if not isinstance(handle, dict):
         return [(None, weights)]
@@ -35,8 +37,13 @@ def chunk_parts(info: dict[str, Any], split: tuple[int, int] | None, weights: We
     if n:
         parts.append((("packed", layout, token), weights[:n] if n < len(weights) else weights))
     if n < len(weights):
-        parts.append((("refs", rid), weights[n:] if n else weights))
+        parts.append((("refs", rid, serial), weights[n:] if n else weights))
     return parts
+
+
+def _pinned(key: object) -> bool:
+    """Whether `key` is a reference set's part with its views' serial number (`chunk_parts`)."""
+    return isinstance(key, tuple) and len(key) == 3 and key[0] == "refs" and type(key[2]) is int
 
 
 @dataclass(slots=True)
@@ -124,11 +131,15 @@ class CapturedLoads:
     def ready(self, key: object, rnd: FastRound, weights: Sequence[tuple[str, torch.Tensor]]) -> _Capture | None:
         """The chunk `key` again, every tensor at the address it was captured from, under the same plan: its
         capture, to `replay` before anything else is looked at (no tensor is matched to its copies again: an MoE
-        chunk has thousands); None: not such a chunk (`load` decides)."""
+        chunk has thousands); None: not such a chunk (`load` decides). A reference set's part keyed with its
+        views' serial number (`chunk_parts`) is at its addresses by its key: no view is asked where it lies (an
+        MoE chunk's part holds thousands)."""
         seen = self._seen.get(key)
         if (seen is None or seen.graph is None or seen.plan is not rnd.plan or len(seen.sources) != len(weights)
                 or not self._fits(seen, rnd)):
             return None
+        if _pinned(key):
+            return seen
         return seen if seen.sources == tuple(map(_TB.data_ptr, [t for _, t in weights])) else None
 
     @staticmethod
