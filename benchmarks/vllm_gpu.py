@@ -227,6 +227,13 @@ def _timeline(report: Any) -> list[list[Any]]:
     return [*rows, ["end", -1, None, round(report.seconds * 1e3, 3), round(report.seconds * 1e3, 3)]]
 
 
+def _before_pipeline(report: Any) -> dict[str, Any]:
+    """What the push did before its pipeline started (ms from its start): planning and queueing the finite
+    check (`prepare_ms`), and the check's times (`check`: queued, its verdict asked for and answered)."""
+    meta = report.trace.meta if report.trace is not None else {}
+    return {"prepare_ms": meta.get("prepare_ms"), "check": meta.get("check")}
+
+
 async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path) -> dict[str, Any]:
     """Start the case's engine, build its trainer, push (first, then steady), check, stop the engine."""
     import vllm
@@ -320,7 +327,8 @@ async def run_case(case: str, args: argparse.Namespace, rate: float, work: Path)
                            "refs": ref_counts(report), "gc_ms": report.gc_ms, **_summary(report, case),
                            "engine_rounds": [r.to_dict() for r in report.engine_rounds],
                            "stage_ms": {k: round(v * 1e3, 3) for k, v in report.stage_seconds.items()},
-                           "timeline": _timeline(report) if i == args.warmup + args.repeat else None})
+                           "timeline": _timeline(report) if i == args.warmup + args.repeat else None,
+                           **_before_pipeline(report)})
         # a quantized engine holds what it made of the weights: tests/test_vllm_gpu.py checks that against an
         # engine that loaded them from disk
         exact = None if quant else await _bit_exact(engine, trainer, kind, shape)

@@ -55,29 +55,44 @@ class FiniteCheck:
     update), so the device reads the weights while the host plans, gathers and packs, and no engine byte changes
     before the answer."""
 
-    def __init__(self, pending: finite.Pending) -> None:
+    def __init__(self, pending: finite.Pending, started: float, queueing: str) -> None:
         self.pending = pending
+        #: perf_counter times: asked for, queued, verdict asked for, verdict answered (`record`)
+        self.times = [started, time.perf_counter(), math.nan, math.nan]
+        self.queueing = queueing  # what queueing it took on the host (`finite.queueing`)
 
     @classmethod
     async def start(cls, source: Source, answer_now: bool = False) -> FiniteCheck | None:
         """The check of `source`'s weights, queued; with `answer_now`, answered (None, or a refusal raised)."""
         # a set seen before only queues its kernels; a new one is worked out in a thread (an MoE's thousands)
+        t0 = time.perf_counter()
         tensors = source.local_tensors()
-        check = cls(finite.launch(tensors) if finite.known(tensors) else
-                    await anyio.to_thread.run_sync(finite.launch, tensors))
+        how = finite.queueing(tensors)
+        check = cls(finite.launch(tensors) if how == "kernels" else
+                    await anyio.to_thread.run_sync(finite.launch, tensors), t0, how)
         if not answer_now:
             return check
         await check.verdict()
         return None
 
     async def verdict(self) -> None:
+        self.times[2] = time.perf_counter()
         if not self.pending.done():
             await anyio.to_thread.run_sync(self.pending.wait)
+        self.times[3] = time.perf_counter()
         bad = self.pending.names()
         if bad:
             more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
             raise ValidationError(f"refusing to push non-finite weights (NaN or inf) in {bad[:5]}{more}; "
                                   "no engine was touched (check_finite=False skips this check)")
+
+    def record(self, trace: Trace) -> None:
+        """Where the check's host time went, in the trace's meta (ms from the push's start): `check` holds when
+        it was asked for and queued, when a verdict was asked for and answered (null where none was), and what
+        queueing it took (`finite.queueing`: "kernels" alone, else it was queued from a thread)."""
+        ms = [None if math.isnan(t) else round((t - trace.t0) * 1e3, 3) for t in self.times]
+        trace.meta["check"] = {"asked": ms[0], "queued": ms[1], "verdict_asked": ms[2], "answered": ms[3],
+                               "queueing": self.queueing}
 
 
 async def run_attempt(sync: WeightSync, a: Attempt) -> PushReport:
@@ -132,6 +147,8 @@ async def run_attempt(sync: WeightSync, a: Attempt) -> PushReport:
         raise
     finally:
         push_range.__exit__()
+        if a.finite is not None:
+            a.finite.record(trace)
     if limit.cancelled_caught:
         err = PushTimeout(f"push did not finish within {time_limit:.1f} s ({push.running()})",
                           stage=push.running_stage(), chunk=push.running_chunk(), push_id=push_id)

@@ -632,9 +632,17 @@ async def test_connect_with_the_model_works_out_the_finite_check_so_the_first_pu
     keyed: list[int] = []
     key = finite._key
     monkeypatch.setattr(finite, "_key", lambda ts, kernel: keyed.append(len(ts)) or key(ts, kernel))
-    await sync.push(qwen_model)
+    report = await sync.push(qwen_model)
     assert keyed == []  # the source's tensors known again by their list's identity
     assert await engine.checksums() == digests(list(qwen_model.state_dict().items()))
+    # the trace says where the check's time went, in ms from the push's start: asked for, queued (from a thread:
+    # the set is known, but CPU tensors are checked on the host as they are queued), its verdict asked for and
+    # answered
+    check = report.trace.meta["check"]
+    assert check["queueing"] == "on host"
+    times = [check[k] for k in ("asked", "queued", "verdict_asked", "answered")]
+    assert 0 <= times[0] <= times[1] <= report.trace.meta["prepare_ms"] <= times[2] <= times[3], check
+    assert times[3] <= report.seconds * 1e3
     await sync.close()
 
 

@@ -363,8 +363,18 @@ def known(tensors: Sequence[tuple[str, Any]], kernel: bool | None = None) -> boo
     """Whether `tensors` is a `StableList` whose check was worked out before: `launch` then only queues a few
     kernels (a quarter of a millisecond for an MoE's 4,719 tensors), cheap enough for an event loop's thread,
     and none of them is checked on the host (where the norms run as they are queued)."""
+    return queueing(tensors, kernel) == "kernels"
+
+
+def queueing(tensors: Sequence[tuple[str, Any]], kernel: bool | None = None) -> str:
+    """What `launch` of `tensors` does on the host: "kernels" (only queues kernels: `known`), "on host" (a
+    `StableList` worked out before, some of whose tensors are checked on the host as they are queued), "new" (a
+    `StableList` not seen before, or whose tensors moved: worked out first) or "list" (a plain list: each tensor
+    asked where it lies, `_key`)."""
+    if not isinstance(tensors, StableList):
+        return "list"
     seen = _seen(tensors, kernel)
-    return seen is not None and not seen.on_host
+    return "new" if seen is None else "on host" if seen.on_host else "kernels"
 
 
 def launch(tensors: Sequence[tuple[str, Any]], kernel: bool | None = None) -> Pending:

@@ -219,7 +219,7 @@ class Trace:
         other: dict[str, Any] = {"push_id": self.push_id, "counts": self.counts, "epoch0": self.epoch0,
                                  "pid": pid, "wall_s": self.wall,
                                  "error": asdict(self.error) if self.error else None}
-        other.update({k: v if isinstance(v, int | float | str | list | bool) or v is None else str(v)
+        other.update({k: v if isinstance(v, int | float | str | list | dict | bool) or v is None else str(v)
                       for k, v in self.meta.items()})
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
