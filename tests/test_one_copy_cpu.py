@@ -257,7 +257,7 @@ def test_a_reference_sets_serial_number_stays_while_its_views_stay_and_changes_w
     """The worker keys a chunk's captured load of its references by the set's id and the serial number of the
     views the receiver made for it (`ReferenceViews.serial`), and replays it without asking each view where it
     lies: so the number must stay exactly while the views (and the storages under them) do, and change once the
-    set is mapped anew."""
+    set is mapped anew, in whichever receiver of the process."""
     from streamsync.vllm.worker.fastpath import chunk_parts
 
     a = torch.arange(64, dtype=torch.float32)
@@ -279,6 +279,9 @@ def test_a_reference_sets_serial_number_stays_while_its_views_stay_and_changes_w
     again = rx.ref_views({"handle": full})  # sent again under the same id: mapped anew
     assert again is not views and rx.refs.serial(rid) not in (None, first)
     assert torch.equal(again[0][1], a[16:32])
+    other = ShmReceiver({"transport": "shm"})  # a receiver made again (a new connect): no number given twice
+    other.ref_views({"handle": full})
+    assert other.refs.serial(rid) not in (None, first, rx.refs.serial(rid))
 
     weights = [("norm", torch.zeros(4)), ("w", again[0][1])]
     info = {"layout_key": "L", "handle": {"token": "buf", "refs_id": rid}}

@@ -25,6 +25,7 @@ how each transport exports and maps a storage.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import secrets
@@ -457,6 +458,10 @@ def _ints(v: object, what: str, n: int | None = None, kind: str = "cuda_ipc") ->
     return tuple(v)
 
 
+#: the serial numbers of reference sets' views, unique in the process (`ReferenceViews.serial`)
+_SERIALS = itertools.count(1)
+
+
 class ReferenceViews:
     """The receiving half's reference machinery (module doc). `map_storage(token, export data)` maps a trainer
     storage after validating its data and returns a flat uint8 tensor over it; the receiver calls `views` per
@@ -470,7 +475,6 @@ class ReferenceViews:
         # reference set id -> (its views, the storage tokens they lie on, the serial number its views were made as)
         self._refsets: BoundedCache[str, tuple[list[tuple[TensorMeta, torch.Tensor]], frozenset[str], int]] = \
             BoundedCache(4096)
-        self._serial = 0
         #: host seconds spent mapping trainer storages (part of a receiver's time on a first push)
         self.map_seconds = 0.0
 
@@ -533,8 +537,7 @@ class ReferenceViews:
                 hit = st.views[key] = reference_view(ref, st.tensor, kind, st.typed)
             out.append(hit)
         if rid is not None:
-            self._serial += 1
-            self._refsets[rid] = (out, frozenset(r[3] for r in refs), self._serial)
+            self._refsets[rid] = (out, frozenset(r[3] for r in refs), next(_SERIALS))
         return out
 
     def serial(self, rid: object) -> int | None:

@@ -126,6 +126,7 @@ class StreamSyncWeightTransferEngine(WeightTransferEngine[StreamSyncInitInfo, St
         self.fast_path = bool(info.pop("fast_path", True))
         info.pop("owner", None)  # vLLM guards its rounds itself; updates carry the owner (see start)
         self.rx.init(info)
+        self.graphs.clear()  # captured from what the receiver it replaces had mapped
         if self.fast_path:  # trace where each tensor goes now, while connecting, not in the first push
             self.fast.known(self._checkpoint())
             plan, _ = self.fast.ensure()
