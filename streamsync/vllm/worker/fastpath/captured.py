@@ -138,8 +138,9 @@ class CapturedLoads:
         if (seen is None or seen.graph is None or seen.plan is not rnd.plan or len(seen.sources) != len(weights)
                 or not self._fits(seen, rnd)):
             return None
-        if _pinned(key):
-            return seen
+        if _pinned(key):  # its first and last view asked all the same: a check that costs nothing
+            first, last = weights[0][1], weights[-1][1]
+            return seen if (first.data_ptr(), last.data_ptr()) == (seen.sources[0], seen.sources[-1]) else None
         return seen if seen.sources == tuple(map(_TB.data_ptr, [t for _, t in weights])) else None
 
     @staticmethod
