@@ -105,8 +105,8 @@ class CapturedLoads:
     Python call and a launch per write (an MoE chunk makes thousands), and no host walk of the pieces. The graph
     is captured the second time the chunk arrives (a one-off chunk never costs a capture). A graph copies from
     and to addresses: it is replayed only while the plan (so every destination) is the one it was captured with
-    and every source tensor is at the address it had then, which is checked each push; anything else loads
-    plainly.
+    and every source tensor is at the address it had then, which is checked each push (for a reference set's
+    views, by the serial number in its key: `chunk_parts`); anything else loads plainly.
 
     Inside the graph the copies are one segment copy kernel (`receiver.kernels.SegmentCopy`) where Triton runs:
     recorded one by one, an MoE chunk's thousands of expert copies each ramp up and drain on their own and run at
