@@ -544,7 +544,8 @@ class ReferenceViews:
         """The serial number of the views reference set `rid` names here, None where it is not known. Views are
         made once per serial number and lie on storages mapped while it lasts, so while a set's serial stays the
         same so does every address its views read: a graph captured from them can be replayed without asking
-        each view where it lies. A set sent again (its storages mapped anew) gets a new serial number."""
+        each view where it lies. A set sent again (its storages mapped anew) gets a new serial number, and no
+        number is given twice in a process (a receiver made again by a new connect does not count afresh)."""
         known = self._refsets.get(rid) if isinstance(rid, str) else None
         return None if known is None else known[2]
 
